@@ -1,0 +1,5 @@
+"""``python -m asyncsgd`` runs the CLI."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,60 @@
+"""Checkpoints: written atomically, loaded without ever running pickled code.
+
+A checkpoint is a dict of tensors and plain values saved by ``torch.save``.
+It is written to a temporary file in the same directory, flushed and fsynced,
+then renamed over the old one, so a crash during a save leaves the previous
+checkpoint intact. It is loaded with ``weights_only=True``, which refuses any
+pickle that would construct arbitrary objects (e.g. call ``os.system``).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError
+
+FORMAT = "asyncsgd-checkpoint"
+VERSION = 1
+
+
+def save_checkpoint(path: Path, payload: dict) -> None:
+    path = Path(path)
+    record = {"format": FORMAT, "version": VERSION, **payload}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(record, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_checkpoint(path: Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}; was the run stopped before its "
+                              "first checkpoint? (see --checkpoint-every)")
+    try:
+        record = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unsafe content"
+        raise CheckpointError(f"{path} was refused: it holds objects a safe load may not "
+                              f"construct ({first}); only load checkpoints you trust") from exc
+    except Exception as exc:
+        raise CheckpointError(f"{path} is not a readable checkpoint: "
+                              f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an asyncsgd checkpoint")
+    if record.get("version") != VERSION:
+        raise CheckpointError(f"{path} has checkpoint version {record.get('version')}, "
+                              f"this asyncsgd reads version {VERSION}")
+    return record

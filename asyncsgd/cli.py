@@ -1,0 +1,133 @@
+"""The ``asyncsgd`` command line. It only parses options and calls the library.
+
+    asyncsgd tasks                                 # what can be trained
+    asyncsgd hogwild --task mnist1d-cnn --procs 8  # Hogwild! on shared memory
+    asyncsgd hogwild --resume runs/<dir> --epochs 40
+
+Errors a user can fix are printed as one line, ``error: ...``, with exit
+code 2 for bad usage and 1 otherwise; Ctrl-C exits 130 after saving the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional
+
+import click
+
+from .config import HogwildConfig, click_options, config_from_dict
+from .errors import AsyncSGDError, ConfigError
+from .version import __version__
+
+INTERRUPTED = 130
+
+
+def _configure_logging(verbose: int) -> None:
+    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(name)s: %(message)s", stream=sys.stderr)
+
+
+def _explicit(ctx: click.Context) -> set:
+    """Options given on the command line (or by environment), not left at their default."""
+    return {name for name in ctx.params
+            if ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT,
+                                                      click.core.ParameterSource.DEFAULT_MAP)}
+
+
+def _build_config(cls, ctx: click.Context):
+    """The run's settings; with --resume, the saved ones overridden by explicit flags."""
+    params = dict(ctx.params)
+    resume = params.get("resume")
+    if not resume:
+        return cls(**params)
+    from .rundir import RunDir
+    explicit = _explicit(ctx)
+    if "out" in explicit:
+        raise ConfigError("--out cannot be combined with --resume: a resumed run "
+                          "continues in its own directory")
+    saved = RunDir.open(resume).read_config().get("config", {})
+    merged = {**saved, **{k: params[k] for k in explicit}, "resume": resume, "out": None}
+    return config_from_dict(cls, merged)
+
+
+def _report(summary: dict) -> None:
+    acc = summary.get("final_accuracy")
+    best = summary.get("best_accuracy")
+    rate = summary.get("samples_per_second") or 0
+    if acc is not None:
+        click.echo(f"final test accuracy: {acc * 100:.2f}% (best {best * 100:.2f}%) after "
+                   f"{summary['train_seconds']:.1f} s of training, {rate:,.0f} samples/s")
+    if summary.get("target_accuracy") is not None:
+        ttt = summary.get("time_to_target")
+        click.echo(f"time to {summary['target_accuracy'] * 100:g}% accuracy: "
+                   + (f"{ttt:.1f} s" if ttt is not None else "not reached"))
+    click.echo(f"stopped by: {summary['stopped_by']}")
+    click.echo(f"run directory: {summary['run_dir']}")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="asyncsgd")
+@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
+def cli(verbose: int) -> None:
+    """Asynchronous SGD on PyTorch: Hogwild!, a parameter server, and honest comparisons.
+
+    Every training command writes a run directory (config.json, metrics.jsonl,
+    summary.json, checkpoint.pt) and prints the final test accuracy.
+    """
+    _configure_logging(verbose)
+
+
+@cli.command()
+def tasks() -> None:
+    """List the built-in tasks with their default learning rate and batch size."""
+    from .tasks import BUILTIN_TASKS
+    for name, factory in BUILTIN_TASKS.items():
+        click.echo(f"{name:14s} {(factory.__doc__ or '').strip().splitlines()[0]}")
+    click.echo("\nyour own: --task package.module:function returning an asyncsgd.Task "
+               "(see the README)")
+
+
+@cli.command(epilog="Examples:\n\n\b\n  asyncsgd hogwild --task mnist1d-cnn --procs 8\n"
+             "  asyncsgd hogwild --task sparse-logreg --procs 2 --lock\n"
+             "  asyncsgd hogwild --resume runs/20260101-120000-hogwild --epochs 40")
+@click_options(HogwildConfig)
+@click.pass_context
+def hogwild(ctx: click.Context, **_: object) -> None:
+    """Hogwild!: processes share one model in memory and update it without locks.
+
+    Each process trains on its own disjoint partition of the data with its own
+    optimizer; the parent evaluates the shared model every --eval-every seconds
+    without pausing them. --lock gives the locked baseline.
+    """
+    from . import hogwild as hogwild_mode
+    cfg = _build_config(HogwildConfig, ctx)
+    result = hogwild_mode.train(cfg, argv=sys.argv)
+    _report(result.summary)
+    if result.summary["status"] == "interrupted":
+        click.echo(f"interrupted; continue with: asyncsgd hogwild --resume {result.run_dir}",
+                   err=True)
+        ctx.exit(INTERRUPTED)
+
+
+def main(argv: Optional[list] = None) -> None:
+    """Console entry point: one clear line for every error a user can fix."""
+    try:
+        cli.main(args=argv, prog_name="asyncsgd", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(INTERRUPTED)
+    except click.ClickException as exc:
+        hint = ""
+        if isinstance(exc, click.UsageError) and exc.ctx is not None:
+            hint = f" (see '{exc.ctx.command_path} --help')"
+        click.echo(f"error: {exc.format_message()}{hint}", err=True)
+        sys.exit(exc.exit_code)
+    except AsyncSGDError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(INTERRUPTED)

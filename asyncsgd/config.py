@@ -1,0 +1,187 @@
+"""Run settings as dataclasses; the CLI's options are generated from them.
+
+Each field is a *knob*: its default, its help text and, where useful, the
+click type that validates it. ``click_options(HogwildConfig)`` turns the
+fields into ``--kebab-case`` options, so a setting is documented exactly once
+and ``--help`` always shows every option with its default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import click
+
+from .errors import ConfigError
+
+
+def knob(default: Any, help: str, *, type: Any = None, show: Optional[str] = None,
+         metavar: Optional[str] = None, identity: bool = False) -> Any:
+    """A dataclass field documented for the CLI.
+
+    ``show`` is what --help prints as the default when the value itself would
+    say nothing (e.g. ``None`` meaning "the task's default"). ``identity``
+    marks settings that define *what* is trained (task, data): a resumed run
+    must keep them.
+    """
+    meta = {"help": help, "type": type, "show": show, "metavar": metavar,
+            "identity": identity}
+    return field(default=default, metadata=meta)
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (respects taskset/cgroup affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_process(procs: int, override: int = 0) -> int:
+    """Torch threads for each of ``procs`` processes: cores // procs, at least 1.
+
+    Without this every process starts one thread per core and N processes on
+    C cores run N*C threads: Hogwild then collapses from oversubscription.
+    """
+    if override > 0:
+        return override
+    return max(1, available_cores() // max(1, procs))
+
+
+@dataclass
+class TrainConfig:
+    """Settings every training mode shares."""
+
+    task: str = knob(
+        "mnist1d-cnn",
+        "Task to train: a built-in name (list them with 'asyncsgd tasks') or "
+        "'package.module:function' returning an asyncsgd.Task.",
+        metavar="NAME|MODULE:FUNC", identity=True)
+    samples: Optional[int] = knob(
+        None, "Samples to generate for generated tasks (mnist1d: 80% train, 20% test).",
+        type=click.IntRange(min=10), show="task's default (mnist1d: 5000)",
+        identity=True)
+    data_dir: Optional[str] = knob(
+        None, "Directory with MNIST / Fashion-MNIST IDX files (for the mnist-* tasks). "
+        "Nothing is ever downloaded.", metavar="DIR", identity=True)
+    cache_dir: Optional[str] = knob(
+        None, "Where generated data sets are cached.", metavar="DIR",
+        show="$ASYNCSGD_CACHE or ~/.cache/asyncsgd")
+    batch_size: Optional[int] = knob(
+        None, "Samples per step in each process.", type=click.IntRange(min=1),
+        show="task's default")
+    lr: Optional[float] = knob(
+        None, "Learning rate.", type=click.FloatRange(min=0, min_open=True),
+        show="task's default")
+    momentum: float = knob(
+        0.0, "SGD momentum. In Hogwild each process keeps its own momentum buffer.",
+        type=click.FloatRange(0, 1, max_open=True))
+    weight_decay: float = knob(0.0, "L2 weight decay.", type=click.FloatRange(min=0))
+    epochs: int = knob(
+        20, "Passes over the training data (each process passes over its own partition).",
+        type=click.IntRange(min=1))
+    max_seconds: Optional[float] = knob(
+        None, "Stop after this many seconds of training.",
+        type=click.FloatRange(min=0, min_open=True), show="no limit")
+    target_accuracy: Optional[float] = knob(
+        None, "Stop once the test accuracy reaches this fraction (e.g. 0.9).",
+        type=click.FloatRange(0, 1), show="none")
+    eval_every: float = knob(
+        2.0, "Seconds between evaluations on the test set (run beside training).",
+        type=click.FloatRange(min=0.05))
+    seed: int = knob(0, "Random seed; process r seeds with seed + r.")
+    device: str = knob(
+        "cpu", "Where the model lives: cpu, or cuda to share it on a GPU.",
+        type=click.Choice(["cpu", "cuda"]))
+    threads: int = knob(
+        0, "Torch threads per process; 0 means CPU cores // processes (at least 1).",
+        type=click.IntRange(min=0))
+    out: Optional[str] = knob(
+        None, "Run directory to write (config.json, metrics.jsonl, summary.json, "
+        "checkpoint.pt).", metavar="DIR", show="runs/<time>-<mode>")
+    resume: Optional[str] = knob(
+        None, "Continue the run in this run directory from its checkpoint.",
+        metavar="RUN_DIR", show="none")
+    checkpoint_every: float = knob(
+        60.0, "Seconds between checkpoints during training (0: only at the end).",
+        type=click.FloatRange(min=0))
+    tensorboard: bool = knob(
+        False, "Also write TensorBoard event files into the run directory.")
+    start_method: str = knob(
+        "spawn", "How worker processes start: spawn (a fresh interpreter each) or forkserver "
+        "(one fresh server imports torch once and forks each worker: much faster start-up "
+        "with many processes).", type=click.Choice(["spawn", "forkserver"]))
+    progress: str = knob(
+        "auto", "Progress display: a bar on a terminal and log lines otherwise (auto), "
+        "or force bar, log or off.", type=click.Choice(["auto", "bar", "log", "off"]))
+
+    mode = "train"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class HogwildConfig(TrainConfig):
+    """Settings of ``asyncsgd hogwild``."""
+
+    procs: Optional[int] = knob(
+        None, "Training processes sharing one model.", type=click.IntRange(min=1),
+        show="CPU cores")
+    lock: bool = knob(
+        False, "Take one shared lock around every update: the locked baseline "
+        "that shows what lock-free Hogwild buys.")
+    share_cores: str = knob(
+        "auto", "How more processes than cores share them: 'ring' passes one run token per "
+        "core round-robin every --quantum-ms, so processes don't thrash; 'os' leaves it to "
+        "the kernel scheduler; 'auto' uses the ring when processes outnumber cores.",
+        type=click.Choice(["auto", "ring", "os"]))
+    quantum_ms: float = knob(
+        50.0, "Milliseconds a process computes before passing its run token on (ring only).",
+        type=click.FloatRange(min=1))
+
+    mode = "hogwild"
+
+
+def config_from_dict(cls, data: dict):
+    """Build ``cls`` from a dict, naming unknown keys instead of failing obscurely."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)} for {cls.__name__}; "
+                          f"known: {', '.join(sorted(names))}")
+    return cls(**data)
+
+
+def identity_fields(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("identity")]
+
+
+def click_options(cls):
+    """Decorator adding one click option per field of the dataclass ``cls``."""
+
+    def decorate(func):
+        for f in reversed(dataclasses.fields(cls)):
+            meta = f.metadata
+            flag = "--" + f.name.replace("_", "-")
+            kwargs = dict(help=meta.get("help", ""), show_default=True,
+                          default=f.default)
+            if f.type in (bool, "bool"):
+                kwargs["is_flag"] = True
+            elif meta.get("type") is not None:
+                kwargs["type"] = meta["type"]
+            elif f.type in (int, "int"):
+                kwargs["type"] = int
+            elif f.type in (float, "float"):
+                kwargs["type"] = float
+            if meta.get("show"):
+                kwargs["show_default"] = meta["show"]
+            if meta.get("metavar"):
+                kwargs["metavar"] = meta["metavar"]
+            func = click.option(flag, f.name, **kwargs)(func)
+        return func
+
+    return decorate

@@ -1,0 +1,282 @@
+"""Hogwild!: N processes update one model in shared memory, without locks.
+
+    asyncsgd hogwild --task mnist1d-cnn --procs 8
+    asyncsgd hogwild --task sparse-logreg --procs 2 --lock     # locked baseline
+
+or from Python: ``asyncsgd.hogwild.train(HogwildConfig(procs=8))``.
+
+How it works (after pytorch/examples' mnist_hogwild, with its gaps closed):
+
+1. The parent builds the task and the model, and moves both into shared
+   memory (``share_memory()``) *before* spawning, so every process sees the
+   same parameter storage.
+2. Each worker sets its torch thread count (cores // procs: without this N
+   processes each start one thread per core and the machine thrashes), seeds
+   with seed + rank, and trains on its own disjoint partition of the training
+   data, reshuffled every epoch. (The PyTorch example gives every process the
+   whole data set.) Its optimizer and gradients are its own; only the
+   parameters are shared, and ``step()`` writes them in place, unlocked,
+   unless ``--lock`` takes one shared lock around every update.
+3. The parent evaluates the shared model on the test set every
+   ``--eval-every`` seconds while the workers keep going, records metrics,
+   checkpoints, and stops everyone on --max-seconds, --target-accuracy, an
+   error, Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .config import HogwildConfig, available_cores, threads_per_process
+from .coreslots import TokenRing
+from .errors import ConfigError, WorkerError
+from .optim import SGD
+from .procs import WorkerGroup, context, sigterm_as_interrupt
+from .recorder import Recorder
+from .tasks import Task, load_task, partition_indices
+
+log = logging.getLogger(__name__)
+
+# Columns of the shared per-worker counters (one row per worker, written only by it).
+SAMPLES, STEPS, EPOCHS, READY, DONE = range(5)
+POLL_SECONDS = 0.25
+TRAIN_EVENT_SECONDS = 1.0
+
+
+@dataclass
+class RunResult:
+    run_dir: str
+    summary: dict
+
+
+@dataclass
+class WorkerSettings:
+    """What a worker needs besides the shared objects; plain values, cheap to send."""
+
+    procs: int
+    threads: int
+    seed: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    batch_size: int
+    epochs: int
+    start_epoch: int
+    device: str
+    quantum: float
+
+
+def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lock,
+            ring_sems, control: torch.Tensor, counters: torch.Tensor,
+            losses: torch.Tensor) -> None:
+    torch.set_num_threads(s.threads)
+    torch.manual_seed(s.seed + rank)
+    device = torch.device(s.device)
+    part = partition_indices(len(task.train), s.procs, rank, s.seed)
+    opt = SGD(model.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
+    count = counters.numpy()[rank]  # views of shared memory: plain stores, no tensor op per step
+    loss_acc = losses.numpy()[rank]
+    stop = control.numpy()
+    ring = TokenRing(rank, ring_sems, counters.numpy()[:, DONE], stop, s.quantum) \
+        if ring_sems else None
+    count[READY] = 1
+    holding = ring.acquire() if ring else True
+    gen = torch.Generator()
+    try:
+        for epoch in range(s.start_epoch, s.epochs):
+            gen.manual_seed(s.seed * 1_000_003 + rank * 10_007 + epoch)
+            order = part[torch.randperm(len(part), generator=gen)]
+            for start in range(0, len(order), s.batch_size):
+                if stop[0] or not holding:
+                    return
+                inputs, targets = task.train.rows(order[start:start + s.batch_size])
+                if device.type != "cpu":
+                    inputs = tuple(t.to(device, non_blocking=True) for t in inputs)
+                    targets = targets.to(device, non_blocking=True)
+                loss = task.loss_fn(model(*inputs), targets)
+                opt.zero_grad()
+                loss.backward()
+                if lock is None:
+                    opt.step()
+                else:
+                    with lock:
+                        opt.step()
+                loss_acc[0] += loss.item()
+                loss_acc[1] += 1
+                count[SAMPLES] += len(targets)
+                count[STEPS] += 1
+                if ring:
+                    holding = ring.tick()
+            count[EPOCHS] = epoch + 1
+    finally:
+        if ring:
+            ring.leave(holding)
+
+
+def _check_config(cfg: HogwildConfig, task: Task) -> None:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA GPU is visible to torch "
+                          "(torch.cuda.is_available() is False); use --device cpu")
+    if cfg.momentum and any(getattr(m, "sparse", False) for m in task.build_model().modules()):
+        log.info("momentum with sparse gradients densifies each process's momentum buffer")
+
+
+def train(cfg: HogwildConfig, task: Optional[Task] = None, argv: Optional[list] = None) -> RunResult:
+    """Run Hogwild as configured; returns the run directory and its summary."""
+    procs = cfg.procs or available_cores()
+    if procs < 1:
+        raise ConfigError(f"--procs must be at least 1 (got {procs})")
+    task = task or load_task(cfg.task, samples=cfg.samples, data_dir=cfg.data_dir,
+                             cache_dir=cfg.cache_dir, seed=cfg.seed)
+    _check_config(cfg, task)
+    lr = cfg.lr or task.lr
+    batch_size = cfg.batch_size or task.batch_size
+
+    model = task.build_model(cfg.seed)
+    total = len(task.train) * cfg.epochs
+    recorder = Recorder(cfg, task, model, total_samples=total, argv=argv)
+    model.to(cfg.device)
+    model.share_memory()
+    task.share_memory_()
+
+    threads = threads_per_process(procs, cfg.threads)
+    torch.set_num_threads(threads)  # the parent evaluates beside the workers: don't steal cores
+    settings = WorkerSettings(
+        procs=procs, threads=threads, seed=cfg.seed, lr=lr, momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay, batch_size=batch_size, epochs=cfg.epochs,
+        start_epoch=recorder.epochs_done, device=cfg.device, quantum=cfg.quantum_ms / 1000)
+    control = torch.zeros(1, dtype=torch.int64).share_memory_()
+    counters = torch.zeros(procs, 5, dtype=torch.int64).share_memory_()
+    counters[:, EPOCHS] = recorder.epochs_done
+    losses = torch.zeros(procs, 2, dtype=torch.float64).share_memory_()
+    ctx = context(cfg.start_method)
+    lock = ctx.Lock() if cfg.lock else None
+    ring_sems = _ring_semaphores(ctx, cfg, procs, threads)
+    group = WorkerGroup(_worker, procs, name="worker", start_method=cfg.start_method, args=[
+        (settings, task, model, lock, ring_sems, control, counters, losses)] * procs)
+    log.info("hogwild: %d processes x %d thread(s), task %s, lr %g, batch %d%s%s", procs,
+             threads, task.name, lr, batch_size, ", locked updates" if cfg.lock else "",
+             f", {len(TokenRing.first_holders(procs, available_cores()))} run tokens"
+             if ring_sems else "")
+    return _supervise(cfg, recorder, group, control, counters, losses,
+                      extra={"procs": procs, "threads": threads, "lock": cfg.lock, "lr": lr,
+                             "batch_size": batch_size, "token_ring": bool(ring_sems)})
+
+
+def _ring_semaphores(ctx, cfg: HogwildConfig, procs: int, threads: int) -> Optional[list]:
+    """One semaphore per worker for the token ring, or None when the ring is off.
+
+    ``auto`` turns it on when CPU processes outnumber what the cores can run at once.
+    """
+    cores = available_cores()
+    on = cfg.share_cores == "ring" or (
+        cfg.share_cores == "auto" and cfg.device == "cpu" and procs * threads > cores)
+    if not on or procs < 2:
+        return None
+    sems = [ctx.Semaphore(0) for _ in range(procs)]
+    for rank in TokenRing.first_holders(procs, max(1, cores // threads)):
+        sems[rank].release()
+    return sems
+
+
+class _TrainEvents:
+    """Turns the shared counters into per-worker train events and a recent samples/s."""
+
+    def __init__(self, recorder: Recorder, counters: torch.Tensor, losses: torch.Tensor):
+        self.recorder, self.counters, self.losses = recorder, counters, losses
+        self.offset = recorder.samples_offset
+        self.seen = losses.clone()
+        self.window = [(recorder.elapsed(), self.offset)]
+        self.ready_at: Optional[tuple] = None  # (elapsed, samples) once every worker runs
+
+    def note_ready(self) -> None:
+        if self.ready_at is None and bool(self.counters[:, READY].all()):
+            self.ready_at = (self.recorder.elapsed(), self.samples())
+
+    def throughput(self) -> dict:
+        """Start-up time and samples/s from the moment every worker was running."""
+        if self.ready_at is None:
+            return {"startup_seconds": None, "steady_samples_per_second": None}
+        t0, s0 = self.ready_at
+        dt = self.recorder.elapsed() - t0
+        rate = (self.samples() - s0) / dt if dt > 0 else None
+        return {"startup_seconds": round(t0, 3),
+                "steady_samples_per_second": round(rate, 1) if rate else None}
+
+    def samples(self) -> int:
+        return self.offset + int(self.counters[:, SAMPLES].sum())
+
+    def rate(self) -> float:
+        now, samples = self.recorder.elapsed(), self.samples()
+        self.window = [w for w in self.window if now - w[0] <= 3.0] + [(now, samples)]
+        t0, s0 = self.window[0]
+        return (samples - s0) / (now - t0) if now > t0 else 0.0
+
+    def emit(self) -> None:
+        now = self.losses.clone()
+        counts = self.counters.clone()
+        samples = self.offset + int(counts[:, SAMPLES].sum())
+        for rank in range(len(now)):
+            steps = int(now[rank, 1] - self.seen[rank, 1])
+            if steps > 0:
+                loss = float(now[rank, 0] - self.seen[rank, 0]) / steps
+                self.recorder.train(samples, rank, loss, steps, int(counts[rank, EPOCHS]))
+        self.seen = now
+
+
+def _supervise(cfg: HogwildConfig, recorder: Recorder, group: WorkerGroup, control: torch.Tensor,
+               counters: torch.Tensor, losses: torch.Tensor, extra: dict) -> RunResult:
+    events = _TrainEvents(recorder, counters, losses)
+    stopped_by, status, error = "epochs", "ok", None
+    next_train_event = 0.0
+    try:
+        with sigterm_as_interrupt():
+            group.start()
+            recorder.evaluate(events.samples())
+            while True:
+                finished = group.wait(POLL_SECONDS)
+                group.check()
+                events.note_ready()
+                samples = events.samples()
+                if recorder.elapsed() >= next_train_event:
+                    events.emit()
+                    next_train_event = recorder.elapsed() + TRAIN_EVENT_SECONDS
+                if recorder.evaluate_if_due(samples) and recorder.target_reached():
+                    stopped_by = "target_accuracy"
+                    break
+                if cfg.max_seconds and recorder.elapsed() >= cfg.max_seconds:
+                    stopped_by = "max_seconds"
+                    break
+                if finished:
+                    break
+                recorder.checkpoint_if_due(samples, int(counters[:, EPOCHS].min()))
+                recorder.show(samples, events.rate())
+    except KeyboardInterrupt:
+        stopped_by, status = "interrupted", "interrupted"
+    except WorkerError as exc:
+        stopped_by, status, error = "error", "failed", exc
+    finally:
+        control[0] = 1
+        throughput = events.throughput()
+        group.stop(grace=5.0)
+    if error is None:
+        try:
+            group.check()
+        except WorkerError as exc:  # failed while the others were stopping
+            stopped_by, status, error = "error", "failed", exc
+    events.emit()
+    samples = events.samples()
+    recorder.show(samples, events.rate(), force=True)
+    result = recorder.evaluate(samples)
+    recorder.checkpoint(samples, int(counters[:, EPOCHS].min()))
+    summary = recorder.finish(samples, stopped_by, status,
+                              error=str(error) if error else None, **throughput, **extra)
+    if error is not None:
+        raise error
+    log.info("final test accuracy %.2f%%", 100 * result["accuracy"])
+    return RunResult(str(recorder.run.path), summary)

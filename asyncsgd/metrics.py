@@ -1,0 +1,97 @@
+"""metrics.jsonl events and the summary computed from them.
+
+Every event is one JSON object with at least:
+
+    event    "start" | "train" | "eval" | "stop"
+    t        seconds of training since the run began (continues across --resume)
+    samples  training samples processed by all workers so far
+    wall     Unix time it was written
+
+``train`` events add ``worker``, ``loss`` (mean over the steps since that
+worker's previous event), ``steps`` and ``epoch``; ``eval`` events add
+``loss`` and ``accuracy`` on the test set. Modes may add fields of their own
+(e.g. staleness); readers ignore what they don't know.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Iterable, Optional
+
+from .errors import ConfigError
+from .rundir import METRICS, RunDir
+
+log = logging.getLogger(__name__)
+
+
+class MetricsLog:
+    """Appends events to metrics.jsonl (flushed per event) and, optionally, TensorBoard."""
+
+    def __init__(self, run: RunDir, tensorboard: bool = False):
+        self._fh = open(run.path / METRICS, "a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                self._fh.close()
+                raise ConfigError("--tensorboard needs the tensorboard package: "
+                                  "pip install tensorboard (or drop --tensorboard)") from exc
+            self._tb = SummaryWriter(log_dir=str(run.path / "tensorboard"))
+
+    def write(self, event: str, t: float, samples: int, **fields) -> dict:
+        record = {"event": event, "t": round(float(t), 4), "samples": int(samples),
+                  "wall": round(time.time(), 3), **fields}
+        self._fh.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            if event == "train" and "loss" in fields:
+                self._tb.add_scalar(f"train/loss/worker{fields.get('worker', 0)}",
+                                    fields["loss"], samples)
+            elif event == "eval":
+                self._tb.add_scalar("test/accuracy", fields["accuracy"], samples)
+                self._tb.add_scalar("test/loss", fields["loss"], samples)
+                self._tb.add_scalar("test/accuracy_vs_seconds", fields["accuracy"], int(t * 1000))
+        return record
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if not self._fh.closed:
+            self._fh.close()
+
+
+def time_to_target(events: Iterable[dict], target: Optional[float]) -> Optional[float]:
+    """Training seconds until the first evaluation at or above ``target``."""
+    if target is None:
+        return None
+    for e in events:
+        if e.get("event") == "eval" and e.get("accuracy", -1) >= target:
+            return e["t"]
+    return None
+
+
+def summarize(events: list, *, mode: str, task: str, target: Optional[float],
+              stopped_by: str, status: str = "ok", error: Optional[str] = None,
+              **extra) -> dict:
+    """summary.json: what a reader of one run wants to know first."""
+    evals = [e for e in events if e.get("event") == "eval"]
+    last = max(events, key=lambda e: e.get("t", 0.0), default={})
+    train_time = float(last.get("t", 0.0))
+    samples = int(max((e.get("samples", 0) for e in events), default=0))
+    summary = {
+        "mode": mode, "task": task, "status": status, "stopped_by": stopped_by,
+        "final_accuracy": evals[-1]["accuracy"] if evals else None,
+        "final_loss": evals[-1]["loss"] if evals else None,
+        "best_accuracy": max((e["accuracy"] for e in evals), default=None),
+        "samples": samples, "train_seconds": round(train_time, 3),
+        "samples_per_second": round(samples / train_time, 1) if train_time > 0 else None,
+        "target_accuracy": target, "time_to_target": time_to_target(evals, target),
+        "evaluations": len(evals),
+    }
+    if error:
+        summary["error"] = error
+    summary.update(extra)
+    return summary

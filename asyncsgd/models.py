@@ -1,0 +1,80 @@
+"""The models of the built-in tasks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    """Fully connected ReLU network, e.g. 40-256-256-10 for MNIST-1D."""
+
+    def __init__(self, sizes: tuple = (40, 256, 256, 10)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)
+        for layer in self.layers[:-1]:
+            x = F.relu(layer(x))
+        return self.layers[-1](x)
+
+
+class Conv1DNet(nn.Module):
+    """The MNIST-1D paper's CNN: three strided convolutions and a linear head (5,210 parameters)."""
+
+    def __init__(self, length: int = 40, channels: int = 25, classes: int = 10):
+        super().__init__()
+        self.length = length
+        self.conv1 = nn.Conv1d(1, channels, 5, stride=2, padding=1)
+        self.conv2 = nn.Conv1d(channels, channels, 3, stride=2, padding=1)
+        self.conv3 = nn.Conv1d(channels, channels, 3, stride=2, padding=1)
+        out = length
+        for k in (5, 3, 3):
+            out = (out + 2 - k) // 2 + 1
+        self.head = nn.Linear(channels * out, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(-1, 1, self.length)
+        x = F.relu(self.conv1(x))
+        x = F.relu(self.conv2(x))
+        x = F.relu(self.conv3(x))
+        return self.head(x.flatten(1))
+
+
+class Conv2DNet(nn.Module):
+    """A small CNN for 28x28 images (MNIST, Fashion-MNIST), cheap enough for CPUs."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 5, stride=2, padding=2)   # 28 -> 14
+        self.conv2 = nn.Conv2d(16, 32, 5, stride=2, padding=2)  # 14 -> 7
+        self.head = nn.Linear(32 * 7 * 7, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(-1, 1, 28, 28)
+        x = F.relu(self.conv1(x))
+        x = F.relu(self.conv2(x))
+        return self.head(x.flatten(1))
+
+
+class SparseLinear(nn.Module):
+    """Linear classifier over sparse features whose gradient touches only active features.
+
+    The weights are an ``EmbeddingBag`` with ``sparse=True``: backward yields a
+    sparse gradient holding just the rows of the features present in the batch,
+    so concurrent Hogwild updates rarely touch the same memory (the setting of
+    the Hogwild paper). Index ``features`` is padding and never learns.
+    """
+
+    def __init__(self, features: int, classes: int = 2):
+        super().__init__()
+        self.features = features
+        self.weight = nn.EmbeddingBag(features + 1, classes, mode="sum", sparse=True,
+                                      padding_idx=features)
+        nn.init.zeros_(self.weight.weight)
+        self.bias = nn.Parameter(torch.zeros(classes))
+
+    def forward(self, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return self.weight(indices, per_sample_weights=values) + self.bias

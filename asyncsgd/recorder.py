@@ -1,0 +1,132 @@
+"""The bookkeeping side of a run, shared by every training mode.
+
+A ``Recorder`` owns the run directory: it creates it (or reopens it for
+``--resume`` and restores the model from its checkpoint), keeps the training
+clock, writes metrics events, evaluates on the test set when due, saves
+checkpoints periodically and at the end, drives the progress display and
+writes summary.json. Modes only run the training and report what happened.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Optional
+
+import torch.nn as nn
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import TrainConfig, identity_fields
+from .errors import CheckpointError, ConfigError
+from .metrics import MetricsLog, summarize
+from .progress import Progress
+from .rundir import RunDir
+from .tasks import Task
+
+log = logging.getLogger(__name__)
+
+
+class Recorder:
+    def __init__(self, cfg: TrainConfig, task: Task, model: nn.Module,
+                 total_samples: Optional[int] = None, argv: Optional[list] = None):
+        self.cfg, self.task, self.model, self.mode = cfg, task, model, cfg.mode
+        self.t_offset, self.samples_offset, self.epochs_done = 0.0, 0, 0
+        if cfg.resume:
+            self.run = RunDir.open(cfg.resume)
+            self._restore()
+        else:
+            self.run = RunDir.create(cfg.out, self.mode)
+            self.run.write_config(self.mode, cfg.to_dict(),
+                                  {"name": task.name, "description": task.description,
+                                   "train_samples": len(task.train),
+                                   "test_samples": len(task.test), **task.info}, argv)
+        self.metrics = MetricsLog(self.run, tensorboard=cfg.tensorboard)
+        self.progress = Progress(self.mode, total_samples, cfg.progress)
+        self.best_accuracy: Optional[float] = None
+        self.last_eval: Optional[dict] = None
+        self._t0 = time.monotonic()
+        self._next_eval = 0.0
+        self._next_checkpoint = cfg.checkpoint_every or math.inf
+        self.metrics.write("start" if not cfg.resume else "resume", self.t(), self.samples_offset,
+                           mode=self.mode, resumed_from_t=self.t_offset if cfg.resume else None)
+
+    def _restore(self) -> None:
+        saved = self.run.read_config()
+        if saved.get("mode") != self.mode:
+            raise ConfigError(f"{self.run.path} is a {saved.get('mode')} run; resume it with "
+                              f"'asyncsgd {saved.get('mode')} --resume {self.run.path}'")
+        saved_cfg = saved.get("config", {})
+        for name in identity_fields(type(self.cfg)):
+            if saved_cfg.get(name) != getattr(self.cfg, name):
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self.cfg, name)} differs "
+                                  f"from the resumed run's {saved_cfg.get(name)}; a resumed run "
+                                  "keeps its task and data")
+        ckpt = load_checkpoint(self.run.checkpoint)
+        try:
+            self.model.load_state_dict(ckpt["model"])
+        except (KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"{self.run.checkpoint} does not fit task {self.task.name}'s "
+                                  f"model: {str(exc).splitlines()[0]}") from exc
+        self.t_offset = float(ckpt.get("t", 0.0))
+        self.samples_offset = int(ckpt.get("samples", 0))
+        self.epochs_done = int(ckpt.get("epochs_done", 0))
+        log.info("resuming %s from t=%.1fs, %d samples, epoch %d", self.run.path,
+                 self.t_offset, self.samples_offset, self.epochs_done)
+
+    def t(self) -> float:
+        """Seconds of training, continuing across resumes."""
+        return self.t_offset + time.monotonic() - self._t0
+
+    def elapsed(self) -> float:
+        """Seconds since this process started training (for --max-seconds)."""
+        return time.monotonic() - self._t0
+
+    def train(self, samples: int, worker: int, loss: float, steps: int, epoch: int, **extra) -> None:
+        self.metrics.write("train", self.t(), samples, worker=worker, loss=round(loss, 6),
+                           steps=steps, epoch=epoch, **extra)
+
+    def evaluate(self, samples: int, **extra) -> dict:
+        result = self.task.evaluate(self.model)
+        self.last_eval = result
+        if self.best_accuracy is None or result["accuracy"] > self.best_accuracy:
+            self.best_accuracy = result["accuracy"]
+        self.metrics.write("eval", self.t(), samples, loss=round(result["loss"], 6),
+                           accuracy=round(result["accuracy"], 6), **extra)
+        self.progress.evaluated(result["accuracy"], result["loss"])
+        self._next_eval = self.elapsed() + self.cfg.eval_every
+        return result
+
+    def evaluate_if_due(self, samples: int) -> Optional[dict]:
+        return self.evaluate(samples) if self.elapsed() >= self._next_eval else None
+
+    def target_reached(self) -> bool:
+        target = self.cfg.target_accuracy
+        return target is not None and self.last_eval is not None and \
+            self.last_eval["accuracy"] >= target
+
+    def checkpoint(self, samples: int, epochs_done: int, **extra) -> None:
+        state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        save_checkpoint(self.run.checkpoint, {
+            "mode": self.mode, "task": self.task.name, "model": state, "samples": int(samples),
+            "t": self.t(), "epochs_done": int(epochs_done), **extra})
+        self._next_checkpoint = self.elapsed() + (self.cfg.checkpoint_every or math.inf)
+
+    def checkpoint_if_due(self, samples: int, epochs_done: int) -> None:
+        if self.elapsed() >= self._next_checkpoint:
+            self.checkpoint(samples, epochs_done)
+
+    def show(self, samples: int, rate: float, force: bool = False) -> None:
+        self.progress.update(self.t(), samples, rate, force=force)
+
+    def finish(self, samples: int, stopped_by: str, status: str = "ok",
+               error: Optional[str] = None, **extra) -> dict:
+        """Write the stop event and summary.json; close the metrics log."""
+        self.metrics.write("stop", self.t(), samples, reason=stopped_by, status=status)
+        self.progress.close()
+        self.metrics.close()
+        summary = summarize(list(self.run.events()), mode=self.mode, task=self.task.name,
+                            target=self.cfg.target_accuracy, stopped_by=stopped_by,
+                            status=status, error=error, run_dir=str(self.run.path), **extra)
+        self.run.write_summary(summary)
+        return summary

@@ -1,0 +1,1 @@
+"""Parameter-server workers, CPU and GPU (built on the asyncsgd core)."""
