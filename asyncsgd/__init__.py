@@ -1,13 +1,24 @@
-"""asyncsgd: asynchronous SGD on PyTorch (Hogwild!, parameter server, comparisons)."""
+"""asyncsgd: asynchronous SGD on PyTorch (Hogwild!, parameter server, comparisons).
 
-from .config import HogwildConfig, TrainConfig
-from .errors import (AsyncSGDError, CheckpointError, ConfigError, DataError, TaskError,
-                     WorkerError)
-from .rundir import RunDir
-from .tasks import Split, Task, load_task
+The names below are re-exported lazily, so ``asyncsgd --help`` and option
+errors answer at once instead of first importing torch.
+"""
+
+import importlib
+
 from .version import __version__
 
-__all__ = [
-    "AsyncSGDError", "CheckpointError", "ConfigError", "DataError", "HogwildConfig", "RunDir",
-    "Split", "Task", "TaskError", "TrainConfig", "WorkerError", "__version__", "load_task",
-]
+_EXPORTS = {
+    "HogwildConfig": "config", "TrainConfig": "config",
+    "AsyncSGDError": "errors", "CheckpointError": "errors", "ConfigError": "errors",
+    "DataError": "errors", "TaskError": "errors", "WorkerError": "errors",
+    "RunDir": "rundir", "Split": "tasks", "Task": "tasks", "load_task": "tasks",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'asyncsgd' has no attribute {name!r}")

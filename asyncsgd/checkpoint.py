@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import tempfile
 from pathlib import Path
 
@@ -46,9 +47,14 @@ def load_checkpoint(path: Path) -> dict:
     try:
         record = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unsafe content"
-        raise CheckpointError(f"{path} was refused: it holds objects a safe load may not "
-                              f"construct ({first}); only load checkpoints you trust") from exc
+        # torch words both cases alike; a GLOBAL it refuses means code would have run.
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        if found:
+            raise CheckpointError(f"{path} was refused: loading it would call {found.group(1)}, "
+                                  "which a safe load never does; it is not a checkpoint "
+                                  "asyncsgd wrote") from exc
+        raise CheckpointError(f"{path} is not a readable checkpoint (corrupt or not written by "
+                              "torch.save)") from exc
     except Exception as exc:
         raise CheckpointError(f"{path} is not a readable checkpoint: "
                               f"{type(exc).__name__}: {exc}") from exc

@@ -113,7 +113,9 @@ def hogwild(ctx: click.Context, **_: object) -> None:
 def main(argv: Optional[list] = None) -> None:
     """Console entry point: one clear line for every error a user can fix."""
     try:
-        cli.main(args=argv, prog_name="asyncsgd", standalone_mode=False)
+        code = cli.main(args=argv, prog_name="asyncsgd", standalone_mode=False)
+        if isinstance(code, int) and code:  # click returns ctx.exit(code) in this mode
+            sys.exit(code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.Abort:

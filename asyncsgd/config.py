@@ -74,7 +74,7 @@ class TrainConfig:
         None, "Samples per step in each process.", type=click.IntRange(min=1),
         show="task's default")
     lr: Optional[float] = knob(
-        None, "Learning rate.", type=click.FloatRange(min=0, min_open=True),
+        None, "SGD learning rate (of every process).", type=click.FloatRange(min=0, min_open=True),
         show="task's default")
     momentum: float = knob(
         0.0, "SGD momentum. In Hogwild each process keeps its own momentum buffer.",
@@ -179,6 +179,8 @@ def click_options(cls):
                 kwargs["type"] = float
             if meta.get("show"):
                 kwargs["show_default"] = meta["show"]
+            elif f.default is None:
+                kwargs["show_default"] = "none"
             if meta.get("metavar"):
                 kwargs["metavar"] = meta["metavar"]
             func = click.option(flag, f.name, **kwargs)(func)

@@ -131,6 +131,7 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None, argv: Optional[list] 
     procs = cfg.procs or available_cores()
     if procs < 1:
         raise ConfigError(f"--procs must be at least 1 (got {procs})")
+    run = Recorder.open_run(cfg)
     task = task or load_task(cfg.task, samples=cfg.samples, data_dir=cfg.data_dir,
                              cache_dir=cfg.cache_dir, seed=cfg.seed)
     _check_config(cfg, task)
@@ -139,7 +140,7 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None, argv: Optional[list] 
 
     model = task.build_model(cfg.seed)
     total = len(task.train) * cfg.epochs
-    recorder = Recorder(cfg, task, model, total_samples=total, argv=argv)
+    recorder = Recorder(cfg, task, model, run, total_samples=total, argv=argv)
     model.to(cfg.device)
     model.share_memory()
     task.share_memory_()
@@ -236,8 +237,8 @@ def _supervise(cfg: HogwildConfig, recorder: Recorder, group: WorkerGroup, contr
     next_train_event = 0.0
     try:
         with sigterm_as_interrupt():
+            recorder.evaluate(events.samples())  # the starting point, before any update
             group.start()
-            recorder.evaluate(events.samples())
             while True:
                 finished = group.wait(POLL_SECONDS)
                 group.check()
@@ -271,8 +272,8 @@ def _supervise(cfg: HogwildConfig, recorder: Recorder, group: WorkerGroup, contr
             stopped_by, status, error = "error", "failed", exc
     events.emit()
     samples = events.samples()
-    recorder.show(samples, events.rate(), force=True)
     result = recorder.evaluate(samples)
+    recorder.show(samples, events.rate(), force=True)
     recorder.checkpoint(samples, int(counters[:, EPOCHS].min()))
     summary = recorder.finish(samples, stopped_by, status,
                               error=str(error) if error else None, **throughput, **extra)

@@ -46,7 +46,8 @@ class SGD:
                 if self.weight_decay:
                     rows = g.indices()[0]
                     g = torch.sparse_coo_tensor(
-                        g.indices(), g.values() + self.weight_decay * p[rows], g.shape)
+                        g.indices(), g.values() + self.weight_decay * p[rows], g.shape,
+                        is_coalesced=True, check_invariants=False)
             elif self.weight_decay:
                 g = g.add(p, alpha=self.weight_decay)
             if self.momentum:

@@ -28,15 +28,19 @@ log = logging.getLogger(__name__)
 
 
 class Recorder:
-    def __init__(self, cfg: TrainConfig, task: Task, model: nn.Module,
+    @staticmethod
+    def open_run(cfg: TrainConfig) -> RunDir:
+        """The run directory, checked before any slow work: a fresh one, or the resumed one."""
+        return RunDir.open(cfg.resume) if cfg.resume else RunDir.create(cfg.out, cfg.mode)
+
+    def __init__(self, cfg: TrainConfig, task: Task, model: nn.Module, run: RunDir,
                  total_samples: Optional[int] = None, argv: Optional[list] = None):
         self.cfg, self.task, self.model, self.mode = cfg, task, model, cfg.mode
         self.t_offset, self.samples_offset, self.epochs_done = 0.0, 0, 0
+        self.run = run
         if cfg.resume:
-            self.run = RunDir.open(cfg.resume)
             self._restore()
         else:
-            self.run = RunDir.create(cfg.out, self.mode)
             self.run.write_config(self.mode, cfg.to_dict(),
                                   {"name": task.name, "description": task.description,
                                    "train_samples": len(task.train),

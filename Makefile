@@ -1,0 +1,35 @@
+# Two entry points, both idempotent and fast on a second call:
+#   make run    set up .venv and train mnist1d-cnn with 8 Hogwild processes
+#   make test   set up .venv and run the whole test suite
+# On a machine without an NVIDIA GPU the CPU build of torch is installed
+# (a plain `pip install torch` would pull a multi-GB CUDA build).
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.asyncsgd-installed
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(BIN)/python -m pip install -q "$(TORCH_CPU)"; fi
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/asyncsgd hogwild --task mnist1d-cnn --procs 8 --epochs 60
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python experiments/hogwild_scaling.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,70 @@
+"""Tasks with exact oracles, used by the tests through ``--task tasks_for_tests:NAME``.
+
+index_counter: row i's input is i; the model is one weight per row, and the
+loss is the sum of the weights of the rows in the batch, so each step's
+sparse gradient is 1 on exactly the rows trained on. With lr = 1 every row's
+weight ends at minus the number of times any worker trained on it: -epochs
+everywhere proves the partitions are disjoint and cover the data.
+
+dense_counter: one shared scalar whose gradient is the batch size; with lr = 1
+its final value is exactly -(samples processed) unless an update was lost.
+"""
+
+import functools
+
+import torch
+import torch.nn as nn
+
+from asyncsgd.tasks import Split, Task
+
+
+def total(out, targets, reduction="sum"):
+    return out.sum()
+
+
+class RowWeights(nn.Module):
+    def __init__(self, rows: int, fail_row: int = -1):
+        super().__init__()
+        self.weight = nn.EmbeddingBag(rows, 1, mode="sum", sparse=True)
+        nn.init.zeros_(self.weight.weight)
+        self.fail_row = fail_row
+
+    def forward(self, index):
+        if self.fail_row >= 0 and bool((index == self.fail_row).any()):
+            raise ValueError(f"boom at row {self.fail_row}")
+        return self.weight(index.view(-1, 1))
+
+
+class Scalar(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        return self.w.expand(len(x), 1)
+
+
+def _rows_task(name, model_fn, samples):
+    n = samples or 1000
+    rows = torch.arange(n).view(-1, 1)
+    return Task(name=name, model_fn=model_fn, train=Split((rows,), torch.zeros(n, dtype=torch.long)),
+                test=Split((rows[-10:],), torch.zeros(10, dtype=torch.long)), loss_fn=total,
+                lr=1.0, batch_size=8)
+
+
+def index_counter(samples=None):
+    n = samples or 1000
+    return _rows_task("index-counter", functools.partial(RowWeights, n), n)
+
+
+def failing(samples=None):
+    n = samples or 1000
+    return _rows_task("failing", functools.partial(RowWeights, n, 7), n)
+
+
+def dense_counter(samples=None):
+    return _rows_task("dense-counter", Scalar, samples or 2000)
+
+
+def not_a_task():
+    return 42

@@ -1,0 +1,130 @@
+"""The installed CLI as a user meets it: help, bad input, progress, user tasks."""
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncsgd import HogwildConfig
+from conftest import read_json
+
+ROOT = Path(__file__).parent.parent
+
+
+def _one_line_error(res, *fragments):
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: "), res.stderr
+    assert "Traceback" not in res.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--procs", "0"], ["--procs", "0 is not in the range"]),
+    (["--task", "no-such-task"], ["unknown task 'no-such-task'", "mnist1d-cnn"]),
+    (["--task", "no_such_module_xyz:make"], ["cannot import module 'no_such_module_xyz'"]),
+    (["--task", "tasks_for_tests:missing"], ["has no function 'missing'"]),
+    (["--task", "tasks_for_tests:not_a_task"], ["returned int", "asyncsgd.Task"]),
+    (["--task", "mnist-cnn", "--data-dir", "/nonexistent/mnist"],
+     ["/nonexistent/mnist: no such directory"]),
+    (["--task", "mnist-cnn"], ["--data-dir"]),
+    (["--task", "mnist1d-cnn", "--data-dir", "/tmp"], ["only read by the tasks"]),
+    (["--lr", "-1"], ["--lr"]),
+    (["--target-accuracy", "85"], ["--target-accuracy", "85"]),
+    (["--no-such-flag"], ["No such option '--no-such-flag'"]),
+    (["--resume", "/nonexistent/run"], ["not a run directory"]),
+])
+def test_bad_input_gives_one_clear_line(run_cli, args, fragments):
+    _one_line_error(run_cli("hogwild", *args, "--progress", "off", timeout=120), *fragments)
+
+
+def test_unwritable_out_is_one_clear_line(run_cli, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    _one_line_error(run_cli("hogwild", "--out", blocker / "run", "--epochs", "1"),
+                    "cannot write the run directory", "--out")
+
+
+def test_out_holding_a_run_is_refused(run_cli, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    _one_line_error(run_cli("hogwild", "--out", tmp_path), "already holds a run", "--resume")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_cuda_without_gpu_is_one_clear_line(run_cli):
+    _one_line_error(run_cli("hogwild", "--device", "cuda", "--epochs", "1"),
+                    "no CUDA GPU", "--device cpu")
+
+
+def _option_entries(help_text):
+    """{flag: its whole help entry} from click's Options section."""
+    entries, current = {}, None
+    for line in help_text.split("Options:", 1)[1].splitlines():
+        m = re.match(r"^  (?:-\w, )?(--[a-z][a-z-]*)", line)
+        if m:
+            current = m.group(1)
+            entries[current] = line
+        elif current and line.startswith("    "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return entries
+
+
+def test_help_documents_every_option_with_its_default(run_cli):
+    res = run_cli("hogwild", "--help")
+    assert res.returncode == 0
+    entries = _option_entries(res.stdout)
+    for f in dataclasses.fields(HogwildConfig):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in entries, flag
+        if f.type not in (bool, "bool"):
+            assert "[default:" in entries[flag], f"{flag} shows no default: {entries[flag]}"
+        assert len(f.metadata["help"]) > 12
+    assert "asyncsgd hogwild --task mnist1d-cnn --procs 8" in res.stdout
+
+
+def test_tasks_lists_the_builtin_tasks(run_cli):
+    res = run_cli("tasks")
+    assert res.returncode == 0
+    for name in ("mnist1d-cnn", "mnist1d-mlp", "sparse-logreg", "mnist-cnn", "mnist-mlp"):
+        assert name in res.stdout
+
+
+def test_log_progress_and_final_accuracy_printed(run_cli, tmp_path):
+    res = run_cli("hogwild", "--procs", "2", "--epochs", "3", "--out", tmp_path / "run",
+                  "--progress", "log", "--start-method", "forkserver")
+    assert res.returncode == 0, res.stderr
+    assert re.search(r"\[hogwild\] \d\d:\d\d [\d,]+/12,000 samples \| [\d,]+ samples/s", res.stderr)
+    match = re.search(r"final test accuracy: ([\d.]+)%", res.stdout)
+    summary = read_json(tmp_path / "run" / "summary.json")
+    assert match and abs(float(match.group(1)) - 100 * summary["final_accuracy"]) < 0.01
+    assert f"run directory: {tmp_path / 'run'}" in res.stdout
+
+
+def test_readme_user_task_example_runs(run_cli, tmp_path, cli_env):
+    """The worked example in the README is real code that trains."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```python\n# my_task\.py\n(.*?)```", readme, re.S)
+    assert block, "README lacks the my_task.py example"
+    (tmp_path / "my_task.py").write_text(block.group(1))
+    cli_env["PYTHONPATH"] = f"{tmp_path}:{cli_env['PYTHONPATH']}"
+    command = re.search(r"asyncsgd hogwild --task my_task:make_task[^\n`]*", readme).group(0)
+    args = command.split()[1:] + ["--out", str(tmp_path / "run"), "--progress", "off"]
+    res = run_cli(*args)
+    assert res.returncode == 0, res.stderr
+    summary = read_json(tmp_path / "run" / "summary.json")
+    assert summary["task"] == "my-task" and summary["final_accuracy"] > 0.8
+
+
+def test_tensorboard_writes_event_files(run_cli, tmp_path):
+    pytest.importorskip("tensorboard")
+    res = run_cli("hogwild", "--procs", "1", "--epochs", "1", "--tensorboard",
+                  "--out", tmp_path / "run", "--progress", "off")
+    assert res.returncode == 0, res.stderr
+    files = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    assert files and files[0].stat().st_size > 100

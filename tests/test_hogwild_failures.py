@@ -1,0 +1,79 @@
+"""Failures with real processes: a raising worker, Ctrl-C, SIGTERM; no orphans, no leaks."""
+
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from asyncsgd.tasks import partition_indices
+from conftest import asyncsgd_cmd, read_events, read_json
+
+
+def _shm_entries():
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return set()
+
+
+def test_raising_worker_surfaces_its_traceback(tmp_path, run_cli):
+    procs, rows = 3, 1000
+    owner = next(r for r in range(procs) if 7 in partition_indices(rows, procs, r, 0).tolist())
+    started = time.monotonic()
+    res = run_cli("hogwild", "--task", "tasks_for_tests:failing", "--samples", rows,
+                  "--procs", procs, "--epochs", 50, "--out", tmp_path / "run", "--progress", "off")
+    assert res.returncode == 1
+    assert f"worker {owner} raised" in res.stderr
+    assert "ValueError: boom at row 7" in res.stderr  # the child's own traceback
+    assert "Traceback" in res.stderr
+    assert time.monotonic() - started < 120
+    summary = read_json(tmp_path / "run" / "summary.json")
+    assert summary["status"] == "failed" and f"worker {owner}" in summary["error"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_every_child_without_leaks(tmp_path, cli_env, sig):
+    shm_before = _shm_entries()
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        asyncsgd_cmd("hogwild", "--procs", 4, "--epochs", 100000, "--out", out,
+                     "--progress", "off", "--eval-every", 0.5),
+        env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.DEVNULL, start_new_session=True)
+    children = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            assert proc.poll() is None, proc.communicate()
+            if (out / "metrics.jsonl").exists() and any(
+                    e["event"] == "train" for e in read_events(out)):
+                break
+        else:
+            pytest.fail("training never started")
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 4
+        if sig == signal.SIGINT:  # a terminal's Ctrl-C reaches the whole process group
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        stopped = time.monotonic()
+        _, stderr = proc.communicate(timeout=30)
+        took = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, stderr
+    assert took < 15
+    assert "Traceback" not in stderr
+    gone, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive, f"orphans left: {alive}"
+    time.sleep(0.5)  # the resource tracker unlinks semaphores as the last holder exits
+    assert _shm_entries() - shm_before == set()
+    summary = read_json(out / "summary.json")
+    assert summary["status"] == "interrupted" and summary["samples"] > 0
+    assert (out / "checkpoint.pt").is_file()  # nothing lost: resumable
