@@ -5,8 +5,8 @@ the parent's threads and CUDA state). Each child
 
 - ignores SIGINT: on Ctrl-C the terminal signals the whole process group, and
   the parent, not every child on its own, decides how to stop;
-- asks the kernel to SIGKILL it if the parent dies (``PR_SET_PDEATHSIG``), so
-  a parent killed with SIGKILL leaves no orphans;
+- ends itself when the training parent dies (``PR_SET_PDEATHSIG`` and a pidfd
+  watcher thread), so a parent killed with SIGKILL leaves no orphans;
 - sends its traceback to the parent before exiting non-zero when it raises.
 
 The parent polls the group: the first failure becomes a ``WorkerError``
@@ -20,8 +20,10 @@ import contextlib
 import ctypes
 import logging
 import os
+import select
 import signal
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import wait as wait_for
@@ -38,18 +40,45 @@ _MAX_TRACEBACK = 16_000  # a pipe holds 64 KiB; a child must never block on repo
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when its parent dies.
+    """End this process the moment the training parent ``parent_pid`` dies.
 
-    Under spawn the parent is the training parent. Under forkserver it is the
-    fork server, which exits when the training parent does, so the chain holds.
+    Under spawn the kernel does it (``PR_SET_PDEATHSIG`` follows the direct
+    parent). Under forkserver the direct parent is the fork server, which
+    outlives the training parent while any worker lives, so a daemon thread
+    also waits on a pidfd of the training parent and exits when it closes.
     """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: fall back to the check below only
+    except (OSError, AttributeError):  # not Linux: the watcher below still works
         pass
-    if os.getppid() == 1 or (parent_pid and os.getppid() != parent_pid):
-        os._exit(1)  # the parent died before prctl took effect
+    try:
+        pidfd = os.pidfd_open(parent_pid)
+    except (AttributeError, OSError):  # already gone (or no pidfd): poll instead
+        pidfd = None
+        if not _alive(parent_pid):
+            os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent_pid, pidfd), daemon=True,
+                     name="asyncsgd-parent-watch").start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _watch_parent(parent_pid: int, pidfd: Optional[int]) -> None:
+    if pidfd is not None:
+        select.select([pidfd], [], [])  # readable once the parent has exited
+    else:
+        while _alive(parent_pid):
+            time.sleep(0.5)
+    os._exit(1)
 
 
 def _child_main(target: Callable, rank: int, errors: Any, parent_pid: int, args: tuple) -> None:
@@ -102,7 +131,7 @@ class WorkerGroup:
     def __init__(self, target: Callable, procs: int, args: Sequence[tuple], name: str = "worker",
                  start_method: str = "spawn"):
         self.ctx = context(start_method)
-        parent_pid = os.getpid() if start_method == "spawn" else 0
+        parent_pid = os.getpid()
         self.name = name
         self._errors = self.ctx.SimpleQueue()
         self._tracebacks: dict = {}

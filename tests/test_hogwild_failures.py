@@ -77,3 +77,41 @@ def test_signal_stops_every_child_without_leaks(tmp_path, cli_env, sig):
     summary = read_json(out / "summary.json")
     assert summary["status"] == "interrupted" and summary["samples"] > 0
     assert (out / "checkpoint.pt").is_file()  # nothing lost: resumable
+
+
+def _start_training(out, cli_env, *extra):
+    proc = subprocess.Popen(
+        asyncsgd_cmd("hogwild", "--procs", 3, "--epochs", 100000, "--out", out,
+                     "--progress", "off", *extra),
+        env=cli_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()
+        if (out / "metrics.jsonl").exists() and any(
+                e["event"] == "train" for e in read_events(out)):
+            return proc
+    proc.kill()
+    pytest.fail("training never started")
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_parent_sigkill_leaves_no_orphans_or_shm(tmp_path, cli_env, start_method):
+    shm_before = _shm_entries()
+    proc = _start_training(tmp_path / "run", cli_env, "--start-method", start_method)
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        assert len(descendants) >= 3  # the workers (and forkserver / resource tracker)
+        proc.kill()
+        proc.wait(timeout=10)
+        gone, alive = psutil.wait_procs(descendants, timeout=10)
+        assert not alive, f"orphans after the parent was killed: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 10
+    while _shm_entries() - shm_before and time.monotonic() < deadline:
+        time.sleep(0.2)  # the resource tracker unlinks what the dead parent held
+    assert _shm_entries() - shm_before == set()
