@@ -273,7 +273,7 @@ def _supervise(cfg: HogwildConfig, recorder: Recorder, group: WorkerGroup, contr
     events.emit()
     samples = events.samples()
     result = recorder.evaluate(samples)
-    recorder.show(samples, events.rate(), force=True)
+    recorder.show(samples, throughput["steady_samples_per_second"] or 0.0, force=True)
     recorder.checkpoint(samples, int(counters[:, EPOCHS].min()))
     summary = recorder.finish(samples, stopped_by, status,
                               error=str(error) if error else None, **throughput, **extra)

@@ -62,7 +62,7 @@ class Progress:
             filled = int(frac * 20)
             bar = f"{frac * 100:3.0f}% |{'#' * filled}{'.' * (20 - filled)}| "
         line = f"\r[{self.label}] {bar}{_fmt_time(t)} {self._status(samples, rate)}"
-        self.stream.write(line[:160].ljust(100) + "\x1b[K")
+        self.stream.write(line + "\x1b[K")  # erase what a longer previous line left
         self.stream.flush()
         self._drawn = True
 

@@ -105,3 +105,19 @@ def test_resume_continues_from_the_checkpoint(tmp_path, run_cli):
     wrong = run_cli("hogwild", "--resume", out, "--task", "mnist1d-mlp")
     assert wrong.returncode != 0
     assert "keeps its task" in wrong.stderr and "Traceback" not in wrong.stderr
+
+
+def test_target_accuracy_and_max_seconds_stop_the_run(tmp_path):
+    hit = train(_cfg(tmp_path, procs=2, epochs=1000, target_accuracy=0.5, eval_every=0.2))
+    s = hit.summary
+    assert s["stopped_by"] == "target_accuracy" and s["status"] == "ok"
+    assert s["final_accuracy"] >= 0.5 and s["time_to_target"] is not None
+    assert s["samples"] < 1000 * 4000
+    evals = [e for e in read_events(hit.run_dir) if e["event"] == "eval"]
+    assert s["time_to_target"] == next(e["t"] for e in evals if e["accuracy"] >= 0.5)
+
+    capped = train(_cfg(tmp_path, procs=2, epochs=1000, max_seconds=3, out=str(tmp_path / "b")))
+    c = capped.summary
+    assert c["stopped_by"] == "max_seconds"
+    assert 3 <= c["train_seconds"] < 3 + 15  # stop, join and final evaluation are bounded
+    assert c["time_to_target"] is None and c["target_accuracy"] is None
