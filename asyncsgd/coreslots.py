@@ -5,7 +5,7 @@ four per core every few milliseconds; each switch starts a process with cold
 caches and TLB, and aggregate throughput falls (here ~20% below two
 processes). A ``TokenRing`` keeps ``cores`` run tokens circulating among the
 processes in a fixed ring: a process trains only while it holds a token and
-passes it to the next process after a quantum (50 ms), so at most one process
+passes it to the next process after a quantum (250 ms), so at most one process
 runs per core and switches are rare. Every process still updates the shared
 parameters lock-free; only *when* it computes changes. The ring is fair by
 construction: each token visits every process in turn.

@@ -1,0 +1,187 @@
+"""The parameter-server wire protocol (spec: PROTOCOL.md beside this file).
+
+A message is one msgpack *header* frame followed by one raw frame per tensor
+segment, after pyzmq's serialization example: metadata first, then buffers
+sent without copying. Nothing is ever pickled.
+
+``encode`` turns a ``Message`` into frames; ``decode`` turns frames back into a
+``Message`` or raises ``ProtocolError``, and nothing else, whatever the bytes.
+It bounds the header before unpacking it, refuses msgpack extension types,
+checks every field's type, allows only known dtypes and checks each frame's
+length against its descriptor. Tensors it returns are read-only views of the
+received frames (no copy).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import msgpack
+import torch
+
+from .errors import AsyncSGDError
+
+VERSION = 1
+MAX_HEADER_BYTES = 64 * 1024
+MAX_SEGMENTS = 4096
+MAX_META_ITEMS = 1024
+FRAME_BYTES = 4 * 1024 * 1024  # tensors travel in frames of at most 4 MiB (see PROTOCOL.md)
+
+HELLO, WELCOME, PULL, PARAMS, PUSH, ACK, ERROR, HEARTBEAT, STATS, BYE = (
+    "hello", "welcome", "pull", "params", "push", "ack", "error", "heartbeat", "stats", "bye")
+TYPES = frozenset({HELLO, WELCOME, PULL, PARAMS, PUSH, ACK, ERROR, HEARTBEAT, STATS, BYE})
+
+DTYPES = {
+    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+# Decoded tensors view read-only zmq frames; torch warns about that on every
+# frombuffer. We never write to them (the shard reads gradients, the worker
+# copies parameters into its own buffer).
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+class ProtocolError(AsyncSGDError):
+    """A message that breaks the protocol; ``code`` is a short machine-readable reason."""
+
+    def __init__(self, code: str, detail: str):
+        self.code = code
+        super().__init__(f"{code}: {detail}")
+
+
+@dataclass
+class Segment:
+    """A tensor at ``offset`` (in elements) of the receiver's flat parameter vector."""
+
+    offset: int
+    data: torch.Tensor
+
+
+@dataclass
+class Message:
+    type: str
+    worker: str = ""
+    incarnation: int = 0
+    seq: int = 0
+    clock: int = 0
+    shard: int = -1
+    meta: dict = field(default_factory=dict)
+    segments: list = field(default_factory=list)
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor, without copying when it is contiguous."""
+    flat = t.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def encode(msg: Message) -> list:
+    """Frames for ``msg``: the header, then one buffer per segment (zero-copy views)."""
+    header = {
+        "v": VERSION, "t": msg.type, "w": msg.worker, "i": msg.incarnation, "s": msg.seq,
+        "c": msg.clock, "sh": msg.shard, "m": msg.meta,
+        "d": [[seg.offset, DTYPE_NAMES[seg.data.dtype], list(seg.data.shape)]
+              for seg in msg.segments],
+    }
+    return [msgpack.packb(header, use_bin_type=True)] + [_raw(seg.data) for seg in msg.segments]
+
+
+def split(flat: torch.Tensor, offset: int = 0, frame_bytes: int = FRAME_BYTES) -> list:
+    """Segments of at most ``frame_bytes`` covering the 1-D tensor ``flat``."""
+    step = max(1, frame_bytes // flat.element_size())
+    return [Segment(offset + i, flat[i:i + step]) for i in range(0, len(flat), step)]
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError("bad-header", f"msgpack extension type {code} is not allowed")
+
+
+def _buffer(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", None)  # zmq.Frame
+    return buf if buf is not None else memoryview(frame)
+
+
+def _int(header: dict, key: str, lo: int = 0, hi: int = 2 ** 63 - 1) -> int:
+    value = header.get(key, 0)
+    if type(value) is not int or not lo <= value <= hi:
+        raise ProtocolError("bad-field", f"field {key!r} must be an integer in [{lo}, {hi}]")
+    return value
+
+
+def decode(frames: Sequence[Any]) -> Message:
+    """Parse and check a received message; every failure is a ``ProtocolError``."""
+    if not frames:
+        raise ProtocolError("empty", "no frames")
+    head = _buffer(frames[0])
+    if len(head) > MAX_HEADER_BYTES:
+        raise ProtocolError("header-too-large",
+                            f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(
+            head, raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True,
+            max_str_len=MAX_HEADER_BYTES, max_bin_len=0, max_array_len=MAX_SEGMENTS * 3,
+            max_map_len=MAX_META_ITEMS, max_ext_len=0)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several types (and ValueError on depth)
+        raise ProtocolError("bad-header", f"undecodable msgpack: {type(exc).__name__}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("bad-header", "header is not a map")
+    if header.get("v") != VERSION:
+        raise ProtocolError("bad-version", f"protocol version {header.get('v')!r}; "
+                                           f"this build speaks {VERSION}")
+    kind = header.get("t")
+    if kind not in TYPES:
+        raise ProtocolError("bad-type", f"unknown message type {kind!r}")
+    worker = header.get("w", "")
+    if not isinstance(worker, str) or len(worker) > 256:
+        raise ProtocolError("bad-field", "field 'w' must be a string of at most 256 characters")
+    meta = header.get("m", {})
+    if not isinstance(meta, dict):
+        raise ProtocolError("bad-field", "field 'm' must be a map")
+    descriptors = header.get("d", [])
+    if not isinstance(descriptors, list) or len(descriptors) > MAX_SEGMENTS:
+        raise ProtocolError("bad-field", f"field 'd' must be a list of at most {MAX_SEGMENTS}")
+    if len(descriptors) != len(frames) - 1:
+        raise ProtocolError("frame-count", f"{len(descriptors)} descriptors but "
+                                           f"{len(frames) - 1} tensor frames")
+    msg = Message(type=kind, worker=worker, incarnation=_int(header, "i"), seq=_int(header, "s"),
+                  clock=_int(header, "c"), shard=_int(header, "sh", -1, 1 << 20), meta=meta)
+    for desc, frame in zip(descriptors, frames[1:]):
+        msg.segments.append(_segment(desc, _buffer(frame)))
+    return msg
+
+
+def _segment(desc: Any, buf: memoryview) -> Segment:
+    if not (isinstance(desc, list) and len(desc) == 3):
+        raise ProtocolError("bad-descriptor", "a descriptor is [offset, dtype, shape]")
+    offset, dtype_name, shape = desc
+    if type(offset) is not int or offset < 0 or offset >= 2 ** 62:
+        raise ProtocolError("bad-descriptor", f"offset {offset!r} is not a small non-negative int")
+    dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    if dtype is None:
+        raise ProtocolError("bad-dtype", f"dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
+    if not (isinstance(shape, list) and len(shape) <= 8 and
+            all(type(n) is int and 0 <= n < 2 ** 40 for n in shape)):
+        raise ProtocolError("bad-descriptor", f"shape {shape!r} is not a list of up to 8 sizes")
+    numel = math.prod(shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if numel * itemsize != len(buf):
+        raise ProtocolError("length-mismatch", f"descriptor {shape} of {dtype_name} needs "
+                                               f"{numel * itemsize} bytes, frame has {len(buf)}")
+    data = torch.frombuffer(buf, dtype=dtype) if numel else torch.empty(0, dtype=dtype)
+    return Segment(offset, data.view(shape))
+
+
+def error_message(code: str, detail: str, reply_to: Message = None) -> Message:
+    """The ERROR reply: what was wrong, echoing the offending message's sequence number."""
+    return Message(type=ERROR, seq=reply_to.seq if reply_to else 0,
+                   worker=reply_to.worker if reply_to else "",
+                   meta={"code": code, "error": detail[:1000]})
