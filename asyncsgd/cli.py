@@ -16,7 +16,8 @@ from typing import Optional
 
 import click
 
-from .config import HogwildConfig, click_options, config_from_dict
+from .config import (HogwildConfig, ServerConfig, WorkerConfig, click_options,
+                     config_from_dict)
 from .errors import AsyncSGDError, ConfigError
 from .version import __version__
 
@@ -108,6 +109,61 @@ def hogwild(ctx: click.Context, **_: object) -> None:
         click.echo(f"interrupted; continue with: asyncsgd hogwild --resume {result.run_dir}",
                    err=True)
         ctx.exit(INTERRUPTED)
+
+
+@cli.command("ps-server", epilog="Examples:\n\n\b\n"
+             "  asyncsgd ps-server --task mnist1d-cnn --shards 2 --bind tcp://0.0.0.0:5555\n"
+             "  asyncsgd ps-server --consistency ssp:2 --workers 4 --optimizer adam --lr 0.01\n"
+             "  asyncsgd ps-server --consistency sync --workers 2")
+@click_options(ServerConfig)
+@click.pass_context
+def ps_server(ctx: click.Context, **_: object) -> None:
+    """Parameter server: shards own slices of the parameters and apply workers' pushes.
+
+    Workers connect to --bind; the handshake checks their model and tells them
+    where the shards listen. Training ends when every worker has left (or on
+    --max-seconds, --target-accuracy, Ctrl-C); the run directory has the same
+    format as every mode's, with updates/s and staleness added.
+    """
+    from servers.server import serve
+    cfg = _build_config(ServerConfig, ctx)
+    result = serve(cfg, argv=sys.argv)
+    _report(result.summary)
+    if result.summary["status"] == "interrupted":
+        ctx.exit(INTERRUPTED)
+
+
+@cli.command(epilog="Examples:\n\n\b\n"
+             "  asyncsgd worker --server tcp://10.0.0.1:5555 --rank 0 --world 2\n"
+             "  RANK=1 WORLD_SIZE=2 asyncsgd worker --server tcp://10.0.0.1:5555")
+@click_options(WorkerConfig)
+def worker(**params: object) -> None:
+    """A parameter-server worker: pull, compute gradients on its partition, push.
+
+    Its partition of the training data follows from --rank and --world (or the
+    RANK/WORLD_SIZE that torchrun sets, or SLURM_PROCID/SLURM_NTASKS).
+    """
+    from workers.worker import run_worker
+    result = run_worker(WorkerConfig(**params))
+    if result.stats.get("ended_by_server"):
+        click.echo("the server ended training")
+    click.echo(f"worker {result.worker}: {result.steps} steps, {result.pushes} pushes, "
+               f"{result.samples:,} samples in {result.seconds:.1f} s "
+               f"(retries {result.stats['retries']}, duplicate acks "
+               f"{result.stats['duplicate_acks']})")
+
+
+@cli.command("ps-stats")
+@click.option("--server", default="tcp://127.0.0.1:5555", show_default=True,
+              metavar="tcp://HOST:PORT", help="The server's address.")
+@click.option("--timeout", default=5.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds to wait for the answer.")
+def ps_stats(server: str, timeout: float) -> None:
+    """Print a running server's counters as JSON: updates, live workers, staleness."""
+    import json
+
+    from .stats import fetch_stats
+    click.echo(json.dumps(fetch_stats(server, timeout), indent=2, sort_keys=True))
 
 
 def main(argv: Optional[list] = None) -> None:

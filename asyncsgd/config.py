@@ -52,8 +52,8 @@ def threads_per_process(procs: int, override: int = 0) -> int:
 
 
 @dataclass
-class TrainConfig:
-    """Settings every training mode shares."""
+class RunConfig:
+    """Settings of every run that evaluates a model and writes a run directory."""
 
     task: str = knob(
         "mnist1d-cnn",
@@ -70,19 +70,6 @@ class TrainConfig:
     cache_dir: Optional[str] = knob(
         None, "Where generated data sets are cached.", metavar="DIR",
         show="$ASYNCSGD_CACHE or ~/.cache/asyncsgd")
-    batch_size: Optional[int] = knob(
-        None, "Samples per step in each process.", type=click.IntRange(min=1),
-        show="task's default")
-    lr: Optional[float] = knob(
-        None, "SGD learning rate (of every process).", type=click.FloatRange(min=0, min_open=True),
-        show="task's default")
-    momentum: float = knob(
-        0.0, "SGD momentum. In Hogwild each process keeps its own momentum buffer.",
-        type=click.FloatRange(0, 1, max_open=True))
-    weight_decay: float = knob(0.0, "L2 weight decay.", type=click.FloatRange(min=0))
-    epochs: int = knob(
-        20, "Passes over the training data (each process passes over its own partition).",
-        type=click.IntRange(min=1))
     max_seconds: Optional[float] = knob(
         None, "Stop after this many seconds of training.",
         type=click.FloatRange(min=0, min_open=True), show="no limit")
@@ -110,18 +97,39 @@ class TrainConfig:
         type=click.FloatRange(min=0))
     tensorboard: bool = knob(
         False, "Also write TensorBoard event files into the run directory.")
-    start_method: str = knob(
-        "spawn", "How worker processes start: spawn (a fresh interpreter each) or forkserver "
-        "(one fresh server imports torch once and forks each worker: much faster start-up "
-        "with many processes).", type=click.Choice(["spawn", "forkserver"]))
     progress: str = knob(
         "auto", "Progress display: a bar on a terminal and log lines otherwise (auto), "
         "or force bar, log or off.", type=click.Choice(["auto", "bar", "log", "off"]))
 
-    mode = "train"
+    mode = "run"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclass
+class TrainConfig(RunConfig):
+    """Settings of the modes that run the SGD loop themselves (Hogwild, later DDP, single)."""
+
+    batch_size: Optional[int] = knob(
+        None, "Samples per step in each process.", type=click.IntRange(min=1),
+        show="task's default")
+    lr: Optional[float] = knob(
+        None, "SGD learning rate (of every process).", type=click.FloatRange(min=0, min_open=True),
+        show="task's default")
+    momentum: float = knob(
+        0.0, "SGD momentum. In Hogwild each process keeps its own momentum buffer.",
+        type=click.FloatRange(0, 1, max_open=True))
+    weight_decay: float = knob(0.0, "L2 weight decay.", type=click.FloatRange(min=0))
+    epochs: int = knob(
+        20, "Passes over the training data (each process passes over its own partition).",
+        type=click.IntRange(min=1))
+    start_method: str = knob(
+        "spawn", "How worker processes start: spawn (a fresh interpreter each) or forkserver "
+        "(one fresh server imports torch once and forks each worker: much faster start-up "
+        "with many processes).", type=click.Choice(["spawn", "forkserver"]))
+
+    mode = "train"
 
 
 @dataclass
@@ -188,3 +196,102 @@ def click_options(cls):
         return func
 
     return decorate
+
+
+@dataclass
+class ServerConfig(RunConfig):
+    """Settings of ``asyncsgd ps-server``."""
+
+    bind: str = knob(
+        "tcp://0.0.0.0:5555", "Address workers connect to. Shards listen on free ports of "
+        "the same host and are announced in the handshake.", metavar="tcp://HOST:PORT")
+    shards: int = knob(1, "Shard processes; the parameters are split evenly by bytes.",
+                       type=click.IntRange(min=1))
+    optimizer: str = knob("sgd", "Update rule each shard applies to its slice.",
+                          type=click.Choice(["sgd", "momentum", "adagrad", "adam"]))
+    lr: Optional[float] = knob(
+        None, "Learning rate of the shards' update rule.",
+        type=click.FloatRange(min=0, min_open=True), show="task's default")
+    momentum: float = knob(0.9, "Momentum of the 'momentum' rule.",
+                           type=click.FloatRange(0, 1, max_open=True))
+    weight_decay: float = knob(0.0, "L2 weight decay of the update rule.",
+                               type=click.FloatRange(min=0))
+    consistency: str = knob(
+        "async", "async (apply every push on arrival), ssp:K (no worker more than K clocks "
+        "ahead of the slowest live one) or sync (mean of one push per live worker).",
+        metavar="async|ssp:K|sync")
+    workers: int = knob(1, "Workers expected: ssp and sync wait for this many before starting.",
+                        type=click.IntRange(min=1))
+    sync_reduce: str = knob("mean", "How sync combines a round's pushes.",
+                            type=click.Choice(["mean", "sum"]))
+    staleness_lr: bool = knob(
+        False, "Divide the learning rate by a push's staleness (Zhang et al. 2016).")
+    dc_asgd: Optional[float] = knob(
+        None, "Delay-compensated ASGD (Zheng et al. 2017) with this lambda, e.g. 0.04.",
+        type=click.FloatRange(min=0), show="off")
+    heartbeat_timeout: float = knob(
+        10.0, "Seconds of silence after which a worker is dropped from ssp/sync barriers.",
+        type=click.FloatRange(min=0.1))
+    max_grad_norm: Optional[float] = knob(
+        None, "Reject pushes whose gradient norm (per shard) exceeds this.",
+        type=click.FloatRange(min=0, min_open=True), show="no bound")
+    allow_nonfinite: bool = knob(
+        False, "Apply gradients holding NaN or Inf (rejected by default).")
+    exit_when_done: bool = knob(
+        True, "Stop once every worker that joined has left (said bye or went silent).")
+
+    mode = "ps"
+
+
+@dataclass
+class WorkerConfig:
+    """Settings of ``asyncsgd worker``."""
+
+    server: str = knob("tcp://127.0.0.1:5555", "The server's address.",
+                       metavar="tcp://HOST:PORT")
+    task: str = knob("mnist1d-cnn", "Task; must match the server's model.",
+                     metavar="NAME|MODULE:FUNC")
+    samples: Optional[int] = knob(None, "Samples of generated tasks (as on the server).",
+                                  type=click.IntRange(min=10), show="task's default")
+    data_dir: Optional[str] = knob(None, "Directory with MNIST IDX files (mnist-* tasks).",
+                                   metavar="DIR")
+    cache_dir: Optional[str] = knob(None, "Where generated data sets are cached.",
+                                    metavar="DIR", show="$ASYNCSGD_CACHE or ~/.cache/asyncsgd")
+    rank: Optional[int] = knob(
+        None, "This worker's index; its data partition follows from rank and world.",
+        type=click.IntRange(min=0), show="$RANK or $SLURM_PROCID or 0")
+    world: Optional[int] = knob(
+        None, "Number of workers sharing the data.", type=click.IntRange(min=1),
+        show="$WORLD_SIZE or $SLURM_NTASKS or 1")
+    epochs: int = knob(20, "Passes over this worker's partition.", type=click.IntRange(min=1))
+    batch_size: Optional[int] = knob(None, "Samples per gradient.", type=click.IntRange(min=1),
+                                     show="task's default")
+    push_every: int = knob(
+        1, "Local steps per push (Downpour's n_push): between pushes the worker applies "
+        "plain SGD locally with --local-lr and pushes the summed gradients.",
+        type=click.IntRange(min=1))
+    local_lr: Optional[float] = knob(None, "Learning rate of local steps (--push-every > 1).",
+                                     type=click.FloatRange(min=0, min_open=True),
+                                     show="task's default")
+    max_seconds: Optional[float] = knob(None, "Stop after this many seconds.",
+                                        type=click.FloatRange(min=0, min_open=True),
+                                        show="no limit")
+    seed: int = knob(0, "Seed of the data order (the partition uses the server's seed 0).")
+    device: str = knob("cpu", "Where the gradients are computed.",
+                       type=click.Choice(["cpu", "cuda"]))
+    threads: int = knob(
+        0, "Torch threads; 0 means CPU cores // workers on this host ($LOCAL_WORLD_SIZE or "
+        "$SLURM_NTASKS_PER_NODE, else 1). Several workers on one host each starting one "
+        "thread per core slow every step ~20x.", type=click.IntRange(min=0))
+    heartbeat: float = knob(1.0, "Seconds between heartbeats while waiting on the server.",
+                            type=click.FloatRange(min=0.05))
+    server_timeout: float = knob(
+        60.0, "Give up with an error after the server has been unreachable this long.",
+        type=click.FloatRange(min=0.1))
+    progress: str = knob("auto", "Progress display (auto, bar, log, off).",
+                         type=click.Choice(["auto", "bar", "log", "off"]))
+
+    mode = "worker"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

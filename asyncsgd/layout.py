@@ -1,0 +1,102 @@
+"""How a model's parameters are laid out for the parameter server.
+
+All parameters are concatenated, in ``named_parameters()`` order, into one
+flat float32 vector; shard ``i`` of ``S`` owns a contiguous, equal-sized range
+of it, so shards are balanced by bytes and a large tensor may be split across
+shards. The *signature* (names, shapes, dtypes and their digest) is what a
+worker and the server compare at the handshake: a worker running another
+model is refused instead of silently corrupting the parameters.
+
+A worker binds its local model to two flat buffers: every parameter becomes a
+view of ``flat_params`` and every gradient a view of ``flat_grads``. A pull
+then copies received bytes straight into the model, and a push sends slices of
+``flat_grads`` without gathering anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple
+    offset: int
+    numel: int
+
+
+class Layout:
+    def __init__(self, specs: list):
+        self.specs = specs
+        self.total = sum(s.numel for s in specs)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "Layout":
+        specs, offset = [], 0
+        for name, p in model.named_parameters():
+            if p.dtype != torch.float32:
+                raise ConfigError(f"parameter {name} is {p.dtype}; the parameter server "
+                                  "holds float32 parameters (keep the model in float32)")
+            specs.append(ParamSpec(name, tuple(p.shape), offset, p.numel()))
+            offset += p.numel()
+        if not specs:
+            raise ConfigError("the model has no parameters to serve")
+        return cls(specs)
+
+    def signature(self) -> dict:
+        body = {"names": [s.name for s in self.specs],
+                "shapes": [list(s.shape) for s in self.specs],
+                "dtypes": ["float32"] * len(self.specs)}
+        digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+        return {**body, "digest": digest, "total": self.total}
+
+    def shard_ranges(self, shards: int) -> list:
+        """``[(start, end), ...]``: contiguous, equal-sized (±1 element) slices."""
+        if not 1 <= shards <= self.total:
+            raise ConfigError(f"--shards {shards}: must be between 1 and the number of "
+                              f"parameters ({self.total})")
+        bounds = [self.total * i // shards for i in range(shards + 1)]
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    def flatten(self, model: nn.Module) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).float().clone()
+
+    def bind(self, model: nn.Module, flat_params: torch.Tensor, flat_grads: torch.Tensor) -> None:
+        """Make the model's parameters and gradients views of the flat buffers (copied in)."""
+        with torch.no_grad():
+            for spec, p in zip(self.specs, model.parameters()):
+                view = flat_params[spec.offset:spec.offset + spec.numel].view(spec.shape)
+                view.copy_(p)
+                p.data = view
+                p.grad = flat_grads[spec.offset:spec.offset + spec.numel].view(spec.shape)
+
+    def state_dict(self, flat: torch.Tensor) -> dict:
+        """``{name: tensor}`` of a flat parameter vector, as the model's state_dict names them."""
+        return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape).clone() for s in self.specs}
+
+
+def signature_mismatch(ours: dict, theirs: dict) -> str:
+    """A readable difference between two signatures, or '' when they agree."""
+    if not isinstance(theirs, dict):
+        return "no model signature was sent"
+    if theirs.get("digest") == ours["digest"]:
+        return ""
+    names, shapes = theirs.get("names") or [], theirs.get("shapes") or []
+    for i, name in enumerate(ours["names"]):
+        if i >= len(names):
+            return f"the worker's model lacks parameter {name}"
+        if names[i] != name:
+            return f"parameter {i} is {names[i]!r} on the worker but {name!r} on the server"
+        if i < len(shapes) and list(shapes[i]) != ours["shapes"][i]:
+            return f"{name} has shape {shapes[i]} on the worker but {ours['shapes'][i]} on the server"
+    if len(names) > len(ours["names"]):
+        return f"the worker's model has extra parameter {names[len(ours['names'])]}"
+    return "model signatures differ (dtypes)"

@@ -1,0 +1,28 @@
+"""Ask a running parameter server for its counters (``asyncsgd ps-stats``)."""
+
+from __future__ import annotations
+
+import zmq
+
+from .errors import AsyncSGDError
+from .protocol import ERROR, STATS, Message, decode
+from .transport import dealer, recv, send
+
+
+def fetch_stats(server: str, timeout: float = 5.0) -> dict:
+    if not server.startswith("tcp://"):
+        raise AsyncSGDError(f"--server {server!r}: use tcp://HOST:PORT")
+    ctx = zmq.Context()
+    sock = dealer(ctx, server)
+    try:
+        send(sock, Message(type=STATS, seq=1))
+        if not sock.poll(int(timeout * 1000)):
+            raise AsyncSGDError(f"no answer from {server} within {timeout:g} s; is "
+                                "'asyncsgd ps-server' running there?")
+        reply = decode(recv(sock, router_side=False)[1])
+        if reply.type == ERROR:
+            raise AsyncSGDError(f"{server} answered with an error: {reply.meta.get('error')}")
+        return reply.meta
+    finally:
+        sock.close(0)
+        ctx.term()

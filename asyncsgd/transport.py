@@ -1,0 +1,82 @@
+"""ZeroMQ sockets at the edge: configured once, moving frames, never reading them.
+
+Every socket gets finite limits: LINGER 0 (closing never hangs), a maximum
+inbound frame size (a peer sending more is disconnected, see ZMQ_MAXMSGSIZE),
+TCP keepalive, and on ROUTERs ROUTER_MANDATORY, so a reply to a vanished peer
+becomes an error we count instead of a silent drop. High-water marks keep
+their defaults: a small HWM on a ROUTER silently dropped replies under load
+here (see shared/MACHINE-LIMITS.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import zmq
+
+from .protocol import FRAME_BYTES, MAX_HEADER_BYTES, Message, encode
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME = FRAME_BYTES + MAX_HEADER_BYTES
+COPY_BELOW = 64 * 1024  # pyzmq: zero-copy costs more than a memcpy for small frames
+
+
+def _common(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
+
+
+def router(ctx: zmq.Context, bind: str) -> tuple:
+    """A bound ROUTER and its actual endpoint (``tcp://host:0`` picks a free port)."""
+    sock = ctx.socket(zmq.ROUTER)
+    _common(sock)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if bind.endswith(":0"):
+        port = sock.bind_to_random_port(bind[:-2])
+        endpoint = f"{bind[:-2]}:{port}"
+    else:
+        sock.bind(bind)
+        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    return sock, endpoint
+
+
+def dealer(ctx: zmq.Context, connect: str, identity: Optional[bytes] = None) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    _common(sock)
+    if identity:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(connect)
+    return sock
+
+
+def send(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None, copy: bool = True) -> bool:
+    """Send ``msg`` (to ``peer`` on a ROUTER). False if the peer is gone or not keeping up.
+
+    ``copy=False`` sends tensor frames without copying: only for buffers that stay
+    unchanged until the peer has answered (a worker's gradients until the ACK).
+    """
+    frames = encode(msg)
+    parts: Sequence = ([peer] if peer is not None else []) + frames
+    zero_copy = not copy and any(len(f) >= COPY_BELOW for f in frames[1:])
+    try:
+        sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=not zero_copy)
+        return True
+    except zmq.Again:
+        log.warning("send queue full for a peer; reply dropped (the peer will retry)")
+    except zmq.ZMQError as exc:
+        if exc.errno != zmq.EHOSTUNREACH:
+            raise
+        log.info("peer disconnected before its reply could be sent")
+    return False
+
+
+def recv(sock: zmq.Socket, router_side: bool) -> tuple:
+    """``(peer, frames)`` from a ROUTER (``peer`` None on a DEALER); frames uncopied."""
+    frames = sock.recv_multipart(copy=False)
+    if router_side:
+        return frames[0].bytes, frames[1:]
+    return None, frames

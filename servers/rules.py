@@ -1,0 +1,419 @@
+"""Update rules of a parameter-server shard, as plain objects.
+
+A shard owns a flat 1-D float32 tensor ``params`` (its slice of the model's
+flattened parameters). A worker's gradient push arrives as a list of
+segments ``(offset, grad)``: ``grad`` is a 1-D float32 tensor covering
+``params[offset: offset + len(grad)]``. Segments of one push are disjoint and
+usually tile the whole slice, but a push may cover only part of it.
+
+Design:
+
+* No sockets, no processes, no torch.optim. The server loop owns the
+  networking and hands each decoded push to ``UpdateRule.step``; keeping the
+  arithmetic here makes it testable against ``torch.optim`` in isolation, and
+  avoids ``torch.optim``'s ``torch._dynamo`` import (seconds of CPU per
+  process on a small machine, see ``asyncsgd/optim.py``).
+* Each rule reproduces the arithmetic of the matching ``torch.optim``
+  single-tensor implementation op for op (same in-place ops, same scalar
+  expressions), so results agree with PyTorch to the last bit, not just
+  approximately. Plain SGD without weight decay is exactly
+  ``p.sub_(g, alpha=lr * lr_scale)``: with lr = 1 and integer-valued
+  gradients the result is exact, which the project's oracle tests rely on.
+* Optimizer state (momentum buffer, Adagrad sum, Adam moments) is allocated
+  once, full size, at construction. A segment updates the matching slice of
+  params and state through views, with in-place ops; the only temporaries
+  are segment-sized. Uncovered elements of a partial push, and their state,
+  are left untouched.
+* One push is one optimizer step: ``steps`` (Adam's bias-correction ``t``)
+  increments once per push however many segments it has. A consequence for
+  partial pushes under Adam: an element's moments only decay when a push
+  covers it, but bias correction uses the shard-wide ``t`` (this is the
+  shard-level analogue of torch's per-parameter step; with full-coverage
+  pushes, the usual case, it is exactly torch.optim.Adam).
+* Every push is validated completely before any element changes, so a
+  malformed push raises ``ValueError`` (the server turns it into an error
+  reply) and leaves params and state exactly as they were.
+* Received gradients may be read-only views of network buffers: no rule ever
+  writes to ``grad``; weight decay builds a segment-sized ``g + wd * p``.
+* ``state_dict`` holds only tensors, ints, floats and strings (loads with
+  ``torch.load(weights_only=True)``); ``load_state_dict`` copies into the
+  preallocated buffers, after checking name, size and shapes.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+RULES = ("sgd", "momentum", "adagrad", "adam")
+
+_DTYPE = torch.float32
+
+
+def _finite_float(what: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a number, got {value!r}")
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number, got {value!r}") from None
+    if not math.isfinite(out):
+        raise ValueError(f"{what} must be finite, got {value!r}")
+    return out
+
+
+class UpdateRule:
+    """Base class: validation, the step counter, state allocation and (de)serialisation.
+
+    Subclasses set ``name``, ``DEFAULTS`` (their hyperparameters and default
+    values), ``STATE`` (names of their full-size float32 state tensors) and
+    implement ``_check_hyper`` and ``_apply``.
+    """
+
+    name: str = "base"
+    DEFAULTS: Dict[str, Any] = {}
+    STATE: Tuple[str, ...] = ()
+
+    def __init__(self, size: int, lr: float, **hyper):
+        if isinstance(size, bool):
+            raise ValueError(f"size must be a positive int, got {size!r}")
+        try:
+            size = operator.index(size)
+        except TypeError:
+            raise ValueError(f"size must be a positive int, got {size!r}") from None
+        if size <= 0:
+            raise ValueError(f"size must be a positive int, got {size!r}")
+        lr = _finite_float("lr", lr)
+        if lr <= 0:
+            raise ValueError(f"lr must be > 0, got {lr!r}")
+        unknown = sorted(set(hyper) - set(self.DEFAULTS))
+        if unknown:
+            valid = ", ".join(sorted(self.DEFAULTS)) or "none"
+            raise ValueError(f"unknown hyperparameter(s) for rule {self.name!r}: "
+                             f"{', '.join(unknown)} (valid: {valid})")
+        self.size = size
+        self.lr = lr
+        # Number of pushes applied (one per step() call, not per segment).
+        self.steps = 0
+        self._check_hyper({**self.DEFAULTS, **hyper})
+        # Allocated once; segments update views of these in place.
+        self.state: Dict[str, torch.Tensor] = {
+            key: torch.zeros(size, dtype=_DTYPE) for key in self.STATE}
+
+    # -- subclass hooks -------------------------------------------------
+    def _check_hyper(self, hyper: Dict[str, Any]) -> None:
+        """Validate the merged hyperparameters and store them as attributes."""
+
+    def _hyper(self) -> Dict[str, Any]:
+        """Hyperparameters as ints/floats, for state_dict."""
+        return {}
+
+    def _apply(self, p: torch.Tensor, g: torch.Tensor, o: int, lr: float) -> None:
+        """Update the view ``p = params[o:o+n]`` with gradient ``g`` (never written)."""
+        raise NotImplementedError
+
+    # -- public API -----------------------------------------------------
+    def _validate(self, params: torch.Tensor, segments) -> List[Tuple[int, torch.Tensor]]:
+        if not isinstance(params, torch.Tensor):
+            raise ValueError(f"params must be a torch.Tensor, got {type(params).__name__}")
+        if params.dtype != _DTYPE or params.dim() != 1 or params.numel() != self.size:
+            raise ValueError(f"params must be a 1-D float32 tensor of {self.size} elements, "
+                             f"got {params.dtype} of shape {tuple(params.shape)}")
+        try:
+            items = list(segments)
+        except TypeError:
+            raise ValueError("segments must be a list of (offset, grad) pairs") from None
+        out: List[Tuple[int, torch.Tensor]] = []
+        for i, seg in enumerate(items):
+            try:
+                offset, grad = seg
+            except (TypeError, ValueError):
+                raise ValueError(f"segment {i} is not an (offset, grad) pair") from None
+            if isinstance(offset, bool):
+                raise ValueError(f"segment {i}: offset must be an int, got {offset!r}")
+            try:
+                offset = operator.index(offset)
+            except TypeError:
+                raise ValueError(f"segment {i}: offset must be an int, got {offset!r}") from None
+            if not isinstance(grad, torch.Tensor):
+                raise ValueError(f"segment {i}: grad must be a torch.Tensor, "
+                                 f"got {type(grad).__name__}")
+            if grad.dim() != 1:
+                raise ValueError(f"segment {i}: grad must be 1-D, got shape {tuple(grad.shape)}")
+            if grad.dtype != _DTYPE:
+                raise ValueError(f"segment {i}: grad must be float32, got {grad.dtype}")
+            if grad.device != params.device:
+                raise ValueError(f"segment {i}: grad is on {grad.device}, params on {params.device}")
+            n = grad.numel()
+            # An empty segment is rejected: no real push sends one, so it means a bug upstream.
+            if n == 0 or not 0 <= offset < self.size or offset + n > self.size:
+                raise ValueError(f"segment {i}: [{offset}, {offset + n}) is not a non-empty "
+                                 f"range within [0, {self.size})")
+            out.append((offset, grad))
+        # Overlapping segments would apply part of the gradient (and update state) twice.
+        spans = sorted((o, o + g.numel()) for o, g in out)
+        for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
+            if b0 < a1:
+                raise ValueError(f"segments overlap: [{a0}, {a1}) and [{b0}, {b1})")
+        return out
+
+    def step(self, params: torch.Tensor, segments: list, lr_scale: float = 1.0) -> None:
+        """Apply one push: segments is a list of (offset, grad) pairs; counts as ONE optimizer step
+        (e.g. Adam's step counter increments once per push, not per segment). lr_scale multiplies lr
+        (used for staleness-scaled learning rates)."""
+        lr_scale = _finite_float("lr_scale", lr_scale)
+        if lr_scale <= 0:
+            raise ValueError(f"lr_scale must be > 0, got {lr_scale!r}")
+        # Validate everything first: a bad push must not leave a half-applied update.
+        segs = self._validate(params, segments)
+        lr = self.lr * lr_scale
+        self.steps += 1
+        # no_grad: params may be a leaf that requires grad (e.g. an nn.Parameter).
+        with torch.no_grad():
+            for offset, grad in segs:
+                self._apply(params[offset: offset + grad.numel()], grad, offset, lr)
+
+    def state_dict(self) -> dict:
+        """A snapshot (cloned tensors) of everything needed to continue: only tensors, ints,
+        floats and strings."""
+        return {
+            "name": self.name,
+            "size": self.size,
+            "lr": self.lr,
+            "steps": self.steps,
+            "hyper": self._hyper(),
+            "state": {key: t.clone() for key, t in self.state.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the step count and state tensors saved by ``state_dict``.
+
+        Name and size must match this rule. Hyperparameters (lr included) are
+        not taken from ``state``: the rule keeps the ones it was constructed
+        with, so a resumed run follows its current configuration.
+        """
+        if not isinstance(state, dict):
+            raise ValueError(f"state must be a dict, got {type(state).__name__}")
+        missing = [k for k in ("name", "size", "steps", "state") if k not in state]
+        if missing:
+            raise ValueError(f"update-rule state lacks key(s): {', '.join(missing)}")
+        if state["name"] != self.name:
+            raise ValueError(f"update-rule state is for rule {state['name']!r}, "
+                             f"this rule is {self.name!r}")
+        if state["size"] != self.size:
+            raise ValueError(f"update-rule state is for size {state['size']!r}, "
+                             f"this rule has size {self.size}")
+        steps = state["steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"update-rule state has invalid steps {steps!r}")
+        tensors = state["state"]
+        if not isinstance(tensors, dict) or set(tensors) != set(self.STATE):
+            got = sorted(tensors) if isinstance(tensors, dict) else type(tensors).__name__
+            raise ValueError(f"update-rule state tensors {got} do not match "
+                             f"{sorted(self.STATE)} of rule {self.name!r}")
+        for key in self.STATE:
+            t = tensors[key]
+            if (not isinstance(t, torch.Tensor) or t.dtype != _DTYPE or t.dim() != 1
+                    or t.numel() != self.size):
+                desc = (f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+                        else type(t).__name__)
+                raise ValueError(f"update-rule state {key!r} must be a 1-D float32 tensor of "
+                                 f"{self.size} elements, got {desc}")
+        # All checked: now mutate (copy into the preallocated buffers).
+        for key in self.STATE:
+            self.state[key].copy_(tensors[key])
+        self.steps = steps
+
+    def __repr__(self) -> str:
+        hyper = "".join(f", {k}={v!r}" for k, v in self._hyper().items())
+        return f"{type(self).__name__}(size={self.size}, lr={self.lr!r}{hyper})"
+
+
+def _weight_decay(hyper: Dict[str, Any]) -> float:
+    wd = _finite_float("weight_decay", hyper["weight_decay"])
+    if wd < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {wd!r}")
+    return wd
+
+
+class SGD(UpdateRule):
+    """``p -= lr * lr_scale * (g + wd * p)`` (torch.optim.SGD without momentum)."""
+
+    name = "sgd"
+    DEFAULTS = {"weight_decay": 0.0}
+
+    def _check_hyper(self, hyper):
+        self.weight_decay = _weight_decay(hyper)
+
+    def _hyper(self):
+        return {"weight_decay": self.weight_decay}
+
+    def _apply(self, p, g, o, lr):
+        if self.weight_decay:
+            g = g.add(p, alpha=self.weight_decay)  # new segment-sized tensor: grad stays untouched
+        # Exactly this and nothing more when weight_decay == 0: the exact-oracle tests depend on it.
+        p.sub_(g, alpha=lr)
+
+
+class Momentum(UpdateRule):
+    """torch.optim.SGD with momentum (dampening 0, optional Nesterov).
+
+    ``buf = m * buf + (g + wd * p)``; ``p -= lr * lr_scale * buf`` (Nesterov:
+    ``p -= lr * lr_scale * (g' + m * buf)``). The buffer starts at zero, and
+    ``m * 0 + g`` is exactly ``g``, so the first step equals torch's
+    ``buf = g.clone()`` without tracking which elements were ever pushed.
+    """
+
+    name = "momentum"
+    DEFAULTS = {"momentum": 0.9, "weight_decay": 0.0, "nesterov": False}
+    STATE = ("momentum_buffer",)
+
+    def _check_hyper(self, hyper):
+        m = _finite_float("momentum", hyper["momentum"])
+        if not 0 <= m < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {m!r}")
+        nesterov = hyper["nesterov"]
+        if nesterov not in (True, False, 0, 1):
+            raise ValueError(f"nesterov must be a bool, got {nesterov!r}")
+        if nesterov and m == 0:
+            raise ValueError("nesterov momentum requires momentum > 0")
+        self.momentum, self.nesterov = m, bool(nesterov)
+        self.weight_decay = _weight_decay(hyper)
+
+    def _hyper(self):
+        # nesterov as an int: state_dict holds only tensors, ints, floats and strings.
+        return {"momentum": self.momentum, "weight_decay": self.weight_decay,
+                "nesterov": int(self.nesterov)}
+
+    def _apply(self, p, g, o, lr):
+        if self.weight_decay:
+            g = g.add(p, alpha=self.weight_decay)
+        buf = self.state["momentum_buffer"][o: o + g.numel()]
+        buf.mul_(self.momentum).add_(g)
+        if self.nesterov:
+            p.sub_(g.add(buf, alpha=self.momentum), alpha=lr)
+        else:
+            p.sub_(buf, alpha=lr)
+
+
+class Adagrad(UpdateRule):
+    """torch.optim.Adagrad (lr_decay 0, initial_accumulator_value 0).
+
+    ``sum += g * g``; ``p -= lr * lr_scale * g / (sqrt(sum) + eps)``.
+    """
+
+    name = "adagrad"
+    DEFAULTS = {"eps": 1e-10, "weight_decay": 0.0}
+    STATE = ("sum",)
+
+    def _check_hyper(self, hyper):
+        eps = _finite_float("eps", hyper["eps"])
+        if eps < 0:
+            raise ValueError(f"eps must be >= 0, got {eps!r}")
+        self.eps = eps
+        self.weight_decay = _weight_decay(hyper)
+
+    def _hyper(self):
+        return {"eps": self.eps, "weight_decay": self.weight_decay}
+
+    def _apply(self, p, g, o, lr):
+        if self.weight_decay:
+            g = g.add(p, alpha=self.weight_decay)
+        acc = self.state["sum"][o: o + g.numel()]
+        acc.addcmul_(g, g, value=1)
+        std = acc.sqrt().add_(self.eps)  # segment-sized temporary
+        p.addcdiv_(g, std, value=-lr)
+
+
+class Adam(UpdateRule):
+    """torch.optim.Adam (not amsgrad; weight_decay is L2 added to the gradient, default 0).
+
+    Bias correction uses ``t = self.steps``, incremented once per push.
+    """
+
+    name = "adam"
+    DEFAULTS = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    STATE = ("exp_avg", "exp_avg_sq")
+
+    def _check_hyper(self, hyper):
+        betas = hyper["betas"]
+        try:
+            b1, b2 = betas
+        except (TypeError, ValueError):
+            raise ValueError(f"betas must be a pair of floats, got {betas!r}") from None
+        b1, b2 = _finite_float("betas[0]", b1), _finite_float("betas[1]", b2)
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise ValueError(f"betas must be in [0, 1), got {betas!r}")
+        eps = _finite_float("eps", hyper["eps"])
+        if eps < 0:
+            raise ValueError(f"eps must be >= 0, got {eps!r}")
+        self.beta1, self.beta2, self.eps = b1, b2, eps
+        self.weight_decay = _weight_decay(hyper)
+
+    def _hyper(self):
+        return {"beta1": self.beta1, "beta2": self.beta2, "eps": self.eps,
+                "weight_decay": self.weight_decay}
+
+    def _apply(self, p, g, o, lr):
+        if self.weight_decay:
+            g = g.add(p, alpha=self.weight_decay)
+        n = g.numel()
+        m = self.state["exp_avg"][o: o + n]
+        v = self.state["exp_avg_sq"][o: o + n]
+        m.lerp_(g, 1 - self.beta1)
+        v.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
+        # Same scalar expressions as torch's single-tensor Adam, so results match bit for bit.
+        t = self.steps
+        bias_correction1 = 1 - self.beta1 ** t
+        bias_correction2 = 1 - self.beta2 ** t
+        step_size = lr / bias_correction1
+        denom = (v.sqrt() / bias_correction2 ** 0.5).add_(self.eps)  # segment-sized temporary
+        p.addcdiv_(m, denom, value=-step_size)
+
+
+_CLASSES = {cls.name: cls for cls in (SGD, Momentum, Adagrad, Adam)}
+assert tuple(_CLASSES) == RULES
+
+
+def make_rule(name: str, size: int, lr: float, **hyper) -> UpdateRule:
+    """The rule called ``name`` (one of RULES); ValueError naming the valid names otherwise."""
+    cls = _CLASSES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(f"unknown update rule {name!r}; valid rules: {', '.join(RULES)}")
+    return cls(size, lr, **hyper)
+
+
+def staleness_scale(staleness: int) -> float:
+    """1 / max(1, staleness): the staleness-aware learning rate of Zhang et al. 2016.
+
+    Staleness 0 (no update happened since the worker pulled) and 1 both give 1.0.
+    A negative staleness can only come from a bookkeeping bug, so it raises ValueError.
+    """
+    if isinstance(staleness, bool):
+        raise ValueError(f"staleness must be an int, got {staleness!r}")
+    try:
+        staleness = operator.index(staleness)
+    except TypeError:
+        raise ValueError(f"staleness must be an int, got {staleness!r}") from None
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    return 1.0 / max(1, staleness)
+
+
+def dc_asgd(grad: torch.Tensor, params: torch.Tensor, backup: torch.Tensor, lam: float) -> torch.Tensor:
+    """Delay-compensated gradient (Zheng et al. 2017, DC-ASGD): g + lam * g * g * (params - backup),
+    where backup is the parameter values the worker pulled. Returns a new tensor; never writes grad."""
+    if not (isinstance(grad, torch.Tensor) and isinstance(params, torch.Tensor)
+            and isinstance(backup, torch.Tensor)):
+        raise ValueError("grad, params and backup must be tensors")
+    if grad.shape != params.shape or grad.shape != backup.shape:
+        raise ValueError(f"shape mismatch: grad {tuple(grad.shape)}, params "
+                         f"{tuple(params.shape)}, backup {tuple(backup.shape)}")
+    lam = _finite_float("lam", lam)
+    # One new tensor (params - backup), then in place on it only: inputs are never written.
+    out = torch.sub(params, backup)
+    out.mul_(grad).mul_(grad).mul_(lam)
+    return out.add_(grad)

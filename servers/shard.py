@@ -1,0 +1,353 @@
+"""One shard's state and update logic, as a plain object: no sockets, no processes.
+
+``ShardState.handle(peer, message, now)`` takes a decoded request and returns
+the replies to send, each addressed to a peer (a deferred pull may be answered
+when *another* worker's push completes a round). ``tick(now)`` drops workers
+that went silent, which can release held pulls. The transport
+(``servers/shard_server.py``) only moves frames in and out.
+
+Consistency:
+  async   a push is applied on arrival; pulls are served at once.
+  ssp:K   pushes apply on arrival; a pull from a worker more than K clocks
+          (pushes) ahead of the slowest live worker is held until that worker
+          catches up or is declared dead.
+  sync    pushes of one round are summed; when every live worker has pushed,
+          their mean (or sum) is applied once, the pushes are acknowledged and
+          the held pulls answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from asyncsgd.errors import ConfigError
+from asyncsgd.protocol import (ACK, BYE, HEARTBEAT, PARAMS, PULL, PUSH, STATS, Message,
+                               error_message, split)
+
+from .rules import dc_asgd, make_rule, staleness_scale
+
+log = logging.getLogger(__name__)
+
+STALENESS_BUCKETS = 64  # staleness >= 63 counts in the last bucket
+
+
+def parse_consistency(text: str) -> tuple:
+    """``async`` → ("async", 0); ``ssp:K`` → ("ssp", K); ``sync`` → ("sync", 0)."""
+    if text in ("async", "sync"):
+        return text, 0
+    if text.startswith("ssp:"):
+        try:
+            bound = int(text[4:])
+        except ValueError:
+            bound = -1
+        if bound >= 0:
+            return "ssp", bound
+    raise ConfigError(f"--consistency {text!r}: use async, ssp:K (K >= 0 clocks) or sync")
+
+
+@dataclass
+class ShardConfig:
+    index: int
+    start: int
+    end: int
+    rule: str = "sgd"
+    lr: float = 0.1
+    hyper: dict = field(default_factory=dict)
+    consistency: str = "async"
+    expected_workers: int = 1
+    heartbeat_timeout: float = 10.0
+    staleness_lr: bool = False
+    dc_lambda: Optional[float] = None
+    sync_reduce: str = "mean"
+    reject_nonfinite: bool = True
+    max_grad_norm: Optional[float] = None
+    dedupe_window: int = 1024
+
+
+@dataclass
+class WorkerRecord:
+    worker: str
+    incarnation: int
+    peer: bytes
+    last_seen: float
+    pushes: int = 0
+    alive: bool = True
+    applied_seqs: set = field(default_factory=set)
+    seq_order: deque = field(default_factory=deque)
+    max_seq: int = -1
+    round_pushed: Optional[int] = None
+    held_pull: Optional[Message] = None
+    backup: Optional[torch.Tensor] = None
+
+
+class ShardState:
+    def __init__(self, cfg: ShardConfig, params: torch.Tensor):
+        if params.dim() != 1 or len(params) != cfg.end - cfg.start:
+            raise ConfigError(f"shard {cfg.index}: {len(params)} initial values for range "
+                              f"[{cfg.start}, {cfg.end})")
+        self.cfg = cfg
+        self.mode, self.bound = parse_consistency(cfg.consistency)
+        if cfg.sync_reduce not in ("mean", "sum"):
+            raise ConfigError(f"sync reduce {cfg.sync_reduce!r}: use mean or sum")
+        self.params = params.detach().clone().float()
+        self.size = len(self.params)
+        self.rule = make_rule(cfg.rule, self.size, cfg.lr, **cfg.hyper)
+        self.version = 0
+        self.workers: dict = {}
+        self.round_sum = torch.zeros(self.size) if self.mode == "sync" else None
+        self.round_acks: list = []  # (peer, ack) of pushes summed into the current round
+        self.counters = {"updates": 0, "pushes": 0, "duplicates": 0, "rejected": 0,
+                         "nonfinite": 0, "too_large": 0, "pulls": 0, "held_pulls": 0,
+                         "dropped_workers": 0, "max_pull_lead": 0}
+        self.staleness = [0] * STALENESS_BUCKETS
+        self.train = {}  # worker -> [loss sum, steps, samples] reported with pushes
+
+    # ---- requests -------------------------------------------------------------------
+
+    def handle(self, peer: bytes, msg: Message, now: float) -> list:
+        if msg.type == STATS:
+            return [(peer, Message(type=STATS, shard=self.cfg.index, seq=msg.seq,
+                                   meta=self.stats(now)))]
+        if msg.type == PULL and msg.meta.get("observer") is True:
+            # The server's evaluator reads parameters; it is no worker and joins no barrier.
+            return [(peer, self._params_reply(None, msg))]
+        if not msg.worker:
+            return [(peer, error_message("unknown-worker", "requests need a worker id", msg))]
+        record = self._touch(peer, msg, now)
+        if msg.type == HEARTBEAT:
+            return [(peer, Message(type=HEARTBEAT, shard=self.cfg.index, seq=msg.seq))]
+        if msg.type == BYE:
+            record.alive = False
+            replies = [(peer, Message(type=BYE, shard=self.cfg.index, seq=msg.seq))]
+            return replies + self._release()
+        if msg.type == PULL:
+            return self._pull(record, msg)
+        if msg.type == PUSH:
+            return self._push(record, msg)
+        return [(peer, error_message("bad-type", f"a shard does not serve {msg.type!r}", msg))]
+
+    def _touch(self, peer: bytes, msg: Message, now: float) -> WorkerRecord:
+        record = self.workers.get(msg.worker)
+        if record is None or record.incarnation != msg.incarnation:
+            clock = self._min_live_clock()
+            if record is not None:  # a restarted worker: new incarnation, fresh dedupe window
+                log.info("shard %d: worker %s restarted (incarnation %d)", self.cfg.index,
+                         msg.worker, msg.incarnation)
+                clock = max(record.pushes, clock or 0)
+            record = WorkerRecord(msg.worker, msg.incarnation, peer, now,
+                                  pushes=clock or 0)
+            self.workers[msg.worker] = record
+        elif not record.alive:
+            record.pushes = max(record.pushes, self._min_live_clock() or 0)
+        record.alive = True
+        record.peer = peer
+        record.last_seen = now
+        return record
+
+    def _live(self) -> list:
+        return [w for w in self.workers.values() if w.alive]
+
+    def _min_live_clock(self) -> Optional[int]:
+        live = self._live()
+        return min(w.pushes for w in live) if live else None
+
+    # ---- pulls ----------------------------------------------------------------------
+
+    def _pull_allowed(self, record: WorkerRecord) -> bool:
+        if self.mode == "async":
+            return True
+        if len(self.workers) < self.cfg.expected_workers:
+            return False  # wait until every expected worker has shown up
+        if self.mode == "ssp":
+            return record.pushes - self._min_live_clock() <= self.bound
+        return record.round_pushed is None or self.version > record.round_pushed
+
+    def _pull(self, record: WorkerRecord, msg: Message) -> list:
+        if self._pull_allowed(record):
+            return [(record.peer, self._params_reply(record, msg))] + self._release()
+        record.held_pull = msg
+        self.counters["held_pulls"] += 1
+        return self._release()  # a newly joined worker may complete the expected set
+
+    def _params_reply(self, record: Optional[WorkerRecord], msg: Message) -> Message:
+        self.counters["pulls"] += 1
+        if record is not None and self.mode == "ssp":
+            lead = record.pushes - (self._min_live_clock() or 0)
+            self.counters["max_pull_lead"] = max(self.counters["max_pull_lead"], lead)
+        if record is not None and self.cfg.dc_lambda is not None:
+            if record.backup is None:  # DC-ASGD compensates against what was pulled
+                record.backup = torch.empty_like(self.params)
+            record.backup.copy_(self.params)
+        # The transport copies the frames when sending, so later updates can't tear them.
+        return Message(type=PARAMS, shard=self.cfg.index, seq=msg.seq, clock=self.version,
+                       meta={"version": self.version, "updates": self.counters["updates"]},
+                       segments=split(self.params))
+
+    def _release(self) -> list:
+        """Answer every held pull that is now allowed."""
+        out = []
+        for record in self._live():
+            if record.held_pull is not None and self._pull_allowed(record):
+                out.append((record.peer, self._params_reply(record, record.held_pull)))
+                record.held_pull = None
+        if self.mode == "sync":
+            out += self._maybe_finish_round()
+        return out
+
+    # ---- pushes ---------------------------------------------------------------------
+
+    def _duplicate(self, record: WorkerRecord, seq: int) -> bool:
+        return seq in record.applied_seqs or seq <= record.max_seq - self.cfg.dedupe_window
+
+    def _remember(self, record: WorkerRecord, seq: int) -> None:
+        record.applied_seqs.add(seq)
+        record.seq_order.append(seq)
+        record.max_seq = max(record.max_seq, seq)
+        while len(record.seq_order) > self.cfg.dedupe_window:
+            record.applied_seqs.discard(record.seq_order.popleft())
+
+    def _check(self, msg: Message) -> Optional[tuple]:
+        """(code, detail) when the push must be refused, checked before anything is applied."""
+        for seg in msg.segments:
+            data = seg.data
+            if data.dtype != torch.float32 or data.dim() != 1:
+                return "bad-descriptor", "gradients are 1-D float32 segments"
+            if seg.offset + len(data) > self.size:
+                return "out-of-range", (f"segment [{seg.offset}, {seg.offset + len(data)}) "
+                                        f"outside shard {self.cfg.index} of size {self.size}")
+        if self.cfg.reject_nonfinite and not all(bool(torch.isfinite(s.data).all())
+                                                 for s in msg.segments):
+            self.counters["nonfinite"] += 1
+            return "non-finite", "the gradient holds NaN or Inf values; nothing was applied"
+        if self.cfg.max_grad_norm is not None:
+            norm = math.sqrt(sum(float(s.data.double().pow(2).sum()) for s in msg.segments))
+            if norm > self.cfg.max_grad_norm:
+                self.counters["too_large"] += 1
+                return "too-large", (f"gradient norm {norm:.4g} on shard {self.cfg.index} "
+                                     f"exceeds --max-grad-norm {self.cfg.max_grad_norm}")
+        if msg.clock > self.version:
+            return "bad-field", f"push computed from version {msg.clock} > current {self.version}"
+        return None
+
+    def _push(self, record: WorkerRecord, msg: Message) -> list:
+        peer = record.peer
+        if self._duplicate(record, msg.seq):
+            self.counters["duplicates"] += 1
+            return [(peer, Message(type=ACK, shard=self.cfg.index, seq=msg.seq,
+                                   meta={"applied": False, "duplicate": True}))]
+        problem = self._check(msg)
+        if problem:
+            self.counters["rejected"] += 1
+            return [(peer, error_message(*problem, msg))]
+        staleness = self.version - msg.clock
+        self.staleness[min(staleness, STALENESS_BUCKETS - 1)] += 1
+        self._note_train(record.worker, msg.meta)
+        self.counters["pushes"] += 1
+        if self.mode == "sync":
+            return self._accumulate(record, msg, staleness)
+        segments = self._compensated(record, msg)
+        scale = staleness_scale(staleness) if self.cfg.staleness_lr else 1.0
+        self.rule.step(self.params, segments, lr_scale=scale)
+        self.version += 1
+        self.counters["updates"] += 1
+        self._remember(record, msg.seq)
+        record.pushes += 1
+        ack = Message(type=ACK, shard=self.cfg.index, seq=msg.seq, clock=self.version,
+                      meta={"applied": True, "staleness": staleness})
+        return [(peer, ack)] + (self._release() if self.mode == "ssp" else [])
+
+    def _compensated(self, record: WorkerRecord, msg: Message) -> list:
+        if self.cfg.dc_lambda is None or record.backup is None:
+            return [(s.offset, s.data) for s in msg.segments]
+        return [(s.offset, dc_asgd(s.data, self.params[s.offset:s.offset + len(s.data)],
+                                   record.backup[s.offset:s.offset + len(s.data)],
+                                   self.cfg.dc_lambda)) for s in msg.segments]
+
+    def _accumulate(self, record: WorkerRecord, msg: Message, staleness: int) -> list:
+        if staleness > 0 or record.round_pushed == self.version:
+            # Computed before the current round began (it was dropped and came back), or a
+            # second push in one round: acknowledged, not applied, so it can't skew the mean.
+            self._remember(record, msg.seq)
+            return [(record.peer, Message(type=ACK, shard=self.cfg.index, seq=msg.seq,
+                                          meta={"applied": False, "stale": True}))]
+        for seg in msg.segments:
+            self.round_sum[seg.offset:seg.offset + len(seg.data)].add_(seg.data)
+        record.round_pushed = self.version
+        record.pushes += 1
+        self._remember(record, msg.seq)
+        self.round_acks.append((record.peer, Message(type=ACK, shard=self.cfg.index, seq=msg.seq,
+                                                     meta={"applied": True, "staleness": 0})))
+        return self._maybe_finish_round()
+
+    def _maybe_finish_round(self) -> list:
+        if not self.round_acks or len(self.workers) < self.cfg.expected_workers:
+            return []
+        if any(w.round_pushed != self.version for w in self._live()):
+            return []
+        contributors = len(self.round_acks)
+        if self.cfg.sync_reduce == "mean" and contributors > 1:
+            self.round_sum.div_(contributors)
+        self.rule.step(self.params, [(0, self.round_sum)])
+        self.round_sum.zero_()
+        self.version += 1
+        self.counters["updates"] += 1
+        acks = [(peer, Message(type=ack.type, shard=ack.shard, seq=ack.seq, clock=self.version,
+                               meta=ack.meta)) for peer, ack in self.round_acks]
+        self.round_acks = []
+        return acks + self._release()
+
+    def _note_train(self, worker: str, meta: dict) -> None:
+        loss, samples = meta.get("loss"), meta.get("samples")
+        if isinstance(loss, (int, float)) and isinstance(samples, int) and math.isfinite(loss):
+            acc = self.train.setdefault(worker, [0.0, 0, 0])
+            acc[0] += float(loss)
+            acc[1] += 1
+            acc[2] += samples
+
+    # ---- time and stats -------------------------------------------------------------
+
+    def tick(self, now: float) -> list:
+        """Drop workers silent for longer than the heartbeat timeout; release what that frees."""
+        dropped = False
+        for record in self._live():
+            if now - record.last_seen > self.cfg.heartbeat_timeout:
+                log.warning("shard %d: worker %s silent for %.1f s; dropped from barriers",
+                            self.cfg.index, record.worker, now - record.last_seen)
+                record.alive = False
+                record.held_pull = None
+                self.counters["dropped_workers"] += 1
+                dropped = True
+        return self._release() if dropped else []
+
+    def stats(self, now: float) -> dict:
+        return {
+            "shard": self.cfg.index, "version": self.version, "size": self.size,
+            "consistency": self.cfg.consistency, **self.counters,
+            "staleness": list(self.staleness),
+            "workers": {w.worker: {"alive": w.alive, "pushes": w.pushes,
+                                   "last_seen_s": round(now - w.last_seen, 3)}
+                        for w in self.workers.values()},
+            "train": {k: list(v) for k, v in self.train.items()},
+        }
+
+    def state_dict(self) -> dict:
+        return {"index": self.cfg.index, "start": self.cfg.start, "end": self.cfg.end,
+                "params": self.params.clone(), "version": self.version,
+                "rule": self.rule.state_dict(), "counters": dict(self.counters),
+                "staleness": torch.tensor(self.staleness)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state.get("start"), state.get("end")) != (self.cfg.start, self.cfg.end):
+            raise ConfigError(f"checkpoint of shard range [{state.get('start')}, "
+                              f"{state.get('end')}) does not fit [{self.cfg.start}, {self.cfg.end})")
+        self.params.copy_(state["params"])
+        self.version = int(state["version"])
+        self.rule.load_state_dict(state["rule"])
+        self.counters.update(state.get("counters", {}))
+        self.staleness = [int(x) for x in state["staleness"].tolist()]

@@ -1,0 +1,118 @@
+"""A shard process: a ROUTER socket around a ``ShardState``.
+
+The loop receives frames, decodes them (a malformed message gets an ERROR
+reply and changes nothing), lets the state object decide, and sends its
+replies. It never crashes on input: anything the state raises is logged and
+answered as an error. It checkpoints its slice and optimizer state
+atomically every ``checkpoint_every`` seconds and when it stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import zmq
+
+from asyncsgd.checkpoint import load_checkpoint, save_checkpoint
+from asyncsgd.protocol import BYE, Message, ProtocolError, decode, error_message
+from asyncsgd.transport import recv, router, send
+
+from .shard import ShardConfig, ShardState
+
+log = logging.getLogger(__name__)
+
+TICK_SECONDS = 0.1
+DRAIN_SECONDS = 1.5  # after a stop, answer stragglers with 'bye' for this long
+BATCH = 64  # messages handled per wake-up before checking the clock again
+
+
+@dataclass
+class ShardProcessSettings:
+    config: ShardConfig
+    bind_host: str
+    port: int
+    checkpoint_dir: Optional[str]
+    checkpoint_every: float
+    resume: bool
+    threads: int
+
+
+def checkpoint_path(directory: str, index: int) -> Path:
+    return Path(directory) / f"shard-{index}.pt"
+
+
+def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor, ready,
+               stop: torch.Tensor) -> None:
+    """Process target: serve shard ``rank`` until ``stop[0]`` is set."""
+    torch.set_num_threads(settings.threads)
+    state = ShardState(settings.config, initial)
+    path = checkpoint_path(settings.checkpoint_dir, rank) if settings.checkpoint_dir else None
+    if settings.resume and path is not None and path.exists():
+        state.load_state_dict(load_checkpoint(path)["shard"])
+        log.info("shard %d resumed at version %d", rank, state.version)
+    ctx = zmq.Context()
+    sock, endpoint = router(ctx, f"tcp://{settings.bind_host}:{settings.port}")
+    ready.send(int(endpoint.rsplit(":", 1)[1]))
+    ready.close()
+    next_checkpoint = time.monotonic() + (settings.checkpoint_every or float("inf"))
+    try:
+        while not stop[0]:
+            if sock.poll(int(TICK_SECONDS * 1000)):
+                for _ in range(BATCH):
+                    _serve_one(sock, state)
+                    if not sock.poll(0):
+                        break
+            now = time.monotonic()
+            for peer, reply in state.tick(now):
+                send(sock, reply, peer)
+            if path is not None and now >= next_checkpoint:
+                save_checkpoint(path, {"shard": state.state_dict()})
+                next_checkpoint = now + settings.checkpoint_every
+        _drain(sock, state)
+    finally:
+        if path is not None:
+            save_checkpoint(path, {"shard": state.state_dict()})
+        sock.close(0)
+        ctx.term()
+
+
+def _drain(sock: zmq.Socket, state: ShardState) -> None:
+    """Training is over: tell every worker that waits or asks, so it ends cleanly."""
+    def over(seq: int) -> Message:
+        return Message(type=BYE, shard=state.cfg.index, seq=seq, meta={"stopping": True})
+
+    for record in state.workers.values():
+        if record.held_pull is not None:
+            send(sock, over(record.held_pull.seq), record.peer)
+    deadline = time.monotonic() + DRAIN_SECONDS
+    while time.monotonic() < deadline:
+        if not sock.poll(50):
+            continue
+        peer, frames = recv(sock, router_side=True)
+        try:
+            send(sock, over(decode(frames).seq), peer)
+        except ProtocolError as exc:
+            send(sock, error_message(exc.code, str(exc)), peer)
+
+
+def _serve_one(sock: zmq.Socket, state: ShardState) -> None:
+    peer, frames = recv(sock, router_side=True)
+    try:
+        msg = decode(frames)
+    except ProtocolError as exc:
+        state.counters["rejected"] += 1
+        send(sock, error_message(exc.code, str(exc)), peer)
+        return
+    try:
+        replies = state.handle(peer, msg, time.monotonic())
+    except Exception as exc:  # a bug must not take the shard down with every worker's work
+        log.exception("shard %d: unexpected error handling %s", state.cfg.index, msg.type)
+        state.counters["rejected"] += 1
+        replies = [(peer, error_message("unexpected", f"{type(exc).__name__}: {exc}", msg))]
+    for to, reply in replies:
+        send(sock, reply, to)

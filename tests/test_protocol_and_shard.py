@@ -1,0 +1,191 @@
+"""The wire protocol and the shard's state object, without sockets or processes."""
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncsgd.protocol import (ACK, BYE, ERROR, HEARTBEAT, PARAMS, PULL, PUSH, STATS, Message,
+                               ProtocolError, Segment, decode, encode, split)
+from servers.shard import ShardConfig, ShardState, parse_consistency
+
+
+def _frames(msg):
+    return [bytes(f) for f in encode(msg)]
+
+
+def test_round_trip_keeps_every_field_and_tensor():
+    grads = torch.arange(10, dtype=torch.float32)
+    msg = Message(type=PUSH, worker="w1", incarnation=7, seq=42, clock=3, shard=1,
+                  meta={"loss": 0.5, "samples": 32},
+                  segments=[Segment(0, grads[:6]), Segment(6, grads[6:].to(torch.float64))])
+    back = decode(_frames(msg))
+    assert (back.type, back.worker, back.incarnation, back.seq, back.clock, back.shard) == \
+        (PUSH, "w1", 7, 42, 3, 1)
+    assert back.meta == {"loss": 0.5, "samples": 32}
+    assert [s.offset for s in back.segments] == [0, 6]
+    assert torch.equal(back.segments[0].data, grads[:6])
+    assert back.segments[1].data.dtype == torch.float64
+
+
+def test_split_keeps_frames_at_most_4_mib():
+    flat = torch.zeros(3 * 1024 * 1024)  # 12 MiB of float32
+    segments = split(flat, offset=100)
+    assert [s.offset for s in segments] == [100, 100 + 2 ** 20, 100 + 2 * 2 ** 20]
+    assert all(s.data.numel() * 4 <= 4 * 2 ** 20 for s in segments)
+
+
+def _header(**fields):
+    base = {"v": 1, "t": PUSH, "w": "w", "i": 0, "s": 1, "c": 0, "sh": 0, "m": {}, "d": []}
+    base.update(fields)
+    return msgpack.packb(base)
+
+
+@pytest.mark.parametrize("frames, code", [
+    ([], "empty"),
+    ([_header()[:-3]], "bad-header"),                              # truncated header
+    ([b"\x00" * (65 * 1024)], "header-too-large"),
+    ([_header(v=2)], "bad-version"),
+    ([_header(t="launch")], "bad-type"),
+    ([msgpack.packb([1, 2, 3])], "bad-header"),                    # not a map
+    ([_header(d=[[0, "float32", [4]]]), b"\x00" * 15], "length-mismatch"),
+    ([_header(d=[[0, "object", [1]]]), b"\x00" * 8], "bad-dtype"),
+    ([_header(d=[[0, "float32", [2 ** 39, 2 ** 39]]]), b""], "length-mismatch"),
+    ([_header(d=[[0, "float32", [1]]])], "frame-count"),
+    ([_header(d=[[-1, "float32", [1]]]), b"\x00" * 4], "bad-descriptor"),
+    ([_header(s="7")], "bad-field"),
+    ([msgpack.packb({"v": 1, "t": PUSH, "m": msgpack.ExtType(1, b"x")})], "bad-header"),
+])
+def test_malformed_messages_raise_protocol_errors(frames, code):
+    with pytest.raises(ProtocolError) as info:
+        decode(frames)
+    assert info.value.code == code
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=200), min_size=1, max_size=4))
+def test_random_bytes_only_ever_raise_protocol_errors(frames):
+    try:
+        decode(frames)
+    except ProtocolError:
+        pass
+
+
+def _state(mode="async", workers=1, size=6, rule="sgd", **kw):
+    cfg = ShardConfig(index=0, start=0, end=size, rule=rule, lr=1.0, consistency=mode,
+                      expected_workers=workers, heartbeat_timeout=5.0, **kw)
+    return ShardState(cfg, torch.arange(size, dtype=torch.float32) * 10)
+
+
+def _push(worker, seq, grad, clock=0, inc=1):
+    return Message(type=PUSH, worker=worker, incarnation=inc, seq=seq, clock=clock,
+                   segments=[Segment(0, torch.as_tensor(grad, dtype=torch.float32))])
+
+
+def _pull(worker, seq, inc=1):
+    return Message(type=PULL, worker=worker, incarnation=inc, seq=seq)
+
+
+def test_async_exact_oracle_and_exactly_once():
+    state = _state()
+    start = state.params.clone()
+    total = torch.zeros(6)
+    for seq in range(1, 21):
+        grad = torch.randint(-5, 6, (6,)).float()
+        for peer, reply in state.handle(b"a", _push("w1", seq, grad, clock=state.version), 0.0):
+            assert reply.type == ACK and reply.meta["applied"]
+        total += grad
+    again = state.handle(b"a", _push("w1", 20, torch.ones(6), clock=state.version), 0.0)
+    assert again[0][1].meta == {"applied": False, "duplicate": True}
+    assert torch.equal(state.params, start - total)
+    assert state.counters["updates"] == 20 and state.counters["duplicates"] == 1
+
+
+def test_rejected_pushes_change_nothing():
+    state = _state()
+    start = state.params.clone()
+    for grad, code in [([float("nan")] * 6, "non-finite"), ([float("inf")] * 6, "non-finite")]:
+        (_, reply), = state.handle(b"a", _push("w", 1, grad), 0.0)
+        assert reply.type == ERROR and reply.meta["code"] == code
+    bad = Message(type=PUSH, worker="w", incarnation=1, seq=2,
+                  segments=[Segment(4, torch.ones(3))])
+    (_, reply), = state.handle(b"a", bad, 0.0)
+    assert reply.meta["code"] == "out-of-range"
+    assert torch.equal(state.params, start) and state.version == 0
+
+
+def test_ssp_holds_a_worker_more_than_k_ahead_until_the_slowest_catches_up():
+    state = _state("ssp:1", workers=2)
+    assert state.handle(b"a", _pull("fast", 1), 0.0) == []        # waits for the second worker
+    served = state.handle(b"b", _pull("slow", 1), 0.0)
+    assert sorted(p for p, r in served if r.type == PARAMS) == [b"a", b"b"]
+    seq = 1
+    for _ in range(2):                                              # fast pushes twice
+        seq += 1
+        state.handle(b"a", _push("fast", seq, torch.zeros(6), clock=state.version), 0.0)
+    assert state.handle(b"a", _pull("fast", 10), 0.0) == []        # 2 ahead of slow > K = 1
+    released = state.handle(b"b", _push("slow", 2, torch.zeros(6), clock=0), 0.0)
+    assert (b"a", PARAMS) in [(p, r.type) for p, r in released]
+    assert state.counters["max_pull_lead"] <= 1
+
+
+def test_sync_applies_the_round_once_everyone_pushed_and_survives_a_dead_worker():
+    state = _state("sync", workers=2, sync_reduce="sum")
+    start = state.params.clone()
+    state.handle(b"a", _pull("a", 1), 0.0)
+    state.handle(b"b", _pull("b", 1), 0.0)
+    assert state.handle(b"a", _push("a", 2, [1.0] * 6), 0.0) == []  # ack held until the round ends
+    assert state.handle(b"a", _pull("a", 3), 0.0) == []
+    out = state.handle(b"b", _push("b", 2, [2.0] * 6), 0.1)
+    kinds = sorted((p, r.type) for p, r in out)
+    assert kinds == [(b"a", ACK), (b"a", PARAMS), (b"b", ACK)]
+    assert torch.equal(state.params, start - 3.0) and state.version == 1
+    # Round 2: b goes silent; after the heartbeat timeout a's push completes the round alone.
+    state.handle(b"a", _push("a", 4, [1.0] * 6, clock=1), 1.0)
+    assert state.tick(2.0) == []
+    state.handle(b"a", Message(type=HEARTBEAT, worker="a", incarnation=1), 9.5)  # a stays alive
+    released = state.tick(10.0)
+    assert (b"a", ACK) in [(p, r.type) for p, r in released]
+    assert torch.equal(state.params, start - 4.0) and state.counters["dropped_workers"] == 1
+
+
+def test_observer_pulls_join_no_barrier_and_stats_answer():
+    state = _state("sync", workers=1)
+    (_, params), = state.handle(b"e", Message(type=PULL, meta={"observer": True}), 0.0)
+    assert params.type == PARAMS and not state.workers
+    (_, stats), = state.handle(b"e", Message(type=STATS, seq=5), 0.0)
+    assert stats.meta["version"] == 0 and stats.seq == 5
+    (_, beat), = state.handle(b"w", Message(type=HEARTBEAT, worker="w", incarnation=1), 0.0)
+    assert beat.type == HEARTBEAT
+    (_, bye), = state.handle(b"w", Message(type=BYE, worker="w", incarnation=1), 0.0)
+    assert bye.type == BYE and not state.workers["w"].alive
+
+
+def test_restarted_worker_gets_a_fresh_dedupe_window():
+    state = _state()
+    state.handle(b"a", _push("w", 1, [1.0] * 6, inc=1), 0.0)
+    (_, ack), = state.handle(b"a", _push("w", 1, [1.0] * 6, inc=2), 0.0)
+    assert ack.meta["applied"] is True and state.version == 2
+
+
+def test_state_dict_round_trip(tmp_path):
+    state = _state(rule="adam")
+    state.handle(b"a", _push("w", 1, [1.0] * 6), 0.0)
+    torch.save(state.state_dict(), tmp_path / "s.pt")
+    other = _state(rule="adam")
+    other.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+    assert torch.equal(other.params, state.params) and other.version == 1
+
+
+@pytest.mark.parametrize("text, parsed", [("async", ("async", 0)), ("ssp:3", ("ssp", 3)),
+                                          ("sync", ("sync", 0))])
+def test_parse_consistency(text, parsed):
+    assert parse_consistency(text) == parsed
+
+
+@pytest.mark.parametrize("text", ["ssp", "ssp:-1", "ssp:x", "bsp"])
+def test_bad_consistency_is_a_clear_error(text):
+    from asyncsgd.errors import ConfigError
+    with pytest.raises(ConfigError, match="async, ssp:K"):
+        parse_consistency(text)

@@ -1,0 +1,220 @@
+"""A worker's connection to the parameter server: handshake, push, pull, liveness.
+
+One DEALER to the front and one per shard. ``push_pull`` sends every shard
+its slice of the gradient and a pull in one go (no round trip in between) and
+then waits for all the acknowledgements and parameters, so shards work in
+parallel and a step costs one round trip.
+
+Liveness (ZeroMQ guide ch. 4, Lazy/Paranoid Pirate): while waiting, the
+client sends a heartbeat to every shard it waits on each ``heartbeat``
+seconds; any reply proves the shard alive, so a pull held by ``ssp``/``sync``
+may wait as long as it must. A shard silent for ``3 * heartbeat`` is assumed
+gone: the client says so, reopens its socket and re-sends what is
+outstanding (same sequence numbers, so a push is never applied twice), with
+exponential backoff, and gives up with ``ServerUnavailable`` after
+``server_timeout`` seconds without any answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Optional
+
+import torch
+import zmq
+
+from asyncsgd.errors import AsyncSGDError
+from asyncsgd.protocol import (ACK, BYE, ERROR, HEARTBEAT, HELLO, PARAMS, PULL, PUSH, Message,
+                               ProtocolError, decode, split)
+from asyncsgd.transport import dealer, recv, send
+
+log = logging.getLogger(__name__)
+
+
+class ServerUnavailable(AsyncSGDError):
+    """The server did not answer for longer than --server-timeout."""
+
+
+class ServerFinished(Exception):
+    """The server ended training (target reached, time up, stopped): not an error."""
+
+
+class ServerRefused(AsyncSGDError):
+    """The server answered with an error (signature mismatch, rejected push, ...)."""
+
+    exit_code = 2
+
+
+def new_incarnation() -> int:
+    """Distinct for every start of a worker process (time and pid)."""
+    return (time.time_ns() ^ (os.getpid() << 40)) & ((1 << 62) - 1)
+
+
+class PSClient:
+    def __init__(self, server: str, worker: str, signature: dict, *, rank: int, world: int,
+                 heartbeat: float = 1.0, server_timeout: float = 60.0):
+        self.server, self.worker = server, worker
+        self.incarnation = new_incarnation()
+        self.heartbeat, self.server_timeout = heartbeat, server_timeout
+        self.ctx = zmq.Context()
+        self.seq = 0
+        self.front = dealer(self.ctx, server)
+        welcome = self._request_front(Message(type=HELLO, meta={
+            "signature": signature, "rank": rank, "world": world,
+            "host": socket.gethostname()}))
+        self.info = welcome.meta
+        host = server[6:].rsplit(":", 1)[0]
+        self.shard_addrs = [f"tcp://{host}:{s['port']}" for s in welcome.meta["shards"]]
+        self.ranges = [(s["start"], s["end"]) for s in welcome.meta["shards"]]
+        self.shards = [dealer(self.ctx, a) for a in self.shard_addrs]
+        self.version = 0  # the parameter version the local copy was pulled at (per shard min)
+        self.versions = [0] * len(self.shards)
+        self.stats = {"retries": 0, "duplicate_acks": 0, "reconnects": 0}
+
+    def _msg(self, kind: str, **kw) -> Message:
+        self.seq += 1
+        return Message(type=kind, worker=self.worker, incarnation=self.incarnation,
+                       seq=self.seq, **kw)
+
+    def _request_front(self, template: Message) -> Message:
+        msg = self._msg(template.type, meta=template.meta)
+        deadline = time.monotonic() + self.server_timeout
+        backoff = self.heartbeat
+        while True:
+            send(self.front, msg)
+            wait_until = min(deadline, time.monotonic() + max(backoff, 3 * self.heartbeat))
+            while time.monotonic() < wait_until:
+                if self.front.poll(int(max(0.0, wait_until - time.monotonic()) * 1000) + 1):
+                    reply = decode(recv(self.front, router_side=False)[1])
+                    if reply.seq != msg.seq:
+                        continue
+                    if reply.type == ERROR:
+                        raise ServerRefused(f"the server at {self.server} refused: "
+                                            f"{reply.meta.get('error')}")
+                    return reply
+            if time.monotonic() >= deadline:
+                raise ServerUnavailable(
+                    f"no answer from the server at {self.server} for {self.server_timeout:g} s; "
+                    "check the address and that 'asyncsgd ps-server' is running there")
+            log.warning("server %s unavailable, retrying in %.1f s", self.server, backoff)
+            self.stats["retries"] += 1
+            self.front.close(0)
+            self.front = dealer(self.ctx, self.server)
+            backoff = min(backoff * 2, 10.0)
+
+    def push_pull(self, grads: Optional[torch.Tensor], params: torch.Tensor,
+                  meta: Optional[dict] = None) -> None:
+        """Push ``grads`` (flat, or None for a pull only) and pull into ``params`` (flat)."""
+        outstanding = {}  # (shard, seq) -> message, re-sent as is after a reconnect
+        for i, (start, end) in enumerate(self.ranges):
+            if grads is not None:
+                push = self._msg(PUSH, clock=self.versions[i], shard=i, meta=meta or {},
+                                 segments=split(grads[start:end]))
+                outstanding[(i, push.seq)] = push
+            pull = self._msg(PULL, clock=self.versions[i], shard=i)
+            outstanding[(i, pull.seq)] = pull
+            for m in ([push] if grads is not None else []) + [pull]:
+                send(self.shards[i], m, copy=m.type != PUSH)
+        self._await(outstanding, params)
+
+    def _await(self, outstanding: dict, params: torch.Tensor) -> None:
+        poller = zmq.Poller()
+        for sock in self.shards:
+            poller.register(sock, zmq.POLLIN)
+        last_heard = [time.monotonic()] * len(self.shards)
+        next_beat = time.monotonic() + self.heartbeat
+        backoff = self.heartbeat
+        silent_since = None
+        while outstanding:
+            events = dict(poller.poll(int(self.heartbeat * 1000)))
+            now = time.monotonic()
+            for i, sock in enumerate(self.shards):
+                if sock not in events:
+                    continue
+                while sock.poll(0):
+                    reply = decode(recv(sock, router_side=False)[1])
+                    last_heard[i] = now
+                    self._handle(i, reply, outstanding, params)
+            waiting = sorted({i for i, _ in outstanding})
+            if now >= next_beat:
+                for i in waiting:
+                    send(self.shards[i], self._msg(HEARTBEAT, shard=i))
+                next_beat = now + self.heartbeat
+            dead = [i for i in waiting if now - last_heard[i] > 3 * self.heartbeat + backoff]
+            if not dead:
+                silent_since, backoff = None, self.heartbeat
+                continue
+            silent_since = silent_since or min(last_heard[i] for i in dead)
+            if now - silent_since > self.server_timeout:
+                raise ServerUnavailable(
+                    f"shard(s) {dead} of {self.server} silent for {self.server_timeout:g} s; "
+                    "giving up (raise --server-timeout to wait longer)")
+            log.warning("server unavailable (shard(s) %s silent), retrying in %.1f s",
+                        dead, backoff)
+            time.sleep(backoff)
+            for i in dead:
+                poller.unregister(self.shards[i])
+                self.shards[i].close(0)
+                self.shards[i] = dealer(self.ctx, self.shard_addrs[i])
+                poller.register(self.shards[i], zmq.POLLIN)
+                self.stats["reconnects"] += 1
+                for (shard, _), msg in sorted(outstanding.items()):
+                    if shard == i:
+                        send(self.shards[i], msg, copy=True)
+                        self.stats["retries"] += 1
+                last_heard[i] = time.monotonic()
+            backoff = min(backoff * 2, 10.0)
+
+    def _handle(self, i: int, reply: Message, outstanding: dict, params: torch.Tensor) -> None:
+        key = (i, reply.seq)
+        if reply.type == HEARTBEAT or key not in outstanding:
+            return  # a heartbeat, or a late answer to something already settled
+        if reply.type == ERROR:
+            raise ServerRefused(f"shard {i} refused {outstanding[key].type}: "
+                                f"{reply.meta.get('error')}")
+        if reply.type == BYE and reply.meta.get("stopping"):
+            raise ServerFinished()
+        if reply.type == ACK:
+            if reply.meta.get("duplicate"):
+                self.stats["duplicate_acks"] += 1
+        elif reply.type == PARAMS:
+            start = self.ranges[i][0]
+            for seg in reply.segments:
+                params[start + seg.offset:start + seg.offset + len(seg.data)].copy_(seg.data)
+            self.versions[i] = reply.meta.get("version", reply.clock)
+        else:
+            return
+        del outstanding[key]
+
+    def bye(self) -> None:
+        """Tell the shards and the front this worker is leaving (best effort, bounded)."""
+        for i, sock in enumerate(self.shards):
+            send(sock, self._msg(BYE, shard=i))
+        send(self.front, self._msg(BYE))
+        deadline = time.monotonic() + min(2.0, self.server_timeout)
+        pending = set(range(len(self.shards))) | {-1}
+        while pending and time.monotonic() < deadline:
+            for i in list(pending):
+                sock = self.front if i == -1 else self.shards[i]
+                if sock.poll(10):
+                    try:
+                        if decode(recv(sock, router_side=False)[1]).type == BYE:
+                            pending.discard(i)
+                    except ProtocolError:
+                        pending.discard(i)
+
+    def close(self) -> None:
+        for sock in [self.front, *self.shards]:
+            sock.close(0)
+        self.ctx.term()
+
+    def __enter__(self) -> "PSClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+

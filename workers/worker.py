@@ -1,0 +1,194 @@
+"""``asyncsgd worker``: pulls parameters, computes gradients on its partition, pushes them.
+
+    asyncsgd worker --server tcp://HOST:5555 --task mnist1d-cnn --rank 0 --world 2
+    srun asyncsgd worker --server tcp://HOST:5555        # rank/world from Slurm
+    torchrun --nproc-per-node 2 -m asyncsgd worker ...   # or from RANK/WORLD_SIZE
+
+The local model's parameters and gradients are views of two flat buffers
+(``asyncsgd.layout``): a pull writes received bytes straight into the model, a
+push sends slices of the gradient buffer without gathering anything, and no
+step allocates a parameter-sized tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from asyncsgd.config import WorkerConfig, threads_per_process
+from asyncsgd.errors import ConfigError
+from asyncsgd.layout import Layout
+from asyncsgd.progress import Progress
+from asyncsgd.tasks import load_task, partition_indices
+
+from .client import PSClient, ServerFinished
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerResult:
+    worker: str
+    steps: int
+    pushes: int
+    samples: int
+    seconds: float
+    stats: dict
+
+
+def rank_and_world(cfg: WorkerConfig, env: Optional[dict] = None) -> tuple:
+    """From flags, else torchrun's RANK/WORLD_SIZE, else Slurm's SLURM_PROCID/SLURM_NTASKS."""
+    env = os.environ if env is None else env
+
+    def from_env(*names) -> Optional[int]:
+        for name in names:
+            if env.get(name, "").strip():
+                try:
+                    return int(env[name])
+                except ValueError:
+                    raise ConfigError(f"${name}={env[name]!r} is not an integer") from None
+        return None
+
+    rank = cfg.rank if cfg.rank is not None else from_env("RANK", "SLURM_PROCID")
+    world = cfg.world if cfg.world is not None else from_env("WORLD_SIZE", "SLURM_NTASKS")
+    rank, world = rank or 0, world or 1
+    if not 0 <= rank < world:
+        raise ConfigError(f"rank {rank} is outside 0..{world - 1} (world {world}); "
+                          "set --rank and --world consistently")
+    return rank, world
+
+
+def _local_workers() -> int:
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(name, "").split("(")[0]
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def run_worker(cfg: WorkerConfig) -> WorkerResult:
+    if not cfg.server.startswith("tcp://") or ":" not in cfg.server[6:]:
+        raise ConfigError(f"--server {cfg.server!r}: use tcp://HOST:PORT")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
+    rank, world = rank_and_world(cfg)
+    torch.set_num_threads(cfg.threads or threads_per_process(_local_workers()))
+    task = load_task(cfg.task, samples=cfg.samples, data_dir=cfg.data_dir,
+                     cache_dir=cfg.cache_dir)
+    model = task.build_model(0)
+    layout = Layout.of(model)
+    client = PSClient(cfg.server, f"{socket.gethostname()}-r{rank}", layout.signature(),
+                      rank=rank, world=world, heartbeat=cfg.heartbeat,
+                      server_timeout=cfg.server_timeout)
+    loop = _Loop(cfg, task, model, layout, client, partition_indices(len(task.train), world,
+                                                                      rank, 0), rank)
+    try:
+        return loop.run()
+    except ServerFinished:
+        log.info("the server ended training")
+        return loop.result(ended_by_server=True)
+    finally:
+        loop.progress.close()
+        client.close()
+
+
+class _Loop:
+    """The training loop of one worker and its counters."""
+
+    def __init__(self, cfg: WorkerConfig, task, model, layout: Layout, client: PSClient,
+                 part: torch.Tensor, rank: int):
+        self.cfg, self.task, self.model, self.layout, self.client = cfg, task, model, layout, client
+        self.part, self.rank = part, rank
+        self.device = torch.device(cfg.device)
+        self.flat_params = torch.zeros(layout.total)
+        self.flat_grads = torch.zeros(layout.total)
+        model.to(self.device)
+        if self.device.type == "cpu":
+            layout.bind(model, self.flat_params, self.flat_grads)
+        self.accum = torch.zeros(layout.total) if cfg.push_every > 1 else None
+        self.local_lr = cfg.local_lr or task.lr
+        self.batch_size = cfg.batch_size or task.batch_size
+        self.progress = Progress(f"worker {rank}", len(part) * cfg.epochs, cfg.progress)
+        self.steps = self.pushes = self.samples = 0
+        self.loss_sum, self.loss_steps, self.unpushed = 0.0, 0, 0
+        self.started = time.monotonic()
+
+    def run(self) -> WorkerResult:
+        self.client.push_pull(None, self.flat_params)
+        self._load()
+        gen = torch.Generator()
+        for epoch in range(self.cfg.epochs):
+            gen.manual_seed(self.cfg.seed * 1_000_003 + self.rank * 10_007 + epoch)
+            order = self.part[torch.randperm(len(self.part), generator=gen)]
+            for start in range(0, len(order), self.batch_size):
+                if self.cfg.max_seconds and self.elapsed() >= self.cfg.max_seconds:
+                    return self._finish()
+                self._step(order[start:start + self.batch_size])
+        return self._finish()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def _step(self, index: torch.Tensor) -> None:
+        inputs, targets = self.task.train.rows(index)
+        inputs = tuple(t.to(self.device) for t in inputs)
+        loss = self.task.loss_fn(self.model(*inputs), targets.to(self.device))
+        self.flat_grads.zero_()
+        loss.backward()
+        if self.device.type != "cpu":
+            _gather_grads(self.model, self.layout, self.flat_grads)
+        self.steps += 1
+        self.samples += len(targets)
+        self.unpushed += len(targets)
+        value = loss.item()
+        if math.isfinite(value):
+            self.loss_sum, self.loss_steps = self.loss_sum + value, self.loss_steps + 1
+        if self.accum is not None:
+            self.accum.add_(self.flat_grads)
+            if self.steps % self.cfg.push_every:
+                self.flat_params.add_(self.flat_grads, alpha=-self.local_lr)  # Downpour local step
+                self._load()
+                return
+        meta = {"loss": self.loss_sum / max(1, self.loss_steps), "samples": self.unpushed}
+        grads = self.accum if self.accum is not None else self.flat_grads
+        self.client.push_pull(grads, self.flat_params, meta)
+        self._load()
+        if self.accum is not None:
+            self.accum.zero_()
+        self.pushes += 1
+        self.loss_sum, self.loss_steps, self.unpushed = 0.0, 0, 0
+        self.progress.update(self.elapsed(), self.samples, self.samples / max(1e-9, self.elapsed()))
+
+    def _load(self) -> None:
+        """On a GPU the model keeps its own parameters: copy the pulled values over."""
+        if self.device.type == "cpu":
+            return  # the parameters are views of flat_params already
+        with torch.no_grad():
+            for spec, p in zip(self.layout.specs, self.model.parameters()):
+                p.copy_(self.flat_params[spec.offset:spec.offset + spec.numel].view(spec.shape),
+                        non_blocking=True)
+
+    def _finish(self) -> WorkerResult:
+        self.progress.update(self.elapsed(), self.samples,
+                             self.samples / max(1e-9, self.elapsed()), force=True)
+        self.client.bye()
+        return self.result()
+
+    def result(self, ended_by_server: bool = False) -> WorkerResult:
+        return WorkerResult(self.client.worker, self.steps, self.pushes, self.samples,
+                            round(self.elapsed(), 3),
+                            {**self.client.stats, "ended_by_server": ended_by_server})
+
+
+def _gather_grads(model, layout: Layout, flat_grads: torch.Tensor) -> None:
+    for spec, p in zip(layout.specs, model.parameters()):
+        if p.grad is not None:
+            flat_grads[spec.offset:spec.offset + spec.numel].copy_(p.grad.reshape(-1))
+            p.grad = None
