@@ -35,12 +35,16 @@ def router(ctx: zmq.Context, bind: str) -> tuple:
     sock = ctx.socket(zmq.ROUTER)
     _common(sock)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    if bind.endswith(":0"):
-        port = sock.bind_to_random_port(bind[:-2])
-        endpoint = f"{bind[:-2]}:{port}"
-    else:
-        sock.bind(bind)
-        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    try:
+        if bind.endswith(":0"):
+            port = sock.bind_to_random_port(bind[:-2])
+            endpoint = f"{bind[:-2]}:{port}"
+        else:
+            sock.bind(bind)
+            endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    except zmq.ZMQError:
+        sock.close(0)  # an open socket would make ctx.term() wait forever
+        raise
     return sock, endpoint
 
 

@@ -1,0 +1,245 @@
+"""The parameter server with real processes and sockets on 127.0.0.1."""
+
+import json
+import signal
+import socket
+import subprocess
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from asyncsgd.checkpoint import load_checkpoint
+from asyncsgd.layout import Layout
+from asyncsgd.protocol import (ERROR, HELLO, PUSH, STATS, WELCOME, Message, Segment, decode,
+                               encode)
+from conftest import asyncsgd_cmd, read_json
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, cli_env, out, *args):
+        self.port = free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.out = out
+        self.proc = subprocess.Popen(
+            asyncsgd_cmd("ps-server", "--bind", self.address, "--out", out, "--progress", "off",
+                         "--eval-every", 0.5, *args),
+            env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdin=subprocess.DEVNULL)
+        self.ctx = zmq.Context()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.proc.communicate()
+            try:
+                self.stats(timeout=0.5)
+                return
+            except TimeoutError:
+                continue
+        raise AssertionError("server did not come up")
+
+    def request(self, frames, port=None, timeout=5.0):
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port or self.port}")
+        try:
+            sock.send_multipart(frames)
+            if not sock.poll(int(timeout * 1000)):
+                raise TimeoutError
+            return decode(sock.recv_multipart())
+        finally:
+            sock.close()
+
+    def stats(self, timeout=5.0):
+        return self.request(encode(Message(type=STATS, seq=1)), timeout=timeout).meta
+
+    def wait(self, timeout=120):
+        out, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out, err
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.ctx.term()
+
+
+@pytest.fixture
+def server(cli_env, tmp_path):
+    started = []
+
+    def start(*args):
+        started.append(Server(cli_env, tmp_path / f"server{len(started)}", *args))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.close()
+
+
+def worker(cli_env, address, rank, world, *args):
+    return subprocess.Popen(
+        asyncsgd_cmd("worker", "--server", address, "--rank", rank, "--world", world,
+                     "--threads", 1, "--progress", "off", *args),
+        env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.DEVNULL)
+
+
+def finish(procs, timeout=180):
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        results.append((p.returncode, out, err))
+    return results
+
+
+@pytest.mark.parametrize("consistency", ["async", "sync"])
+def test_exact_oracle_two_shards_three_workers(server, cli_env, consistency):
+    """Integer gradients, SGD lr 1: final = initial - sum of every acknowledged push."""
+    rows, epochs = 999, 2
+    srv = server("--task", "tasks_for_tests:index_counter", "--samples", rows, "--shards", 2,
+                 "--workers", 3, "--consistency", consistency, "--sync-reduce", "sum")
+    procs = [worker(cli_env, srv.address, r, 3, "--task", "tasks_for_tests:index_counter",
+                    "--samples", rows, "--epochs", epochs) for r in range(3)]
+    results = finish(procs)
+    for code, out, err in results:
+        assert code == 0, err
+    code, out, err = srv.wait()
+    assert code == 0, err
+    summary = read_json(srv.out / "summary.json")
+    assert summary["stopped_by"] == "workers_done"
+    # Every row was trained on exactly `epochs` times, by exactly one worker.
+    weight = load_checkpoint(srv.out / "checkpoint.pt")["model"]["weight.weight"]
+    assert torch.equal(weight, torch.full((rows, 1), -float(epochs)))
+    pushes = sum(int(out.split(" pushes")[0].split()[-1]) for _, out, _ in results)
+    assert pushes == 3 * epochs * 42  # 333 rows per worker, batch 8: 42 steps an epoch
+    per_shard = pushes if consistency == "async" else pushes // 3  # sync: one update a round
+    assert summary["updates"] == 2 * per_shard
+
+
+def test_malformed_input_is_refused_and_the_server_keeps_serving(server, cli_env):
+    srv = server("--task", "mnist1d-cnn", "--shards", 1)
+    from asyncsgd.tasks import load_task
+    signature = Layout.of(load_task("mnist1d-cnn").build_model(0)).signature()
+    welcome = srv.request(encode(Message(type=HELLO, worker="probe", seq=1,
+                                         meta={"signature": signature})))
+    assert welcome.type == WELCOME
+    shard = welcome.meta["shards"][0]["port"]
+
+    def header(**fields):
+        base = {"v": 1, "t": PUSH, "w": "bad", "i": 1, "s": 1, "c": 0, "sh": 0, "m": {}, "d": []}
+        base.update(fields)
+        return msgpack.packb(base)
+
+    nan = encode(Message(type=PUSH, worker="bad", incarnation=1, seq=9, shard=0,
+                         segments=[Segment(0, torch.full((10,), float("nan")))]))
+    inf = encode(Message(type=PUSH, worker="bad", incarnation=1, seq=10, shard=0,
+                         segments=[Segment(0, torch.full((10,), float("inf")))]))
+    cases = [
+        ([header()[:-4]], "bad-header"),
+        ([b"\x81" + b"\xff" * (70 * 1024)], "header-too-large"),
+        ([header(v=99)], "bad-version"),
+        ([header(t="reboot")], "bad-type"),
+        ([header(d=[[0, "float32", [4]]]), b"\x00" * 10], "length-mismatch"),
+        ([header(d=[[0, "complex64", [1]]]), b"\x00" * 8], "bad-dtype"),
+        (nan, "non-finite"),
+        (inf, "non-finite"),
+    ]
+    for frames, code in cases:
+        for port in (shard, None):
+            reply = srv.request([bytes(f) for f in frames], port=port)
+            assert reply.type == ERROR, (code, reply)
+            expected = code if port or code not in ("non-finite",) else "bad-type"
+            assert reply.meta["code"] == expected, (code, port, reply.meta)
+    def shard_updates():
+        return srv.request(encode(Message(type=STATS, seq=2)), port=shard).meta["updates"]
+
+    assert shard_updates() == 0  # nothing was applied
+    # ...and a good worker still trains, with garbage flying meanwhile.
+    good = worker(cli_env, srv.address, 0, 1, "--epochs", 3)
+    for _ in range(20):
+        assert srv.request([header(v=7)], port=shard).type == ERROR
+        time.sleep(0.05)
+    (code, out, err), = finish([good])
+    assert code == 0, err
+    srv.wait()
+    assert read_json(srv.out / "summary.json")["updates"] == 3 * 125  # 125 pushes an epoch
+
+
+@pytest.mark.parametrize("consistency", ["ssp:1", "sync"])
+def test_killed_worker_does_not_stall_the_survivor(server, cli_env, consistency):
+    srv = server("--task", "mnist1d-cnn", "--workers", 2, "--consistency", consistency,
+                 "--heartbeat-timeout", 1.5)
+    survivor = worker(cli_env, srv.address, 0, 2, "--epochs", 6, "--heartbeat", 0.2)
+    victim = worker(cli_env, srv.address, 1, 2, "--epochs", 1000, "--heartbeat", 0.2)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and srv.stats()["updates"] < 50:
+        time.sleep(0.2)
+    victim.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    victim.wait()
+    (code, out, err), = finish([survivor], timeout=120)
+    assert code == 0, err
+    steps = int(out.split(" steps")[0].split()[-1])
+    assert steps == 6 * 63  # 2000 samples each, batch 32: 63 steps an epoch, all done
+    assert time.monotonic() - killed_at < 60
+    code, _, err = srv.wait()
+    summary = read_json(srv.out / "summary.json")
+    assert summary["stopped_by"] == "workers_done"
+
+
+def test_unreachable_server_is_one_clear_line(run_cli):
+    res = run_cli("worker", "--server", f"tcp://127.0.0.1:{free_port()}", "--server-timeout", 1,
+                  "--progress", "off", timeout=60)
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no answer from the server"), res.stderr
+
+
+def test_worker_with_another_model_is_refused(server, run_cli):
+    srv = server("--task", "mnist1d-cnn")
+    res = run_cli("worker", "--server", srv.address, "--task", "mnist1d-mlp", "--progress", "off",
+                  "--server-timeout", 10)
+    assert res.returncode == 2
+    assert "refused" in res.stderr and "mnist1d-cnn" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert srv.stats()["refused_handshakes"] == 1
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--consistency", "ssp:x"], "use async, ssp:K"),
+    (["--bind", "localhost:5555"], "use tcp://HOST:PORT"),
+    (["--shards", "0"], "--shards"),
+    (["--optimizer", "rmsprop"], "--optimizer"),
+])
+def test_bad_server_flags_are_one_clear_line(run_cli, args, fragment, tmp_path):
+    res = run_cli("ps-server", *args, "--out", tmp_path / "run", timeout=60)
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and fragment in lines[0], res.stderr
+
+
+def test_port_in_use_is_one_clear_line(server, run_cli, tmp_path):
+    srv = server("--task", "mnist1d-cnn")
+    res = run_cli("ps-server", "--bind", srv.address, "--out", tmp_path / "x", timeout=60)
+    assert res.returncode != 0 and "cannot listen on --bind" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_ps_stats_reports_a_running_server(server, run_cli):
+    srv = server("--task", "mnist1d-cnn", "--shards", 2)
+    res = run_cli("ps-stats", "--server", srv.address)
+    assert res.returncode == 0, res.stderr
+    stats = json.loads(res.stdout)
+    assert stats["shards"] == 2 and stats["task"] == "mnist1d-cnn" and "staleness" in stats
