@@ -179,6 +179,8 @@ def click_options(cls):
             kwargs = dict(help=meta.get("help", ""), show_default=True,
                           default=f.default)
             if f.type in (bool, "bool"):
+                if f.default:  # a flag that is on by default needs a way to turn it off
+                    flag = f"{flag}/--no-{flag[2:]}"
                 kwargs["is_flag"] = True
             elif meta.get("type") is not None:
                 kwargs["type"] = meta["type"]

@@ -26,6 +26,7 @@ import zmq
 from asyncsgd.config import ServerConfig, available_cores
 from asyncsgd.errors import ConfigError, WorkerError
 from asyncsgd.layout import Layout, signature_mismatch
+from asyncsgd.memory import keep_freed_memory
 from asyncsgd.procs import WorkerGroup, context, sigterm_as_interrupt
 from asyncsgd.protocol import (BYE, HEARTBEAT, HELLO, PARAMS, PULL, STATS, WELCOME, Message,
                                ProtocolError, decode, error_message)
@@ -233,6 +234,7 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> ServeResult:
     """Run the parameter server until stopped; returns its run directory and summary."""
     parse_consistency(cfg.consistency)
     host = _host_of(cfg.bind)
+    keep_freed_memory()
     run = Recorder.open_run(cfg)
     task = load_task(cfg.task, samples=cfg.samples, data_dir=cfg.data_dir,
                      cache_dir=cfg.cache_dir, seed=cfg.seed)

@@ -37,6 +37,17 @@ log = logging.getLogger(__name__)
 STALENESS_BUCKETS = 64  # staleness >= 63 counts in the last bucket
 
 
+def _finite(data: torch.Tensor) -> bool:
+    """True when no element is NaN or Inf.
+
+    A finite sum proves it (any NaN or Inf makes the sum NaN or Inf) and costs
+    ~20x less than ``isfinite(data).all()``; only a non-finite sum, which an
+    overflow of finite values could also cause, needs the exact scan.
+    """
+    return math.isfinite(float(data.sum())) or \
+        bool(torch.isfinite(data).all())
+
+
 def parse_consistency(text: str) -> tuple:
     """``async`` → ("async", 0); ``ssp:K`` → ("ssp", K); ``sync`` → ("sync", 0)."""
     if text in ("async", "sync"):
@@ -221,8 +232,7 @@ class ShardState:
             if seg.offset + len(data) > self.size:
                 return "out-of-range", (f"segment [{seg.offset}, {seg.offset + len(data)}) "
                                         f"outside shard {self.cfg.index} of size {self.size}")
-        if self.cfg.reject_nonfinite and not all(bool(torch.isfinite(s.data).all())
-                                                 for s in msg.segments):
+        if self.cfg.reject_nonfinite and not all(_finite(s.data) for s in msg.segments):
             self.counters["nonfinite"] += 1
             return "non-finite", "the gradient holds NaN or Inf values; nothing was applied"
         if self.cfg.max_grad_norm is not None:

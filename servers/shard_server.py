@@ -19,6 +19,7 @@ import torch
 import zmq
 
 from asyncsgd.checkpoint import load_checkpoint, save_checkpoint
+from asyncsgd.memory import keep_freed_memory
 from asyncsgd.protocol import BYE, Message, ProtocolError, decode, error_message
 from asyncsgd.transport import recv, router, send
 
@@ -50,6 +51,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
                stop: torch.Tensor) -> None:
     """Process target: serve shard ``rank`` until ``stop[0]`` is set."""
     torch.set_num_threads(settings.threads)
+    keep_freed_memory()
     state = ShardState(settings.config, initial)
     path = checkpoint_path(settings.checkpoint_dir, rank) if settings.checkpoint_dir else None
     if settings.resume and path is not None and path.exists():

@@ -61,6 +61,7 @@ class PSClient:
         self.heartbeat, self.server_timeout = heartbeat, server_timeout
         self.ctx = zmq.Context()
         self.seq = 0
+        self.stats = {"retries": 0, "duplicate_acks": 0, "reconnects": 0}
         self.front = dealer(self.ctx, server)
         welcome = self._request_front(Message(type=HELLO, meta={
             "signature": signature, "rank": rank, "world": world,
@@ -72,7 +73,6 @@ class PSClient:
         self.shards = [dealer(self.ctx, a) for a in self.shard_addrs]
         self.version = 0  # the parameter version the local copy was pulled at (per shard min)
         self.versions = [0] * len(self.shards)
-        self.stats = {"retries": 0, "duplicate_acks": 0, "reconnects": 0}
 
     def _msg(self, kind: str, **kw) -> Message:
         self.seq += 1

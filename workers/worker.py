@@ -25,6 +25,7 @@ import torch
 from asyncsgd.config import WorkerConfig, threads_per_process
 from asyncsgd.errors import ConfigError
 from asyncsgd.layout import Layout
+from asyncsgd.memory import keep_freed_memory
 from asyncsgd.progress import Progress
 from asyncsgd.tasks import load_task, partition_indices
 
@@ -79,6 +80,7 @@ def run_worker(cfg: WorkerConfig) -> WorkerResult:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
     rank, world = rank_and_world(cfg)
+    keep_freed_memory()
     torch.set_num_threads(cfg.threads or threads_per_process(_local_workers()))
     task = load_task(cfg.task, samples=cfg.samples, data_dir=cfg.data_dir,
                      cache_dir=cfg.cache_dir)

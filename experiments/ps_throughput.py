@@ -1,0 +1,168 @@
+"""Parameter-server push+pull throughput against raw pyzmq, side by side in one run.
+
+    python experiments/ps_throughput.py                       # 4 sizes x 1 and 2 shards, ~3 min
+    python experiments/ps_throughput.py --sizes 20KB,40MiB --seconds 2
+
+For each model size (20 KB, 1 MB, 10 MB, 40 MiB of float32 parameters) and
+shard count, a real ``asyncsgd ps-server`` runs in its own process tree and
+this process acts as one worker: every round trip pushes the whole gradient
+and pulls the whole parameter vector through ``workers.client.PSClient``
+(msgpack headers, 4 MiB frames, one pipelined round trip to all shards, the
+shards applying plain SGD). Right after each, ``experiments/raw_zmq.py``
+measures raw pyzmq DEALER/ROUTER round trips of the same bytes (one frame, and
+4 MiB frames) on the same machine, so the ratios compare like with like.
+
+Writes ``experiments/results/ps_throughput.md`` (and ``.json``) unless --no-save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from raw_zmq import measure_raw  # noqa: E402
+
+SIZES = {"20KB": 20_000, "1MB": 1_000_000, "10MB": 10_000_000, "40MiB": 40 * 2 ** 20}
+
+
+def flat_task(samples=None):
+    """A model of exactly ``samples`` bytes of float32 parameters (one flat tensor)."""
+    from asyncsgd.tasks import Split, Task
+    numel = (samples or 20_000) // 4
+    x = torch.zeros(4, 1)
+    return Task(name=f"flat-{numel}", model_fn=functools.partial(FlatModel, numel),
+                train=Split((x,), torch.zeros(4, dtype=torch.long)),
+                test=Split((x,), torch.zeros(4, dtype=torch.long)), lr=1e-6)
+
+
+class FlatModel(torch.nn.Module):
+    def __init__(self, numel: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(numel))
+
+    def forward(self, x):
+        return self.w[:2].expand(len(x), 2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_ps(nbytes: int, shards: int, seconds: float) -> dict:
+    from asyncsgd.layout import Layout
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    with tempfile.TemporaryDirectory() as tmp:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "asyncsgd", "ps-server", "--task", "ps_throughput:flat_task",
+             "--samples", str(nbytes), "--shards", str(shards), "--bind",
+             f"tcp://127.0.0.1:{port}", "--out", f"{tmp}/run", "--progress", "off",
+             "--eval-every", "100000", "--checkpoint-every", "0", "--no-exit-when-done"],
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            layout = Layout.of(flat_task(nbytes).build_model())
+            params = torch.zeros(layout.total)
+            grads = torch.ones(layout.total)
+            client = _connect(f"tcp://127.0.0.1:{port}", layout, server)
+            with client:
+                for _ in range(3):
+                    client.push_pull(grads, params)
+                times = []
+                end = time.perf_counter() + seconds
+                while time.perf_counter() < end or len(times) < 5:
+                    t0 = time.perf_counter()
+                    client.push_pull(grads, params)
+                    times.append(time.perf_counter() - t0)
+        finally:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+    ms = statistics.median(times) * 1000
+    return {"ms_per_round_trip": ms, "round_trips": len(times),
+            "gbps": 2 * nbytes / (ms / 1000) / 1e9}
+
+
+def _connect(address: str, layout, server: subprocess.Popen):
+    from workers.client import PSClient, ServerUnavailable
+    deadline = time.monotonic() + 60
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"server exited: {server.stderr.read().decode()[-2000:]}")
+        try:
+            return PSClient(address, "bench", layout.signature(), rank=0, world=1,
+                            heartbeat=0.5, server_timeout=2.0)
+        except ServerUnavailable:
+            if time.monotonic() > deadline:
+                raise
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default=",".join(SIZES))
+    ap.add_argument("--shards", default="1,2")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--no-save", action="store_true")
+    args = ap.parse_args()
+    from asyncsgd.memory import keep_freed_memory
+    keep_freed_memory()  # as every asyncsgd worker does; applies to the raw client here too
+    rows = []
+    for size in args.sizes.split(","):
+        nbytes = SIZES[size]
+        one = measure_raw(nbytes, None, args.seconds)
+        framed = measure_raw(nbytes, 4 * 2 ** 20, args.seconds)
+        best_raw = min(one["ms_per_round_trip"], framed["ms_per_round_trip"])
+        for shards in [int(s) for s in args.shards.split(",")]:
+            ps = measure_ps(nbytes, shards, args.seconds)
+            row = {"size": size, "bytes": nbytes, "shards": shards,
+                   "ps_ms": ps["ms_per_round_trip"], "ps_gbps": ps["gbps"],
+                   "ps_round_trips_per_s": 1000 / ps["ms_per_round_trip"],
+                   "raw_one_frame_ms": one["ms_per_round_trip"],
+                   "raw_4mib_frames_ms": framed["ms_per_round_trip"],
+                   "vs_best_raw": best_raw / ps["ms_per_round_trip"],
+                   "overhead_us": (ps["ms_per_round_trip"] - best_raw) * 1000}
+            rows.append(row)
+            print(f"  {size:6s} shards={shards}: asyncsgd {row['ps_ms']:.3f} ms, raw "
+                  f"{one['ms_per_round_trip']:.3f} / {framed['ms_per_round_trip']:.3f} ms",
+                  file=sys.stderr)
+    lines = [f"Push + pull of the whole model, one worker, 127.0.0.1 ({time.strftime('%Y-%m-%d %H:%M')}); "
+             f"median of {args.seconds:g} s each; raw pyzmq measured right before each size.", "",
+             "| model | shards | asyncsgd ms | round trips/s | GB/s | raw 1 frame ms | "
+             "raw 4 MiB frames ms | best raw / asyncsgd | overhead µs |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['size']} | {r['shards']} | {r['ps_ms']:.3f} | "
+                     f"{r['ps_round_trips_per_s']:,.0f} | {r['ps_gbps']:.2f} | "
+                     f"{r['raw_one_frame_ms']:.3f} | {r['raw_4mib_frames_ms']:.3f} | "
+                     f"{r['vs_best_raw']:.2f}x | {r['overhead_us']:,.0f} |")
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_save:
+        out = HERE / "results"
+        out.mkdir(exist_ok=True)
+        (out / "ps_throughput.md").write_text(text + "\n")
+        (out / "ps_throughput.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
