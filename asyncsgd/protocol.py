@@ -39,6 +39,7 @@ DTYPES = {
     "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+ITEMSIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in DTYPES.values()}
 
 # Decoded tensors view read-only zmq frames; torch warns about that on every
 # frombuffer. We never write to them (the shard reads gradients, the worker
@@ -172,7 +173,7 @@ def _segment(desc: Any, buf: memoryview) -> Segment:
             all(type(n) is int and 0 <= n < 2 ** 40 for n in shape)):
         raise ProtocolError("bad-descriptor", f"shape {shape!r} is not a list of up to 8 sizes")
     numel = math.prod(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = ITEMSIZE[dtype]
     if numel * itemsize != len(buf):
         raise ProtocolError("length-mismatch", f"descriptor {shape} of {dtype_name} needs "
                                                f"{numel * itemsize} bytes, frame has {len(buf)}")

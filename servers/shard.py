@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from asyncsgd.errors import ConfigError
-from asyncsgd.protocol import (ACK, BYE, HEARTBEAT, PARAMS, PULL, PUSH, STATS, Message,
+from asyncsgd.protocol import (ACK, BYE, ERROR, HEARTBEAT, PARAMS, PULL, PUSH, STATS, Message,
                                error_message, split)
 
 from .rules import dc_asgd, make_rule, staleness_scale
@@ -139,6 +139,8 @@ class ShardState:
             return replies + self._release()
         if msg.type == PULL:
             return self._pull(record, msg)
+        if msg.type == PUSH and msg.meta.get("pull") is True:
+            return self._push_then_pull(record, msg)
         if msg.type == PUSH:
             return self._push(record, msg)
         return [(peer, error_message("bad-type", f"a shard does not serve {msg.type!r}", msg))]
@@ -271,6 +273,26 @@ class ShardState:
         ack = Message(type=ACK, shard=self.cfg.index, seq=msg.seq, clock=self.version,
                       meta={"applied": True, "staleness": staleness})
         return [(peer, ack)] + (self._release() if self.mode == "ssp" else [])
+
+    def _push_then_pull(self, record: WorkerRecord, msg: Message) -> list:
+        """A push that also asks for the parameters: one request, and one reply when it can.
+
+        When the acknowledgement and the parameters go out together, the ACK's
+        fields ride in the PARAMS reply (``meta["ack"]``), halving the messages of
+        a step. Under sync both wait for the round, and go out as two replies.
+        """
+        replies = self._push(record, msg)
+        if any(r.type == ERROR for _, r in replies):
+            return replies
+        pulled = self._pull(record, msg)
+        own = [(i, r) for i, (p, r) in enumerate(replies) if p == record.peer and r.type == ACK
+               and r.seq == msg.seq]
+        params = [r for p, r in pulled if p == record.peer and r.type == PARAMS
+                  and r.seq == msg.seq]
+        if own and params:
+            params[0].meta["ack"] = own[0][1].meta
+            del replies[own[0][0]]
+        return replies + pulled
 
     def _compensated(self, record: WorkerRecord, msg: Message) -> list:
         if self.cfg.dc_lambda is None or record.backup is None:

@@ -62,6 +62,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
     ready.send(int(endpoint.rsplit(":", 1)[1]))
     ready.close()
     next_checkpoint = time.monotonic() + (settings.checkpoint_every or float("inf"))
+    next_tick = 0.0
     try:
         while not stop[0]:
             if sock.poll(int(TICK_SECONDS * 1000)):
@@ -70,8 +71,10 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
                     if not sock.poll(0):
                         break
             now = time.monotonic()
-            for peer, reply in state.tick(now):
-                send(sock, reply, peer)
+            if now >= next_tick:  # liveness needs no finer grain than this
+                next_tick = now + TICK_SECONDS
+                for peer, reply in state.tick(now):
+                    send(sock, reply, peer)
             if path is not None and now >= next_checkpoint:
                 save_checkpoint(path, {"shard": state.state_dict()})
                 next_checkpoint = now + settings.checkpoint_every

@@ -111,7 +111,7 @@ def test_target_accuracy_and_max_seconds_stop_the_run(tmp_path):
     hit = train(_cfg(tmp_path, procs=2, epochs=1000, target_accuracy=0.5, eval_every=0.2))
     s = hit.summary
     assert s["stopped_by"] == "target_accuracy" and s["status"] == "ok"
-    assert s["final_accuracy"] >= 0.5 and s["time_to_target"] is not None
+    assert s["best_accuracy"] >= 0.5 and s["time_to_target"] is not None  # final may dip after
     assert s["samples"] < 1000 * 4000
     evals = [e for e in read_events(hit.run_dir) if e["event"] == "eval"]
     assert s["time_to_target"] == next(e["t"] for e in evals if e["accuracy"] >= 0.5)

@@ -108,16 +108,18 @@ class PSClient:
     def push_pull(self, grads: Optional[torch.Tensor], params: torch.Tensor,
                   meta: Optional[dict] = None) -> None:
         """Push ``grads`` (flat, or None for a pull only) and pull into ``params`` (flat)."""
-        outstanding = {}  # (shard, seq) -> message, re-sent as is after a reconnect
+        # One request per shard: a push that also asks for the parameters (or a pull).
+        outstanding = {}  # (shard, seq) -> [message, replies still owed]; re-sent after reconnects
         for i, (start, end) in enumerate(self.ranges):
             if grads is not None:
-                push = self._msg(PUSH, clock=self.versions[i], shard=i, meta=meta or {},
-                                 segments=split(grads[start:end]))
-                outstanding[(i, push.seq)] = push
-            pull = self._msg(PULL, clock=self.versions[i], shard=i)
-            outstanding[(i, pull.seq)] = pull
-            for m in ([push] if grads is not None else []) + [pull]:
-                send(self.shards[i], m, copy=m.type != PUSH)
+                msg = self._msg(PUSH, clock=self.versions[i], shard=i,
+                                meta={**(meta or {}), "pull": True},
+                                segments=split(grads[start:end]))
+                outstanding[(i, msg.seq)] = [msg, {ACK, PARAMS}]
+            else:
+                msg = self._msg(PULL, clock=self.versions[i], shard=i)
+                outstanding[(i, msg.seq)] = [msg, {PARAMS}]
+            send(self.shards[i], msg, copy=grads is None)
         self._await(outstanding, params)
 
     def _await(self, outstanding: dict, params: torch.Tensor) -> None:
@@ -161,7 +163,7 @@ class PSClient:
                 self.shards[i] = dealer(self.ctx, self.shard_addrs[i])
                 poller.register(self.shards[i], zmq.POLLIN)
                 self.stats["reconnects"] += 1
-                for (shard, _), msg in sorted(outstanding.items()):
+                for (shard, _), (msg, _owed) in sorted(outstanding.items()):
                     if shard == i:
                         send(self.shards[i], msg, copy=True)
                         self.stats["retries"] += 1
@@ -172,22 +174,24 @@ class PSClient:
         key = (i, reply.seq)
         if reply.type == HEARTBEAT or key not in outstanding:
             return  # a heartbeat, or a late answer to something already settled
+        request, owed = outstanding[key]
         if reply.type == ERROR:
-            raise ServerRefused(f"shard {i} refused {outstanding[key].type}: "
-                                f"{reply.meta.get('error')}")
+            raise ServerRefused(f"shard {i} refused {request.type}: {reply.meta.get('error')}")
         if reply.type == BYE and reply.meta.get("stopping"):
             raise ServerFinished()
-        if reply.type == ACK:
-            if reply.meta.get("duplicate"):
+        ack = reply.meta if reply.type == ACK else reply.meta.get("ack")
+        if ack is not None:
+            owed.discard(ACK)
+            if ack.get("duplicate"):
                 self.stats["duplicate_acks"] += 1
-        elif reply.type == PARAMS:
+        if reply.type == PARAMS:
             start = self.ranges[i][0]
             for seg in reply.segments:
                 params[start + seg.offset:start + seg.offset + len(seg.data)].copy_(seg.data)
             self.versions[i] = reply.meta.get("version", reply.clock)
-        else:
-            return
-        del outstanding[key]
+            owed.discard(PARAMS)
+        if not owed:
+            del outstanding[key]
 
     def bye(self) -> None:
         """Tell the shards and the front this worker is leaving (best effort, bounded)."""
