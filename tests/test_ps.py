@@ -29,8 +29,9 @@ class Server:
         self.port = free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.out = out
+        where = [] if "--resume" in args else ["--out", out]
         self.proc = subprocess.Popen(
-            asyncsgd_cmd("ps-server", "--bind", self.address, "--out", out, "--progress", "off",
+            asyncsgd_cmd("ps-server", "--bind", self.address, *where, "--progress", "off",
                          "--eval-every", 0.5, *args),
             env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             stdin=subprocess.DEVNULL)
@@ -243,3 +244,28 @@ def test_ps_stats_reports_a_running_server(server, run_cli):
     assert res.returncode == 0, res.stderr
     stats = json.loads(res.stdout)
     assert stats["shards"] == 2 and stats["task"] == "mnist1d-cnn" and "staleness" in stats
+
+
+def test_resume_continues_from_the_shard_checkpoints(server, cli_env, tmp_path):
+    first = server("--task", "mnist1d-cnn", "--optimizer", "momentum", "--lr", 0.05)
+    (code, _, err), = finish([worker(cli_env, first.address, 0, 1, "--epochs", 3)])
+    assert code == 0, err
+    assert first.wait()[0] == 0
+    before = read_json(first.out / "summary.json")
+    assert before["updates"] == 3 * 125 and (first.out / "shard-0.pt").is_file()
+    state = load_checkpoint(first.out / "shard-0.pt")["shard"]
+    assert state["version"] == 375 and "momentum_buffer" in state["rule"]["state"]
+
+    resumed = Server(cli_env, first.out, "--resume", first.out)
+    try:
+        (code, _, err), = finish([worker(cli_env, resumed.address, 0, 1, "--epochs", 1)])
+        assert code == 0, err
+        assert resumed.wait()[0] == 0
+    finally:
+        resumed.close()
+    after = read_json(first.out / "summary.json")
+    assert after["updates"] == 375 + 125  # the shard's counters and version went on
+    events = [json.loads(line) for line in open(first.out / "metrics.jsonl")]
+    at = next(i for i, e in enumerate(events) if e["event"] == "resume")
+    first_eval = next(e for e in events[at:] if e["event"] == "eval")
+    assert first_eval["accuracy"] == before["final_accuracy"]  # same parameters, same evaluation
