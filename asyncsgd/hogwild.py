@@ -37,7 +37,7 @@ from .coreslots import TokenRing
 from .errors import ConfigError, WorkerError
 from .optim import SGD
 from .procs import WorkerGroup, context, sigterm_as_interrupt
-from .recorder import Recorder
+from .recorder import Recorder, RunResult
 from .tasks import Task, load_task, partition_indices
 
 log = logging.getLogger(__name__)
@@ -46,12 +46,6 @@ log = logging.getLogger(__name__)
 SAMPLES, STEPS, EPOCHS, READY, DONE = range(5)
 POLL_SECONDS = 0.25
 TRAIN_EVENT_SECONDS = 1.0
-
-
-@dataclass
-class RunResult:
-    run_dir: str
-    summary: dict
 
 
 @dataclass
@@ -272,12 +266,5 @@ def _supervise(cfg: HogwildConfig, recorder: Recorder, group: WorkerGroup, contr
             stopped_by, status, error = "error", "failed", exc
     events.emit()
     samples = events.samples()
-    result = recorder.evaluate(samples)
-    recorder.show(samples, throughput["steady_samples_per_second"] or 0.0, force=True)
-    recorder.checkpoint(samples, int(counters[:, EPOCHS].min()))
-    summary = recorder.finish(samples, stopped_by, status,
-                              error=str(error) if error else None, **throughput, **extra)
-    if error is not None:
-        raise error
-    log.info("final test accuracy %.2f%%", 100 * result["accuracy"])
-    return RunResult(str(recorder.run.path), summary)
+    return recorder.conclude(samples, int(counters[:, EPOCHS].min()), stopped_by, status, error,
+                             rate=throughput["steady_samples_per_second"], **throughput, **extra)

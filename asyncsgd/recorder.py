@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch.nn as nn
@@ -25,6 +26,14 @@ from .rundir import RunDir
 from .tasks import Task
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    """What a finished run returns: its directory and its summary.json."""
+
+    run_dir: str
+    summary: dict
 
 
 class Recorder:
@@ -122,6 +131,22 @@ class Recorder:
 
     def show(self, samples: int, rate: float, force: bool = False) -> None:
         self.progress.update(self.t(), samples, rate, force=force)
+
+    def conclude(self, samples: int, epochs_done: int, stopped_by: str, status: str,
+                 error: Optional[BaseException], rate: Optional[float] = None,
+                 **extra) -> RunResult:
+        """End a run: final evaluation and checkpoint (nothing lost, even after a failure
+        or Ctrl-C), summary.json; then re-raise the failure, if any."""
+        result = self.evaluate(samples)
+        if rate is not None:
+            self.show(samples, rate, force=True)
+        self.checkpoint(samples, epochs_done)
+        summary = self.finish(samples, stopped_by, status, error=str(error) if error else None,
+                              **extra)
+        if error is not None:
+            raise error
+        log.info("final test accuracy %.2f%%", 100 * result["accuracy"])
+        return RunResult(str(self.run.path), summary)
 
     def finish(self, samples: int, stopped_by: str, status: str = "ok",
                error: Optional[str] = None, **extra) -> dict:

@@ -1,16 +1,17 @@
 """Parameter-server push+pull throughput against raw pyzmq, side by side in one run.
 
-    python experiments/ps_throughput.py                       # 4 sizes x 1 and 2 shards, ~3 min
+    python experiments/ps_throughput.py                       # 4 sizes x 1 and 2 shards, ~4 min
     python experiments/ps_throughput.py --sizes 20KB,40MiB --seconds 2
 
 For each model size (20 KB, 1 MB, 10 MB, 40 MiB of float32 parameters) and
 shard count, a real ``asyncsgd ps-server`` runs in its own process tree and
 this process acts as one worker: every round trip pushes the whole gradient
 and pulls the whole parameter vector through ``workers.client.PSClient``
-(msgpack headers, 4 MiB frames, one pipelined round trip to all shards, the
-shards applying plain SGD). Right after each, ``experiments/raw_zmq.py``
-measures raw pyzmq DEALER/ROUTER round trips of the same bytes (one frame, and
-4 MiB frames) on the same machine, so the ratios compare like with like.
+(msgpack headers, 4 MiB frames, one request per shard, the shards applying
+plain SGD). In the same loop ``experiments/raw_zmq.py`` measures raw pyzmq
+DEALER/ROUTER round trips of the same bytes (one frame, and 4 MiB frames);
+each is repeated ``--repeats`` times, interleaved, and the medians compared,
+because this machine drifts by 2x within minutes.
 
 Writes ``experiments/results/ps_throughput.md`` (and ``.json``) unless --no-save.
 """
@@ -120,32 +121,38 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default=",".join(SIZES))
     ap.add_argument("--shards", default="1,2")
-    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--seconds", type=float, default=1.5)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     from asyncsgd.memory import keep_freed_memory
     keep_freed_memory()  # as every asyncsgd worker does; applies to the raw client here too
     rows = []
+    shard_counts = [int(s) for s in args.shards.split(",")]
     for size in args.sizes.split(","):
         nbytes = SIZES[size]
-        one = measure_raw(nbytes, None, args.seconds)
-        framed = measure_raw(nbytes, 4 * 2 ** 20, args.seconds)
-        best_raw = min(one["ms_per_round_trip"], framed["ms_per_round_trip"])
-        for shards in [int(s) for s in args.shards.split(",")]:
-            ps = measure_ps(nbytes, shards, args.seconds)
-            row = {"size": size, "bytes": nbytes, "shards": shards,
-                   "ps_ms": ps["ms_per_round_trip"], "ps_gbps": ps["gbps"],
-                   "ps_round_trips_per_s": 1000 / ps["ms_per_round_trip"],
-                   "raw_one_frame_ms": one["ms_per_round_trip"],
-                   "raw_4mib_frames_ms": framed["ms_per_round_trip"],
-                   "vs_best_raw": best_raw / ps["ms_per_round_trip"],
-                   "overhead_us": (ps["ms_per_round_trip"] - best_raw) * 1000}
+        runs: dict = {"one": [], "framed": [], **{k: [] for k in shard_counts}}
+        for _ in range(args.repeats):  # interleaved, so drift hits raw and asyncsgd alike
+            runs["one"].append(measure_raw(nbytes, None, args.seconds)["ms_per_round_trip"])
+            runs["framed"].append(
+                measure_raw(nbytes, 4 * 2 ** 20, args.seconds)["ms_per_round_trip"])
+            for shards in shard_counts:
+                runs[shards].append(measure_ps(nbytes, shards, args.seconds)["ms_per_round_trip"])
+        one, framed = statistics.median(runs["one"]), statistics.median(runs["framed"])
+        best_raw = min(one, framed)
+        for shards in shard_counts:
+            ps_ms = statistics.median(runs[shards])
+            row = {"size": size, "bytes": nbytes, "shards": shards, "ps_ms": ps_ms,
+                   "ps_gbps": 2 * nbytes / (ps_ms / 1000) / 1e9,
+                   "ps_round_trips_per_s": 1000 / ps_ms, "raw_one_frame_ms": one,
+                   "raw_4mib_frames_ms": framed, "vs_best_raw": best_raw / ps_ms,
+                   "overhead_us": (ps_ms - best_raw) * 1000, "runs_ms": runs[shards]}
             rows.append(row)
-            print(f"  {size:6s} shards={shards}: asyncsgd {row['ps_ms']:.3f} ms, raw "
-                  f"{one['ms_per_round_trip']:.3f} / {framed['ms_per_round_trip']:.3f} ms",
-                  file=sys.stderr)
+            print(f"  {size:6s} shards={shards}: asyncsgd {ps_ms:.3f} ms, raw "
+                  f"{one:.3f} / {framed:.3f} ms", file=sys.stderr)
     lines = [f"Push + pull of the whole model, one worker, 127.0.0.1 ({time.strftime('%Y-%m-%d %H:%M')}); "
-             f"median of {args.seconds:g} s each; raw pyzmq measured right before each size.", "",
+             f"median of {args.repeats} interleaved runs of {args.seconds:g} s; raw pyzmq in the "
+             "same loop.", "",
              "| model | shards | asyncsgd ms | round trips/s | GB/s | raw 1 frame ms | "
              "raw 4 MiB frames ms | best raw / asyncsgd | overhead µs |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -42,6 +42,7 @@ Design:
 
 from __future__ import annotations
 
+import abc
 import math
 import operator
 from typing import Any, Dict, List, Tuple
@@ -65,7 +66,17 @@ def _finite_float(what: str, value: Any) -> float:
     return out
 
 
-class UpdateRule:
+def _as_int(value: Any, message: str) -> int:
+    """``value`` as an int (any integer type, never a bool), else ValueError(message)."""
+    if isinstance(value, bool):
+        raise ValueError(message)
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(message) from None
+
+
+class UpdateRule(abc.ABC):
     """Base class: validation, the step counter, state allocation and (de)serialisation.
 
     Subclasses set ``name``, ``DEFAULTS`` (their hyperparameters and default
@@ -78,12 +89,7 @@ class UpdateRule:
     STATE: Tuple[str, ...] = ()
 
     def __init__(self, size: int, lr: float, **hyper):
-        if isinstance(size, bool):
-            raise ValueError(f"size must be a positive int, got {size!r}")
-        try:
-            size = operator.index(size)
-        except TypeError:
-            raise ValueError(f"size must be a positive int, got {size!r}") from None
+        size = _as_int(size, f"size must be a positive int, got {size!r}")
         if size <= 0:
             raise ValueError(f"size must be a positive int, got {size!r}")
         lr = _finite_float("lr", lr)
@@ -111,9 +117,9 @@ class UpdateRule:
         """Hyperparameters as ints/floats, for state_dict."""
         return {}
 
+    @abc.abstractmethod
     def _apply(self, p: torch.Tensor, g: torch.Tensor, o: int, lr: float) -> None:
         """Update the view ``p = params[o:o+n]`` with gradient ``g`` (never written)."""
-        raise NotImplementedError
 
     # -- public API -----------------------------------------------------
     def _validate(self, params: torch.Tensor, segments) -> List[Tuple[int, torch.Tensor]]:
@@ -132,12 +138,7 @@ class UpdateRule:
                 offset, grad = seg
             except (TypeError, ValueError):
                 raise ValueError(f"segment {i} is not an (offset, grad) pair") from None
-            if isinstance(offset, bool):
-                raise ValueError(f"segment {i}: offset must be an int, got {offset!r}")
-            try:
-                offset = operator.index(offset)
-            except TypeError:
-                raise ValueError(f"segment {i}: offset must be an int, got {offset!r}") from None
+            offset = _as_int(offset, f"segment {i}: offset must be an int, got {offset!r}")
             if not isinstance(grad, torch.Tensor):
                 raise ValueError(f"segment {i}: grad must be a torch.Tensor, "
                                  f"got {type(grad).__name__}")

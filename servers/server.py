@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -30,7 +29,7 @@ from asyncsgd.memory import keep_freed_memory
 from asyncsgd.procs import WorkerGroup, context, sigterm_as_interrupt
 from asyncsgd.protocol import (BYE, HEARTBEAT, HELLO, PARAMS, PULL, STATS, WELCOME, Message,
                                ProtocolError, decode, error_message)
-from asyncsgd.recorder import Recorder
+from asyncsgd.recorder import Recorder, RunResult
 from asyncsgd.tasks import load_task
 from asyncsgd.transport import dealer, recv, router, send
 
@@ -41,12 +40,6 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 100
 SHARD_READY_SECONDS = 60
-
-
-@dataclass
-class ServeResult:
-    run_dir: str
-    summary: dict
 
 
 def _host_of(bind: str) -> str:
@@ -71,15 +64,8 @@ class ShardReader:
         for sock in self.socks:
             send(sock, Message(type=PULL, seq=self.seq, meta={"observer": True}))
         versions = {}
-        for i, sock in enumerate(self.socks):
-            deadline = time.monotonic() + timeout
-            while True:
-                if not sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
-                    raise TimeoutError(f"shard {i} did not answer within {timeout} s")
-                _, frames = recv(sock, router_side=False)
-                msg = decode(frames)
-                if msg.type == PARAMS and msg.seq == self.seq:
-                    break
+        for i in range(len(self.socks)):
+            msg = self._reply(i, PARAMS, timeout)
             start = self.shards[i]["start"]
             for seg in msg.segments:
                 self.flat[start + seg.offset:start + seg.offset + len(seg.data)].copy_(seg.data)
@@ -88,19 +74,20 @@ class ShardReader:
 
     def stats(self, timeout: float = 5.0) -> list:
         self.seq += 1
-        out = []
-        for i, sock in enumerate(self.socks):
+        for sock in self.socks:
             send(sock, Message(type=STATS, seq=self.seq))
-            deadline = time.monotonic() + timeout
-            while True:
-                if not sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
-                    raise TimeoutError(f"shard {i} did not answer stats within {timeout} s")
-                _, frames = recv(sock, router_side=False)
-                msg = decode(frames)
-                if msg.type == STATS and msg.seq == self.seq:
-                    out.append(msg.meta)
-                    break
-        return out
+        return [self._reply(i, STATS, timeout).meta for i in range(len(self.socks))]
+
+    def _reply(self, shard: int, kind: str, timeout: float) -> Message:
+        """Shard ``shard``'s answer of type ``kind`` to the current request."""
+        sock = self.socks[shard]
+        deadline = time.monotonic() + timeout
+        while True:
+            if not sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+                raise TimeoutError(f"shard {shard} did not answer {kind} within {timeout} s")
+            msg = decode(recv(sock, router_side=False)[1])
+            if msg.type == kind and msg.seq == self.seq:
+                return msg
 
     def close(self) -> None:
         for sock in self.socks:
@@ -230,7 +217,7 @@ class _TrainFeed:
             self.seen[worker] = (loss_sum, steps, samples)
 
 
-def serve(cfg: ServerConfig, argv: Optional[list] = None) -> ServeResult:
+def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
     """Run the parameter server until stopped; returns its run directory and summary."""
     parse_consistency(cfg.consistency)
     host = _host_of(cfg.bind)
@@ -344,11 +331,4 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> ServeResult:
             reader.close()
         front_sock.close(0)
         ctx.term()
-    result = recorder.evaluate(feed.samples, updates=summary_extra.get("updates"))
-    recorder.checkpoint(feed.samples, 0)
-    summary = recorder.finish(feed.samples, stopped_by, status,
-                              error=str(error) if error else None, **summary_extra)
-    if error is not None:
-        raise error
-    log.info("final test accuracy %.2f%%", 100 * result["accuracy"])
-    return ServeResult(str(recorder.run.path), summary)
+    return recorder.conclude(feed.samples, 0, stopped_by, status, error, **summary_extra)
