@@ -26,7 +26,6 @@ How it works (after pytorch/examples' mnist_hogwild, with its gaps closed):
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 

@@ -15,7 +15,6 @@ but joining no barrier), and writes the same run directory as every mode.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Optional
 
