@@ -16,12 +16,12 @@ def _cfg(tmp_path, **kw):
 
 
 def test_mnist1d_cnn_learns_with_spawn(tmp_path, cache_dir):
-    result = train(_cfg(tmp_path, task="mnist1d-cnn", procs=2, epochs=12, start_method="spawn",
+    result = train(_cfg(tmp_path, task="mnist1d-cnn", procs=2, epochs=15, start_method="spawn",
                         cache_dir=str(cache_dir)))
     s = result.summary
     assert s["status"] == "ok" and s["stopped_by"] == "epochs"
     assert s["final_accuracy"] >= 0.6, s  # chance is 0.1
-    assert s["samples"] == 12 * 4000
+    assert s["samples"] == 15 * 4000
     events = read_events(result.run_dir)
     losses = [e["loss"] for e in events if e["event"] == "train"]
     assert losses[-1] < losses[0]
@@ -29,7 +29,7 @@ def test_mnist1d_cnn_learns_with_spawn(tmp_path, cache_dir):
     assert workers == {0, 1}
     evals = [e for e in events if e["event"] == "eval"]
     assert evals[0]["samples"] == 0 and evals[0]["loss"] > 2.0  # before any update: ~ln(10)
-    assert evals[-1]["loss"] < 1.2
+    assert evals[-1]["loss"] < 0.6 * evals[0]["loss"]  # Hogwild varies run to run: relative
     assert evals[0]["accuracy"] < 0.3 < evals[-1]["accuracy"]
     assert (tmp_path / "run" / "checkpoint.pt").is_file()
     config = read_json(tmp_path / "run" / "config.json")
