@@ -270,7 +270,8 @@ class WorkerConfig:
                                      show="task's default")
     push_every: int = knob(
         1, "Local steps per push (Downpour's n_push): between pushes the worker applies "
-        "plain SGD locally with --local-lr and pushes the summed gradients.",
+        "plain SGD locally with --local-lr and pushes the summed gradients, so scale the "
+        "server's --lr down by about this factor.",
         type=click.IntRange(min=1))
     local_lr: Optional[float] = knob(None, "Learning rate of local steps (--push-every > 1).",
                                      type=click.FloatRange(min=0, min_open=True),

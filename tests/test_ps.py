@@ -269,3 +269,38 @@ def test_resume_continues_from_the_shard_checkpoints(server, cli_env, tmp_path):
     at = next(i for i, e in enumerate(events) if e["event"] == "resume")
     first_eval = next(e for e in events[at:] if e["event"] == "eval")
     assert first_eval["accuracy"] == before["final_accuracy"]  # same parameters, same evaluation
+
+
+def test_rank_and_world_come_from_flags_torchrun_or_slurm():
+    from asyncsgd.config import WorkerConfig
+    from asyncsgd.errors import ConfigError
+    from workers.worker import rank_and_world
+    assert rank_and_world(WorkerConfig(), {}) == (0, 1)
+    assert rank_and_world(WorkerConfig(), {"RANK": "2", "WORLD_SIZE": "4"}) == (2, 4)
+    assert rank_and_world(WorkerConfig(), {"SLURM_PROCID": "1", "SLURM_NTASKS": "3"}) == (1, 3)
+    assert rank_and_world(WorkerConfig(rank=0, world=2), {"RANK": "5", "WORLD_SIZE": "9"}) == (0, 2)
+    with pytest.raises(ConfigError, match="outside"):
+        rank_and_world(WorkerConfig(), {"RANK": "3", "WORLD_SIZE": "3"})
+    with pytest.raises(ConfigError, match="not an integer"):
+        rank_and_world(WorkerConfig(), {"RANK": "x"})
+
+
+def test_push_every_with_dc_asgd_and_staleness_lr_trains(server, cli_env):
+    # A push carries the sum of 4 steps' gradients: the server's lr is scaled down to match.
+    srv = server("--task", "mnist1d-cnn", "--workers", 2, "--dc-asgd", 0.04, "--staleness-lr",
+                 "--optimizer", "sgd", "--lr", 0.03)
+    env = dict(cli_env, WORLD_SIZE="2")
+    procs = [subprocess.Popen(
+        asyncsgd_cmd("worker", "--server", srv.address, "--threads", 1, "--progress", "off",
+                     "--epochs", 3, "--push-every", 4),
+        env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.DEVNULL) for r in range(2)]
+    results = finish(procs)
+    for code, out, err in results:
+        assert code == 0, err
+        # 63 steps an epoch x 3 = 189 steps: 47 full pushes of 4 steps and the last step flushed.
+        assert "189 steps, 48 pushes" in out, out
+    assert srv.wait()[0] == 0
+    summary = read_json(srv.out / "summary.json")
+    assert summary["updates"] == 2 * 48
+    assert summary["final_accuracy"] > 0.2  # chance is 0.1

@@ -158,6 +158,9 @@ class _Loop:
                 self.flat_params.add_(self.flat_grads, alpha=-self.local_lr)  # Downpour local step
                 self._load()
                 return
+        self._push()
+
+    def _push(self) -> None:
         meta = {"loss": self.loss_sum / max(1, self.loss_steps), "samples": self.unpushed}
         grads = self.accum if self.accum is not None else self.flat_grads
         self.client.push_pull(grads, self.flat_params, meta)
@@ -178,6 +181,8 @@ class _Loop:
                         non_blocking=True)
 
     def _finish(self) -> WorkerResult:
+        if self.unpushed:  # local steps since the last push (--push-every): don't lose them
+            self._push()
         self.progress.update(self.elapsed(), self.samples,
                              self.samples / max(1e-9, self.elapsed()), force=True)
         self.client.bye()
