@@ -35,8 +35,8 @@ from .config import HogwildConfig, available_cores, threads_per_process
 from .coreslots import TokenRing
 from .errors import ConfigError, WorkerError
 from .optim import SGD
-from .procs import WorkerGroup, context, sigterm_as_interrupt
-from .recorder import Recorder, RunResult
+from .procs import WorkerGroup, context
+from .recorder import Outcome, Recorder, RunResult
 from .tasks import Task, load_task, partition_indices
 
 log = logging.getLogger(__name__)
@@ -111,11 +111,11 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
             ring.leave(holding)
 
 
-def _check_config(cfg: HogwildConfig, task: Task) -> None:
+def _check_config(cfg: HogwildConfig, model: torch.nn.Module) -> None:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA GPU is visible to torch "
                           "(torch.cuda.is_available() is False); use --device cpu")
-    if cfg.momentum and any(getattr(m, "sparse", False) for m in task.build_model().modules()):
+    if cfg.momentum and any(getattr(m, "sparse", False) for m in model.modules()):
         log.info("momentum with sparse gradients densifies each process's momentum buffer")
 
 
@@ -127,11 +127,10 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None, argv: Optional[list] 
     run = Recorder.open_run(cfg)
     task = task or load_task(cfg.task, samples=cfg.samples, data_dir=cfg.data_dir,
                              cache_dir=cfg.cache_dir, seed=cfg.seed)
-    _check_config(cfg, task)
+    model = task.build_model(cfg.seed)
+    _check_config(cfg, model)
     lr = cfg.lr or task.lr
     batch_size = cfg.batch_size or task.batch_size
-
-    model = task.build_model(cfg.seed)
     total = len(task.train) * cfg.epochs
     recorder = Recorder(cfg, task, model, run, total_samples=total, argv=argv)
     model.to(cfg.device)
@@ -226,10 +225,10 @@ class _TrainEvents:
 def _supervise(cfg: HogwildConfig, recorder: Recorder, group: WorkerGroup, control: torch.Tensor,
                counters: torch.Tensor, losses: torch.Tensor, extra: dict) -> RunResult:
     events = _TrainEvents(recorder, counters, losses)
-    stopped_by, status, error = "epochs", "ok", None
+    outcome = Outcome("epochs")
     next_train_event = 0.0
     try:
-        with sigterm_as_interrupt():
+        with outcome.watch():
             recorder.evaluate(events.samples())  # the starting point, before any update
             group.start()
             while True:
@@ -241,29 +240,25 @@ def _supervise(cfg: HogwildConfig, recorder: Recorder, group: WorkerGroup, contr
                     events.emit()
                     next_train_event = recorder.elapsed() + TRAIN_EVENT_SECONDS
                 if recorder.evaluate_if_due(samples) and recorder.target_reached():
-                    stopped_by = "target_accuracy"
+                    outcome.stopped_by = "target_accuracy"
                     break
                 if cfg.max_seconds and recorder.elapsed() >= cfg.max_seconds:
-                    stopped_by = "max_seconds"
+                    outcome.stopped_by = "max_seconds"
                     break
                 if finished:
                     break
                 recorder.checkpoint_if_due(samples, int(counters[:, EPOCHS].min()))
                 recorder.show(samples, events.rate())
-    except KeyboardInterrupt:
-        stopped_by, status = "interrupted", "interrupted"
-    except WorkerError as exc:
-        stopped_by, status, error = "error", "failed", exc
     finally:
         control[0] = 1
         throughput = events.throughput()
         group.stop(grace=5.0)
-    if error is None:
+    if outcome.error is None:
         try:
             group.check()
         except WorkerError as exc:  # failed while the others were stopping
-            stopped_by, status, error = "error", "failed", exc
+            outcome.failed(exc)
     events.emit()
     samples = events.samples()
-    return recorder.conclude(samples, int(counters[:, EPOCHS].min()), stopped_by, status, error,
+    return recorder.conclude(samples, int(counters[:, EPOCHS].min()), outcome,
                              rate=throughput["steady_samples_per_second"], **throughput, **extra)

@@ -9,6 +9,7 @@ writes summary.json. Modes only run the training and report what happened.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -19,8 +20,9 @@ import torch.nn as nn
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig, identity_fields
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, WorkerError
 from .metrics import MetricsLog, summarize
+from .procs import sigterm_as_interrupt
 from .progress import Progress
 from .rundir import RunDir
 from .tasks import Task
@@ -34,6 +36,30 @@ class RunResult:
 
     run_dir: str
     summary: dict
+
+
+@dataclass
+class Outcome:
+    """How a run ended: what stopped it, its status, and a worker failure to re-raise."""
+
+    stopped_by: str
+    status: str = "ok"
+    error: Optional[WorkerError] = None
+
+    @contextlib.contextmanager
+    def watch(self):
+        """Ctrl-C, SIGTERM and a failed worker end the block and are recorded, not raised,
+        so every mode still saves its run before reporting them."""
+        try:
+            with sigterm_as_interrupt():
+                yield self
+        except KeyboardInterrupt:
+            self.stopped_by, self.status = "interrupted", "interrupted"
+        except WorkerError as exc:
+            self.failed(exc)
+
+    def failed(self, exc: WorkerError) -> None:
+        self.stopped_by, self.status, self.error = "error", "failed", exc
 
 
 class Recorder:
@@ -110,8 +136,11 @@ class Recorder:
         self._next_eval = self.elapsed() + self.cfg.eval_every
         return result
 
+    def eval_due(self) -> bool:
+        return self.elapsed() >= self._next_eval
+
     def evaluate_if_due(self, samples: int) -> Optional[dict]:
-        return self.evaluate(samples) if self.elapsed() >= self._next_eval else None
+        return self.evaluate(samples) if self.eval_due() else None
 
     def target_reached(self) -> bool:
         target = self.cfg.target_accuracy
@@ -132,17 +161,17 @@ class Recorder:
     def show(self, samples: int, rate: float, force: bool = False) -> None:
         self.progress.update(self.t(), samples, rate, force=force)
 
-    def conclude(self, samples: int, epochs_done: int, stopped_by: str, status: str,
-                 error: Optional[BaseException], rate: Optional[float] = None,
-                 **extra) -> RunResult:
+    def conclude(self, samples: int, epochs_done: int, outcome: Outcome,
+                 rate: Optional[float] = None, **extra) -> RunResult:
         """End a run: final evaluation and checkpoint (nothing lost, even after a failure
         or Ctrl-C), summary.json; then re-raise the failure, if any."""
         result = self.evaluate(samples)
         if rate is not None:
             self.show(samples, rate, force=True)
         self.checkpoint(samples, epochs_done)
-        summary = self.finish(samples, stopped_by, status, error=str(error) if error else None,
-                              **extra)
+        error = outcome.error
+        summary = self.finish(samples, outcome.stopped_by, outcome.status,
+                              error=str(error) if error else None, **extra)
         if error is not None:
             raise error
         log.info("final test accuracy %.2f%%", 100 * result["accuracy"])

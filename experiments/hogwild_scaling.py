@@ -17,7 +17,6 @@ Writes ``experiments/results/hogwild_scaling.md`` (and ``.json``) unless --no-sa
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from asyncsgd.config import HogwildConfig, available_cores
 from asyncsgd.hogwild import train
+from results import save_results  # this script's folder
 
 
 def measure(task: str, procs: int, lock: bool, seconds: float, start_method: str,
@@ -105,10 +105,7 @@ def main() -> int:
         print(f"\ntargets (mnist1d-cnn, lock-free): 2 procs / 1 proc = {cnn[2]['vs_1']:.2f}x "
               f"(target >= 1.9x); 8 procs / 2 procs = {cnn[8]['vs_2']:.2f}x (target >= 0.9x)")
     if not args.no_save:
-        out = Path(__file__).parent / "results"
-        out.mkdir(exist_ok=True)
-        (out / "hogwild_scaling.md").write_text(text + "\n")
-        (out / "hogwild_scaling.json").write_text(json.dumps(table, indent=2) + "\n")
+        save_results("hogwild_scaling", text, table)
     return 0
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import signal
 import socket
@@ -37,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from raw_zmq import measure_raw  # noqa: E402
+from results import save_results  # noqa: E402
 
 SIZES = {"20KB": 20_000, "1MB": 1_000_000, "10MB": 10_000_000, "40MiB": 40 * 2 ** 20}
 
@@ -164,10 +164,7 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if not args.no_save:
-        out = HERE / "results"
-        out.mkdir(exist_ok=True)
-        (out / "ps_throughput.md").write_text(text + "\n")
-        (out / "ps_throughput.json").write_text(json.dumps(rows, indent=2) + "\n")
+        save_results("ps_throughput", text, rows)
     return 0
 
 

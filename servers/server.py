@@ -25,10 +25,10 @@ from asyncsgd.config import ServerConfig, available_cores
 from asyncsgd.errors import ConfigError, WorkerError
 from asyncsgd.layout import Layout, signature_mismatch
 from asyncsgd.memory import keep_freed_memory
-from asyncsgd.procs import WorkerGroup, context, sigterm_as_interrupt
+from asyncsgd.procs import WorkerGroup, context
 from asyncsgd.protocol import (BYE, HEARTBEAT, HELLO, PARAMS, PULL, STATS, WELCOME, Message,
                                ProtocolError, decode, error_message)
-from asyncsgd.recorder import Recorder, RunResult
+from asyncsgd.recorder import Outcome, Recorder, RunResult
 from asyncsgd.tasks import load_task
 from asyncsgd.transport import dealer, recv, router, send
 
@@ -45,6 +45,11 @@ def _host_of(bind: str) -> str:
     if not bind.startswith("tcp://") or ":" not in bind[6:]:
         raise ConfigError(f"--bind {bind!r}: use tcp://HOST:PORT, e.g. tcp://0.0.0.0:5555")
     return bind[6:].rsplit(":", 1)[0]
+
+
+def merged_staleness(shard_stats: list) -> list:
+    """The shards' staleness histograms added bucket by bucket."""
+    return [sum(bucket) for bucket in zip(*[s["staleness"] for s in shard_stats])]
 
 
 class ShardReader:
@@ -152,8 +157,7 @@ class Front:
         for s in self.latest_stats:
             for name, w in s.get("workers", {}).items():
                 workers[name] = w
-        staleness = [sum(col) for col in zip(*[s["staleness"] for s in self.latest_stats])] \
-            if self.latest_stats else []
+        staleness = merged_staleness(self.latest_stats)
         return {"task": self.cfg.task, "consistency": self.cfg.consistency,
                 "shards": len(self.shards), "refused_handshakes": self.refused,
                 "joined": sorted(self.joined), "left": sorted(self.left),
@@ -204,11 +208,9 @@ class _TrainFeed:
         self.samples = recorder.samples_offset
 
     def update(self, shard0: dict) -> None:
-        total = self.recorder.samples_offset
-        for worker, (loss_sum, steps, samples) in sorted(shard0.get("train", {}).items()):
-            total += samples
-        self.samples = total
-        for worker, (loss_sum, steps, samples) in sorted(shard0.get("train", {}).items()):
+        train = shard0.get("train", {})
+        self.samples = self.recorder.samples_offset + sum(v[2] for v in train.values())
+        for worker, (loss_sum, steps, samples) in sorted(train.items()):
             prev = self.seen.get(worker, (0.0, 0, 0))
             if steps > prev[1]:
                 self.recorder.train(self.samples, worker, (loss_sum - prev[0]) / (steps - prev[1]),
@@ -255,14 +257,14 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
             threads=max(1, cfg.threads or available_cores() // (cfg.shards + 1))),
          flat[start:end].clone(), pipes[i][1], stop)
         for i, (start, end) in enumerate(ranges)])
-    stopped_by, status, error = "workers_done", "ok", None
+    outcome = Outcome("workers_done")
     reader: Optional[ShardReader] = None
     feed = _TrainFeed(recorder)
     updates0, t_updates0 = 0, recorder.elapsed()
     samples0, t0 = feed.samples, recorder.elapsed()
     summary_extra: dict = {}
     try:
-        with sigterm_as_interrupt():
+        with outcome.watch():
             group.start()
             shards = []
             for i, ((start, end), (recv_end, _)) in enumerate(zip(ranges, pipes)):
@@ -282,7 +284,7 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
                 front.latest_stats = reader.stats()
                 feed.update(front.latest_stats[0])
                 updates = sum(s.get("updates", 0) for s in front.latest_stats)
-                hist = [sum(c) for c in zip(*[s["staleness"] for s in front.latest_stats])]
+                hist = merged_staleness(front.latest_stats)
                 return {"updates": updates, "staleness_p50": _percentile(hist, 0.5),
                         "staleness_p99": _percentile(hist, 0.99), "staleness_hist": hist}
 
@@ -291,7 +293,7 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
             while True:
                 front.serve(POLL_MS)
                 group.check()
-                if recorder.elapsed() >= recorder._next_eval:
+                if recorder.eval_due():
                     obs = observe()
                     now = recorder.elapsed()
                     rate = (obs["updates"] - updates0) / max(1e-9, now - t_updates0)
@@ -303,13 +305,12 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
                     recorder.show(feed.samples, (feed.samples - samples0) / max(1e-9, now - t0))
                     samples0, t0 = feed.samples, now
                     if recorder.target_reached():
-                        stopped_by = "target_accuracy"
+                        outcome.stopped_by = "target_accuracy"
                         break
                 if cfg.max_seconds and recorder.elapsed() >= cfg.max_seconds:
-                    stopped_by = "max_seconds"
+                    outcome.stopped_by = "max_seconds"
                     break
                 if cfg.exit_when_done and front.joined and front.all_left():
-                    stopped_by = "workers_done"
                     break
                 recorder.checkpoint_if_due(feed.samples, 0)
             obs = observe()
@@ -319,10 +320,6 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
                 "shards": cfg.shards, "consistency": cfg.consistency, "optimizer": cfg.optimizer,
                 "lr": lr, "workers_joined": sorted(front.joined),
                 "refused_handshakes": front.refused}
-    except KeyboardInterrupt:
-        stopped_by, status = "interrupted", "interrupted"
-    except WorkerError as exc:
-        stopped_by, status, error = "error", "failed", exc
     finally:
         stop[0] = 1
         group.stop(grace=5.0)
@@ -330,4 +327,4 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
             reader.close()
         front_sock.close(0)
         ctx.term()
-    return recorder.conclude(feed.samples, 0, stopped_by, status, error, **summary_extra)
+    return recorder.conclude(feed.samples, 0, outcome, **summary_extra)

@@ -169,7 +169,11 @@ class _Loop:
             self.accum.zero_()
         self.pushes += 1
         self.loss_sum, self.loss_steps, self.unpushed = 0.0, 0, 0
-        self.progress.update(self.elapsed(), self.samples, self.samples / max(1e-9, self.elapsed()))
+        self._show()
+
+    def _show(self, force: bool = False) -> None:
+        elapsed = self.elapsed()
+        self.progress.update(elapsed, self.samples, self.samples / max(1e-9, elapsed), force=force)
 
     def _load(self) -> None:
         """On a GPU the model keeps its own parameters: copy the pulled values over."""
@@ -183,8 +187,7 @@ class _Loop:
     def _finish(self) -> WorkerResult:
         if self.unpushed:  # local steps since the last push (--push-every): don't lose them
             self._push()
-        self.progress.update(self.elapsed(), self.samples,
-                             self.samples / max(1e-9, self.elapsed()), force=True)
+        self._show(force=True)
         self.client.bye()
         return self.result()
 
