@@ -16,8 +16,8 @@ from typing import Optional
 
 import click
 
-from .config import (HogwildConfig, ServerConfig, WorkerConfig, click_options,
-                     config_from_dict)
+from .config import (DDPConfig, HogwildConfig, ServerConfig, SingleConfig, WorkerConfig,
+                     click_options, config_from_dict)
 from .errors import AsyncSGDError, ConfigError
 from .version import __version__
 
@@ -164,6 +164,54 @@ def ps_stats(server: str, timeout: float) -> None:
 
     from .stats import fetch_stats
     click.echo(json.dumps(fetch_stats(server, timeout), indent=2, sort_keys=True))
+
+
+@cli.command(epilog="Examples:\n\n\b\n"
+             "  asyncsgd single --task mnist1d-cnn --epochs 20\n"
+             "  asyncsgd single --batch-size 64        # the update of ddp --procs 2 --batch-size 32\n"
+             "  asyncsgd single --device cuda --amp bf16\n"
+             "  asyncsgd single --resume runs/20260101-120000-single --epochs 40")
+@click_options(SingleConfig)
+@click.pass_context
+def single(ctx: click.Context, **_: object) -> None:
+    """Plain SGD in one process: the baseline every speed-up is measured against.
+
+    Same task, data order, SGD and run directory as the parallel modes, with
+    every core's threads (--threads) in one process.
+    """
+    from . import single as single_mode
+    _finish(ctx, "single", single_mode.train(_build_config(SingleConfig, ctx), argv=sys.argv))
+
+
+@cli.command(epilog="Examples:\n\n\b\n"
+             "  asyncsgd ddp --procs 2 --task mnist1d-cnn\n"
+             "  asyncsgd ddp --device cuda --amp bf16           # one process per GPU, nccl\n"
+             "  torchrun --nproc-per-node 2 -m asyncsgd ddp --task mnist1d-cnn\n"
+             "  asyncsgd ddp --resume runs/20260101-120000-ddp --epochs 40")
+@click_options(DDPConfig)
+@click.pass_context
+def ddp(ctx: click.Context, **_: object) -> None:
+    """Synchronous data-parallel SGD (DistributedDataParallel): the synchronous baseline.
+
+    Spawns --procs ranks here (gloo on CPU, nccl with one GPU per rank), or runs
+    as one rank under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), where
+    rank 0 writes the run directory. Each rank trains on its own partition of the
+    data; DDP averages the gradients, so N ranks with --batch-size B make the
+    update of 'single --batch-size N*B'. Rank 0 evaluates every --eval-every
+    seconds between steps, and all ranks stop together.
+    """
+    from . import ddp as ddp_mode
+    result = ddp_mode.train(_build_config(DDPConfig, ctx), argv=sys.argv)
+    if result is not None:  # None: a rank other than 0 under torchrun; rank 0 reports
+        _finish(ctx, "ddp", result)
+
+
+def _finish(ctx: click.Context, command: str, result) -> None:
+    _report(result.summary)
+    if result.summary["status"] == "interrupted":
+        click.echo(f"interrupted; continue with: asyncsgd {command} --resume {result.run_dir}",
+                   err=True)
+        ctx.exit(INTERRUPTED)
 
 
 def main(argv: Optional[list] = None) -> None:

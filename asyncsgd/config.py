@@ -298,3 +298,36 @@ class WorkerConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclass
+class SingleConfig(TrainConfig):
+    """Settings of ``asyncsgd single``: plain SGD in one process, the reference baseline."""
+
+    amp: str = knob(
+        "off", "Mixed precision: bf16 or fp16 autocast (fp16 adds a gradient scaler). "
+        "fp16 needs --device cuda; bf16 also runs on CPUs (fast only where they have "
+        "bf16 instructions).", type=click.Choice(["off", "bf16", "fp16"]))
+
+    mode = "single"
+
+
+@dataclass
+class DDPConfig(SingleConfig):
+    """Settings of ``asyncsgd ddp``: synchronous data-parallel SGD (DistributedDataParallel)."""
+
+    procs: Optional[int] = knob(
+        None, "Processes (ranks) to spawn on this host, one per GPU with --device cuda. "
+        "Under torchrun, WORLD_SIZE decides and this must be left out or match it.",
+        type=click.IntRange(min=1), show="GPUs with --device cuda, else CPU cores")
+    backend: str = knob(
+        "auto", "Collective backend: nccl (CUDA tensors, one process per GPU) or gloo (CPU). "
+        "auto picks nccl with --device cuda when there are at least as many GPUs as "
+        "processes on this host, else gloo.", type=click.Choice(["auto", "nccl", "gloo"]))
+    dist_timeout: float = knob(
+        300.0, "Seconds a rank waits in a collective (or to join the group) before it "
+        "gives up with an error, so a hung rank cannot hang the others forever. Must "
+        "exceed the longest pause of rank 0 (evaluation, checkpoint).",
+        type=click.FloatRange(min=1))
+
+    mode = "ddp"

@@ -31,6 +31,12 @@ class SGD:
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.buffers: dict = {}
 
+    @property
+    def param_groups(self) -> list:
+        """The one parameter group, in torch.optim's shape: ``torch.amp.GradScaler`` unscales
+        the gradients it finds here."""
+        return [{"params": self.params}]
+
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None

@@ -151,13 +151,19 @@ class WorkerGroup:
             self._tracebacks.setdefault(rank, text)
 
     def check(self) -> None:
-        """Raise ``WorkerError`` for the first worker that failed."""
-        failed = [(r, p) for r, p in enumerate(self.processes)
-                  if p.exitcode is not None and p.exitcode != 0]
+        """Raise ``WorkerError`` for the first worker that failed.
+
+        First in time, not lowest rank: tracebacks arrive in the order the children
+        raised, so when one failure causes others (a DDP rank whose peer died), the
+        cause is reported, not its consequences.
+        """
+        failed = {r: p for r, p in enumerate(self.processes)
+                  if p.exitcode is not None and p.exitcode != 0}
         if not failed:
             return
         self._drain_errors()
-        rank, proc = failed[0]
+        rank = next((r for r in self._tracebacks if r in failed), min(failed))
+        proc = failed[rank]
         text = self._tracebacks.get(rank)
         if text:
             raise WorkerError(rank, f"{self.name} {rank} raised an exception; its traceback:\n"

@@ -69,7 +69,11 @@ class Recorder:
         return RunDir.open(cfg.resume) if cfg.resume else RunDir.create(cfg.out, cfg.mode)
 
     def __init__(self, cfg: TrainConfig, task: Task, model: nn.Module, run: RunDir,
-                 total_samples: Optional[int] = None, argv: Optional[list] = None):
+                 total_samples: Optional[int] = None, argv: Optional[list] = None,
+                 started_at: Optional[float] = None):
+        """``started_at``: the ``time.monotonic()`` at which the run began, when a mode
+        started processes before it could build its Recorder (DDP's rank 0): their
+        start-up then counts as training time, as it does in every mode."""
         self.cfg, self.task, self.model, self.mode = cfg, task, model, cfg.mode
         self.t_offset, self.samples_offset, self.epochs_done = 0.0, 0, 0
         self.run = run
@@ -84,7 +88,7 @@ class Recorder:
         self.progress = Progress(self.mode, total_samples, cfg.progress)
         self.best_accuracy: Optional[float] = None
         self.last_eval: Optional[dict] = None
-        self._t0 = time.monotonic()
+        self._t0 = time.monotonic() if started_at is None else started_at
         self._next_eval = 0.0
         self._next_checkpoint = cfg.checkpoint_every or math.inf
         self.metrics.write("start" if not cfg.resume else "resume", self.t(), self.samples_offset,

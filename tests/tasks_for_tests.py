@@ -68,3 +68,58 @@ def dense_counter(samples=None):
 
 def not_a_task():
     return 42
+
+
+class DenseRows(nn.Module):
+    """One weight per row, dense gradients (what DDP all-reduces); raises on ``fail_row``."""
+
+    def __init__(self, rows: int, fail_row: int = -1):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(rows))
+        self.fail_row = fail_row
+
+    def forward(self, index):
+        if self.fail_row >= 0 and bool((index == self.fail_row).any()):
+            raise ValueError(f"boom at row {self.fail_row}")
+        return self.weight[index.view(-1)].view(-1, 1)
+
+
+def dense_rows(samples=None):
+    """index_counter with a dense gradient: with lr 1 and DDP averaging over N ranks, a row
+    trained on k times ends at exactly -k/N (-k in one process)."""
+    n = samples or 1000
+    return _rows_task("dense-rows", functools.partial(DenseRows, n), n)
+
+
+def failing_dense(samples=None):
+    n = samples or 1000
+    return _rows_task("failing-dense", functools.partial(DenseRows, n, 7), n)
+
+
+class AutocastProbe(nn.Module):
+    """A linear classifier that raises, while training, unless it runs under bf16 CPU autocast
+    (evaluation runs in float32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x):
+        if not self.training:
+            return self.linear(x)
+        if not torch.is_autocast_enabled("cpu") or \
+                torch.get_autocast_dtype("cpu") != torch.bfloat16:
+            raise RuntimeError("not running under bf16 autocast")
+        out = self.linear(x)
+        if out.dtype != torch.bfloat16:
+            raise RuntimeError(f"linear ran in {out.dtype}, not bfloat16")
+        return out
+
+
+def autocast_probe(samples=None):
+    n = samples or 256
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    y = (x[:, 0] > 0).long()
+    return Task(name="autocast-probe", model_fn=AutocastProbe,
+                train=Split((x,), y), test=Split((x[:64],), y[:64]), lr=0.1, batch_size=16)

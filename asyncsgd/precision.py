@@ -1,0 +1,70 @@
+"""Mixed precision for the synchronous modes (``single``, ``ddp``): ``--amp off|bf16|fp16``.
+
+    asyncsgd single --device cuda --amp bf16
+    asyncsgd ddp --device cuda --procs 4 --amp fp16     # autocast + GradScaler
+
+The forward pass and the loss run under ``torch.autocast``; parameters,
+gradients and the optimizer stay float32. fp16's narrow range needs a
+gradient scaler: the loss is multiplied before ``backward`` and the gradients
+divided back before the step, which is skipped when they overflowed (the
+scale then shrinks). Under DDP the scaler sees the all-reduced gradients, so
+every rank skips the same steps. bf16 has float32's range and needs no scaler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_amp(amp: str, device: str) -> None:
+    """Reject what cannot work, before any process starts."""
+    if amp not in ("off", *DTYPES):
+        raise ConfigError(f"--amp {amp!r}: choose off, bf16 or fp16")
+    if amp == "fp16" and device != "cuda":
+        raise ConfigError("--amp fp16 needs --device cuda (CPU autocast has no fast float16 "
+                          "kernels); use --amp bf16 on CPU, or --amp off")
+
+
+class Precision:
+    """Runs a step's forward under autocast and its backward and update, scaled for fp16."""
+
+    def __init__(self, amp: str, device_type: str):
+        self.amp, self.device_type = amp, device_type
+        self.dtype = DTYPES.get(amp)
+        self.scaler = None
+        if amp == "fp16":
+            from torch.amp import GradScaler  # only here: it is not free to import
+            self.scaler = GradScaler(device_type)
+        if amp == "bf16" and device_type == "cpu":
+            log.info("bf16 autocast on CPU: faster only on CPUs with bf16 instructions "
+                     "(AVX512-BF16, AMX); elsewhere it is slower than float32")
+
+    def autocast(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def backward_and_step(self, loss: torch.Tensor, optimizer) -> None:
+        if self.scaler is None:
+            loss.backward()
+            optimizer.step()
+            return
+        self.scaler.scale(loss).backward()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+    def state(self) -> dict:
+        """What summary.json records about the precision (the fp16 scale it ended at)."""
+        info = {"amp": self.amp}
+        if self.scaler is not None:
+            info["grad_scale"] = float(self.scaler.get_scale())
+        return info

@@ -1,0 +1,285 @@
+"""The synchronous SGD loop of ``asyncsgd single`` and of every ``asyncsgd ddp`` rank.
+
+One process (single) or every rank of a DDP group runs ``train_process``:
+build the model, let rank 0 open the Recorder (run directory, resume), agree
+on the starting epoch, wrap the model (DDP or nothing), then step through this
+process's data and stop when the epochs are done or when the ranks agree to
+stop.
+
+How the ranks agree without lock-step on every step: every few steps each
+rank adds a small vector to one all-reduce (sum): rank 0 puts in its stop
+decision (--max-seconds, --target-accuracy after an evaluation it has just
+run) and how many steps to go until the next check; every rank puts in
+whether it was interrupted and its summed training loss. All ranks therefore
+see the same decision at the same step and stop together, with no rank left
+waiting in a collective. Rank 0 sizes the interval so that checks come about
+every ``CHECK_SECONDS`` whatever the step time: an all-reduce per step would
+cost more than the step itself for small models (a gloo all-reduce of a few
+numbers takes ~1-3 ms on two cores here). Rank 0 evaluates, checkpoints and
+writes metrics only at checks, while the others wait in that all-reduce.
+
+Data: each process trains on ``partition_indices(n, world, rank, seed)``,
+the same split Hogwild and the parameter-server workers use, reshuffled each
+epoch. The shorter partitions repeat their first rows up to the longest (as
+DistributedSampler pads), because DDP needs every rank to take the same number
+of steps: a rank with one step more would wait forever for the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import time
+import traceback
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from .config import SingleConfig
+from .errors import WorkerError
+from .optim import SGD
+from .precision import Precision
+from .procs import sigterm_as_interrupt
+from .recorder import Outcome, Recorder, RunResult
+from .rundir import RunDir
+from .tasks import Task, partition_indices
+
+log = logging.getLogger(__name__)
+
+CHECK_SECONDS = 0.2  # how often the ranks agree whether to stop; bounds the stop latency
+MAX_STEPS_BETWEEN_CHECKS = 100_000
+TRAIN_EVENT_SECONDS = 1.0
+STOP_REASONS = {1: "max_seconds", 2: "target_accuracy"}
+MAX_SECONDS, TARGET_ACCURACY = 1, 2
+# Slots of the vector the ranks sum at every check.
+CODE, PACE, INTERRUPTS, LOSS_SUM, LOSS_STEPS = range(5)
+
+Agree = Callable[[torch.Tensor], torch.Tensor]
+
+
+def padded_partition(n: int, parts: int, index: int, seed: int) -> torch.Tensor:
+    """Rows of process ``index``: its partition, padded with its own first rows to the
+    length of the longest partition so that every process takes the same number of steps."""
+    part = partition_indices(n, parts, index, seed)
+    longest = -(-n // parts)
+    if len(part) < longest:
+        part = torch.cat([part, part[:longest - len(part)]])
+    return part
+
+
+def epoch_order(part: torch.Tensor, seed: int, rank: int, epoch: int) -> torch.Tensor:
+    """This epoch's shuffle of ``part``; a function of (seed, rank, epoch), so resumable."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + epoch)
+    return part[torch.randperm(len(part), generator=gen)]
+
+
+def alone(vector: torch.Tensor) -> torch.Tensor:
+    """The agreement of a single process: nothing to add."""
+    return vector
+
+
+class SyncLoop:
+    """Steps through one process's data; rank 0 (the one with a Recorder) also evaluates,
+    checkpoints, records and decides when to stop."""
+
+    def __init__(self, cfg: SingleConfig, task: Task, net: nn.Module, precision: Precision,
+                 part: torch.Tensor, device: torch.device, *, rank: int, world: int,
+                 start_epoch: int, recorder: Optional[Recorder], agree: Agree,
+                 interrupted: Callable[[], bool]):
+        self.cfg, self.task, self.net, self.precision = cfg, task, net, precision
+        self.part, self.device, self.rank, self.world = part, device, rank, world
+        self.recorder, self.agree, self.interrupted = recorder, agree, interrupted
+        self.batch_size = cfg.batch_size or task.batch_size
+        self.opt = SGD(net.parameters(), lr=cfg.lr or task.lr, momentum=cfg.momentum,
+                       weight_decay=cfg.weight_decay)
+        self.epochs_done = start_epoch
+        self.steps = 0
+        self.local_samples = 0
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self._loss_steps = 0
+        self._pending = [0.0, 0]  # rank 0: agreed loss sum and count not yet written
+        self._next_train_event = 0.0
+        self._pace_mark = (time.monotonic(), 0)
+        self._pace = 1
+        self.ready_at: Optional[tuple] = None  # rank 0: (elapsed, samples) at the first check
+
+    def samples(self) -> int:
+        """Samples trained on by all ranks, across resumes (equal on every rank by padding)."""
+        offset = self.recorder.samples_offset if self.recorder else 0
+        return offset + self.world * self.local_samples
+
+    def run(self) -> str:
+        """Train until the epochs are done or the ranks agree to stop; what stopped it."""
+        until_check = 1
+        for epoch in range(self.epochs_done, self.cfg.epochs):
+            order = epoch_order(self.part, self.cfg.seed, self.rank, epoch)
+            for start in range(0, len(order), self.batch_size):
+                self._step(order[start:start + self.batch_size])
+                until_check -= 1
+                if until_check == 0:
+                    stopped_by, until_check = self._check(epoch)
+                    if stopped_by:
+                        return stopped_by
+            self.epochs_done = epoch + 1
+        self._check(self.epochs_done - 1)  # every rank gets here at the same step: the last losses
+        return "epochs"
+
+    def _step(self, index: torch.Tensor) -> None:
+        inputs, targets = self.task.train.rows(index)
+        if self.device.type != "cpu":
+            inputs = tuple(t.to(self.device, non_blocking=True) for t in inputs)
+            targets = targets.to(self.device, non_blocking=True)
+        with self.precision.autocast():
+            loss = self.task.loss_fn(self.net(*inputs), targets)
+        self.opt.zero_grad()
+        self.precision.backward_and_step(loss, self.opt)
+        self._loss_sum += loss.detach()  # no .item() per step: it would wait for the GPU
+        self._loss_steps += 1
+        self.local_samples += len(targets)
+        self.steps += 1
+
+    def _check(self, epoch: int) -> tuple:
+        """All ranks: agree on (reason to stop or None, steps until the next check)."""
+        vector = torch.zeros(5, dtype=torch.float64)
+        if self.recorder is not None:
+            vector[CODE] = self._decide()
+            vector[PACE] = self._next_pace()
+        vector[INTERRUPTS] = float(self.interrupted())
+        vector[LOSS_SUM] = float(self._loss_sum)
+        vector[LOSS_STEPS] = self._loss_steps
+        agreed = self.agree(vector.to(self.device)).cpu().tolist()
+        self._loss_sum.zero_()
+        self._loss_steps = 0
+        self._pace_mark = (time.monotonic(), self.steps)
+        if self.recorder is not None:
+            self._record(agreed[LOSS_SUM], int(agreed[LOSS_STEPS]), epoch)
+        if agreed[INTERRUPTS]:
+            return "interrupted", 0
+        return STOP_REASONS.get(int(agreed[CODE])), int(agreed[PACE])
+
+    def _decide(self) -> int:
+        """Rank 0: evaluate and checkpoint when due; whether to stop and why."""
+        rec, samples = self.recorder, self.samples()
+        if rec.evaluate_if_due(samples) and rec.target_reached():
+            return TARGET_ACCURACY
+        if self.cfg.max_seconds and rec.elapsed() >= self.cfg.max_seconds:
+            return MAX_SECONDS
+        rec.checkpoint_if_due(samples, self.epochs_done)
+        return 0
+
+    def _next_pace(self) -> int:
+        """Rank 0: steps until the next check, so that checks come every CHECK_SECONDS.
+
+        Measured over steps only (the last check's evaluation is excluded), and at
+        most doubling per check so that one fast interval cannot postpone a stop.
+        """
+        t0, steps0 = self._pace_mark
+        per_step = (time.monotonic() - t0) / max(1, self.steps - steps0)
+        wanted = int(CHECK_SECONDS / per_step) if per_step > 0 else MAX_STEPS_BETWEEN_CHECKS
+        self._pace = max(1, min(wanted, 2 * self._pace, MAX_STEPS_BETWEEN_CHECKS))
+        return self._pace
+
+    def _record(self, loss_sum: float, loss_steps: int, epoch: int, force: bool = False) -> None:
+        rec, samples = self.recorder, self.samples()
+        if self.ready_at is None:  # every rank has taken its first step
+            self.ready_at = (rec.elapsed(), samples)
+        self._pending[0] += loss_sum
+        self._pending[1] += loss_steps
+        if self._pending[1] and (force or rec.elapsed() >= self._next_train_event):
+            # worker 0 stands for the whole group: one model, its loss averaged over ranks
+            rec.train(samples, 0, self._pending[0] / self._pending[1],
+                      steps=self._pending[1] // self.world, epoch=epoch, ranks=self.world)
+            self._pending = [0.0, 0]
+            self._next_train_event = rec.elapsed() + TRAIN_EVENT_SECONDS
+        rec.show(samples, self.steady_rate() or 0.0)
+
+    def steady_rate(self) -> Optional[float]:
+        """Rank 0: samples/s since every rank was running (start-up excluded)."""
+        if self.ready_at is None:
+            return None
+        t0, s0 = self.ready_at
+        dt = self.recorder.elapsed() - t0
+        return (self.samples() - s0) / dt if dt > 0 else None
+
+    def throughput(self) -> dict:
+        rate = self.steady_rate()
+        return {"startup_seconds": round(self.ready_at[0], 3) if self.ready_at else None,
+                "steady_samples_per_second": round(rate, 1) if rate else None}
+
+
+@contextlib.contextmanager
+def signals_as_flag(flag: list):
+    """SIGINT and SIGTERM set ``flag[0]`` instead of raising: a DDP rank must not leave a
+    collective half done; it stops at the next check, with every other rank."""
+
+    def handler(signum, frame):
+        flag[0] = True
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _raising(who: str, rank: int, fn: Callable[[], str]) -> str:
+    """``fn()``, any exception turned into a WorkerError carrying its traceback, so the run is
+    concluded (saved, summary written) before the error is re-raised."""
+    try:
+        return fn()
+    except Exception as exc:
+        raise WorkerError(rank, f"{who} raised an exception; its traceback:\n"
+                                f"{traceback.format_exc().rstrip()}") from exc
+
+
+def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: int = 0,
+                  world: int = 1, run: Optional[RunDir] = None,
+                  wrap: Callable[[nn.Module], nn.Module] = lambda m: m, agree: Agree = alone,
+                  flag_signals: bool = False, stop_requested: Callable[[], bool] = lambda: False,
+                  started_at: Optional[float] = None, argv: Optional[list] = None,
+                  extra: Optional[dict] = None) -> Optional[RunResult]:
+    """Run one process of a synchronous run; rank 0 (given ``run``) returns the RunResult.
+
+    ``agree`` sums a small tensor over all ranks (an all-reduce; nothing for one
+    process). ``flag_signals``: SIGINT/SIGTERM ask every rank to stop at the next
+    check (DDP) instead of raising KeyboardInterrupt at once (single).
+    ``stop_requested`` lets a launching parent ask the same.
+    """
+    torch.manual_seed(cfg.seed + rank)
+    model = task.build_model(cfg.seed)
+    part = padded_partition(len(task.train), world, rank, cfg.seed)
+    recorder = None
+    if run is not None:
+        recorder = Recorder(cfg, task, model, run, total_samples=len(part) * world * cfg.epochs,
+                            argv=argv, started_at=started_at)
+    model.to(device)
+    start = torch.tensor([float(recorder.epochs_done) if recorder else 0.0], dtype=torch.float64)
+    start_epoch = int(agree(start.to(device)).item())  # a resumed rank 0 tells the others
+    net = wrap(model)  # DDP's constructor copies rank 0's (maybe resumed) parameters everywhere
+    precision = Precision(cfg.amp, device.type)
+    interrupted = [False]
+    loop = SyncLoop(cfg, task, net, precision, part, device, rank=rank, world=world,
+                    start_epoch=start_epoch, recorder=recorder, agree=agree,
+                    interrupted=lambda: interrupted[0] or stop_requested())
+    who = f"rank {rank}" if world > 1 or flag_signals else "training"
+    if recorder is None:
+        with signals_as_flag(interrupted) if flag_signals else contextlib.nullcontext():
+            loop.run()
+        return None
+    outcome = Outcome("epochs")
+    with outcome.watch():
+        with signals_as_flag(interrupted) if flag_signals else contextlib.nullcontext():
+            recorder.evaluate(loop.samples())  # the starting point, before any update
+            outcome.stopped_by = _raising(who, rank, loop.run)
+            if outcome.stopped_by == "interrupted":
+                outcome.status = "interrupted"
+    throughput = loop.throughput()
+    return recorder.conclude(loop.samples(), loop.epochs_done, outcome,
+                             rate=throughput["steady_samples_per_second"], **throughput,
+                             **precision.state(), procs=world, lr=loop.opt.lr,
+                             batch_size=loop.batch_size, global_batch_size=loop.batch_size * world,
+                             **(extra or {}))
+
