@@ -1,0 +1,167 @@
+"""`asyncsgd ddp` and `single` failing: a raising rank, Ctrl-C, SIGTERM, torchrun, bad flags."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from asyncsgd.tasks import partition_indices
+from conftest import asyncsgd_cmd, read_events, read_json
+from test_cli import _one_line_error
+
+ROWS = 1000
+
+
+def _seed_where_rank_owns_row_7(rank):
+    return next(s for s in range(100) if 7 in partition_indices(ROWS, 2, rank, s).tolist())
+
+
+@pytest.mark.parametrize("owner", [0, 1])
+def test_raising_rank_surfaces_its_traceback_and_nobody_hangs(tmp_path, run_cli, owner):
+    out = tmp_path / "run"
+    started = time.monotonic()
+    res = run_cli("ddp", "--task", "tasks_for_tests:failing_dense", "--samples", ROWS,
+                  "--procs", 2, "--threads", 1, "--epochs", 50, "--progress", "off",
+                  "--seed", _seed_where_rank_owns_row_7(owner), "--dist-timeout", 120,
+                  "--out", out, timeout=180)
+    took = time.monotonic() - started
+    assert res.returncode == 1, res.stderr
+    assert f"error: rank {owner} raised an exception" in res.stderr  # the cause, not its echo
+    assert "ValueError: boom at row 7" in res.stderr
+    assert took < 60  # the peer failed fast on the closed connection, not at --dist-timeout
+    summary = read_json(out / "summary.json")  # rank 0 saved the run either way
+    assert summary["status"] == "failed" and summary["stopped_by"] == "error"
+    assert "boom at row 7" in summary["error"] and f"rank {owner}" in summary["error"]
+    assert (out / "checkpoint.pt").exists()
+
+
+def test_single_raising_saves_the_run_and_reports(tmp_path, run_cli):
+    out = tmp_path / "run"
+    res = run_cli("single", "--task", "tasks_for_tests:failing_dense", "--threads", 1,
+                  "--progress", "off", "--out", out)
+    assert res.returncode == 1
+    assert "error: training raised an exception" in res.stderr
+    assert "ValueError: boom at row 7" in res.stderr
+    assert read_json(out / "summary.json")["status"] == "failed"
+
+
+def _start(cmd, out, env):
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()
+        if (out / "metrics.jsonl").exists() and any(
+                e["event"] == "train" for e in read_events(out)):
+            return proc
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail("training never started")
+
+
+def _stop_and_check(proc, sig, group: bool):
+    children = psutil.Process(proc.pid).children(recursive=True)
+    try:
+        if group:  # a terminal's Ctrl-C reaches the whole process group
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        stopped = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=60)
+        took = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"orphans left: {alive}"
+    return stdout, stderr, took, len(children)
+
+
+@pytest.mark.parametrize("sig, group", [(signal.SIGINT, True), (signal.SIGTERM, False)])
+def test_signal_stops_every_rank_saves_and_resumes(tmp_path, cli_env, sig, group):
+    out = tmp_path / "run"
+    proc = _start(asyncsgd_cmd("ddp", "--task", "tasks_for_tests:dense_rows", "--procs", 2,
+                               "--threads", 1, "--epochs", 1_000_000, "--progress", "off",
+                               "--dist-timeout", 60, "--out", out), out, cli_env)
+    stdout, stderr, took, children = _stop_and_check(proc, sig, group)
+    assert proc.returncode == 130, stderr
+    assert children >= 2
+    assert took < 30
+    assert "Traceback" not in stderr
+    assert f"--resume {out}" in stderr
+    summary = read_json(out / "summary.json")
+    assert summary["status"] == "interrupted" and summary["stopped_by"] == "interrupted"
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert saved["samples"] == summary["samples"] > 0
+
+
+def test_single_ctrl_c_saves_the_run(tmp_path, cli_env):
+    out = tmp_path / "run"
+    proc = _start(asyncsgd_cmd("single", "--task", "tasks_for_tests:dense_rows", "--threads", 1,
+                               "--epochs", 1_000_000, "--progress", "off", "--out", out),
+                  out, cli_env)
+    _, stderr, took, _ = _stop_and_check(proc, signal.SIGINT, group=True)
+    assert proc.returncode == 130 and took < 15, stderr
+    assert "Traceback" not in stderr
+    summary = read_json(out / "summary.json")
+    assert summary["status"] == "interrupted"
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert saved["samples"] == summary["samples"] > 0
+
+
+def test_sigterm_under_torchrun_stops_every_rank_and_saves(tmp_path, cli_env):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "asyncsgd", "ddp", "--task", "tasks_for_tests:dense_rows", "--threads", "1",
+           "--epochs", "1000000", "--progress", "off", "--dist-timeout", "60", "--out", str(out)]
+    proc = _start(cmd, out, cli_env)
+    _, stderr, took, children = _stop_and_check(proc, signal.SIGTERM, group=False)
+    assert children >= 2 and took < 45, stderr
+    summary = read_json(out / "summary.json")  # torchrun passed SIGTERM on; rank 0 saved
+    assert summary["status"] == "interrupted", stderr
+    assert (out / "checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("command, args, env, fragments", [
+    ("ddp", ["--procs", "0"], {}, ["--procs", "0 is not in the range"]),
+    ("ddp", ["--backend", "nccl"], {}, ["--backend nccl"]),
+    ("ddp", ["--amp", "fp16"], {}, ["--amp fp16 needs --device cuda"]),
+    ("single", ["--amp", "fp16"], {}, ["--amp fp16 needs --device cuda"]),
+    ("ddp", ["--amp", "fp32"], {}, ["--amp", "'fp32' is not one of"]),
+    ("ddp", ["--dist-timeout", "0"], {}, ["--dist-timeout"]),
+    ("ddp", [], {"RANK": "0", "WORLD_SIZE": "2"}, ["$MASTER_ADDR", "torchrun"]),
+    ("ddp", ["--procs", "3"], {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": "1"}, ["--procs 3", "WORLD_SIZE=2"]),
+    ("ddp", [], {"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "1"}, ["$RANK='x' is not an integer"]),
+])
+def test_bad_input_gives_one_clear_line(cli_env, command, args, env, fragments):
+    res = subprocess.run(asyncsgd_cmd(command, *args, "--progress", "off"),
+                         env={**cli_env, **env}, capture_output=True, text=True, timeout=120,
+                         stdin=subprocess.DEVNULL)
+    _one_line_error(res, *fragments)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+@pytest.mark.parametrize("command", ["single", "ddp"])
+def test_cuda_without_gpu_is_one_clear_line(run_cli, command):
+    _one_line_error(run_cli(command, "--device", "cuda", "--progress", "off"),
+                    "no CUDA GPU", "--device cpu")
+
+
+def test_resuming_another_modes_run_is_one_clear_line_from_rank_0(tmp_path, run_cli):
+    # The check happens in rank 0 (it opens the checkpoint); the parent reports it as is.
+    run = tmp_path / "hogwild-run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"mode": "hogwild", "config": {}}))
+    res = run_cli("ddp", "--resume", run, "--procs", 2, "--threads", 1, "--progress", "off",
+                  "--dist-timeout", 60)
+    _one_line_error(res, "is a hogwild run", "asyncsgd hogwild --resume")
+    assert res.returncode == 2
