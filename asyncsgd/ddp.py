@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.25
 STOP_GRACE = 30.0  # seconds rank 0 gets to stop every rank and save the run
+OTHERS_GRACE = 5.0  # then the other ranks get this long before SIGTERM, SIGKILL
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -255,6 +256,15 @@ def _spawned_rank(rank: int, cfg: DDPConfig, task: Task, place: Placement, run_p
         raise
 
 
+def _wait_for_rank_0(group: WorkerGroup) -> None:
+    """Give rank 0 time to stop the others and save the run; once it has, a rank still
+    running has nothing to save (it may hang in a collective with a dead peer)."""
+    rank_0 = group.processes[0]
+    deadline = time.monotonic() + STOP_GRACE
+    while rank_0.pid is not None and rank_0.exitcode is None and time.monotonic() < deadline:
+        group.wait(POLL_SECONDS)
+
+
 def _supervise(group: WorkerGroup, control: torch.Tensor, user_errors, run: RunDir) -> RunResult:
     """Wait for the ranks; on Ctrl-C/SIGTERM or a failure have rank 0 stop them and save."""
     outcome = Outcome("epochs")
@@ -266,7 +276,8 @@ def _supervise(group: WorkerGroup, control: torch.Tensor, user_errors, run: RunD
             group.check()
     finally:
         control[0] = 1  # rank 0 stops every rank at its next check (a no-op once done)
-        group.stop(grace=STOP_GRACE)
+        _wait_for_rank_0(group)
+        group.stop(grace=OTHERS_GRACE)
     if outcome.error is None:
         try:
             group.check()
@@ -277,8 +288,9 @@ def _supervise(group: WorkerGroup, control: torch.Tensor, user_errors, run: RunD
         raise getattr(errors, name, AsyncSGDError)(message)
     summary = run.read_summary() if (run.path / "summary.json").exists() else None
     if outcome.error is not None:
-        if summary is not None:  # rank 0 only saw a lost peer; record what really failed
-            run.write_summary({**summary, "error": str(outcome.error)})
+        if summary is not None:  # rank 0 may have seen only a lost peer: record the cause
+            run.write_summary({**summary, "status": "failed", "stopped_by": "error",
+                               "error": str(outcome.error)})
         raise outcome.error
     if summary is None:
         raise WorkerError(0, f"rank 0 ended without writing {run.path / 'summary.json'}")

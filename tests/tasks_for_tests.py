@@ -11,6 +11,7 @@ its final value is exactly -(samples processed) unless an update was lost.
 """
 
 import functools
+import time
 
 import torch
 import torch.nn as nn
@@ -73,13 +74,15 @@ def not_a_task():
 class DenseRows(nn.Module):
     """One weight per row, dense gradients (what DDP all-reduces); raises on ``fail_row``."""
 
-    def __init__(self, rows: int, fail_row: int = -1):
+    def __init__(self, rows: int, fail_row: int = -1, hang: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(rows))
-        self.fail_row = fail_row
+        self.fail_row, self.hang = fail_row, hang
 
     def forward(self, index):
         if self.fail_row >= 0 and bool((index == self.fail_row).any()):
+            if self.hang:
+                time.sleep(3600)
             raise ValueError(f"boom at row {self.fail_row}")
         return self.weight[index.view(-1)].view(-1, 1)
 
@@ -94,6 +97,12 @@ def dense_rows(samples=None):
 def failing_dense(samples=None):
     n = samples or 1000
     return _rows_task("failing-dense", functools.partial(DenseRows, n, 7), n)
+
+
+def hanging_dense(samples=None):
+    """Hangs for an hour in the forward of the batch holding row 7."""
+    n = samples or 1000
+    return _rows_task("hanging-dense", functools.partial(DenseRows, n, 7, True), n)
 
 
 class AutocastProbe(nn.Module):

@@ -41,6 +41,22 @@ def test_raising_rank_surfaces_its_traceback_and_nobody_hangs(tmp_path, run_cli,
     assert (out / "checkpoint.pt").exists()
 
 
+def test_hanging_rank_ends_at_the_dist_timeout(tmp_path, run_cli):
+    # Rank 1 sleeps for an hour inside a step; rank 0 waits in the all-reduce until
+    # --dist-timeout, saves the run, and the parent ends the hung rank.
+    out = tmp_path / "run"
+    started = time.monotonic()
+    res = run_cli("ddp", "--task", "tasks_for_tests:hanging_dense", "--samples", ROWS,
+                  "--procs", 2, "--threads", 1, "--epochs", 50, "--progress", "off",
+                  "--seed", _seed_where_rank_owns_row_7(1), "--dist-timeout", 5,
+                  "--out", out, timeout=180)
+    assert res.returncode == 1, res.stderr
+    assert "error: rank 0 raised an exception" in res.stderr and "Timed out" in res.stderr
+    assert time.monotonic() - started < 60
+    summary = read_json(out / "summary.json")
+    assert summary["status"] == "failed" and "Timed out" in summary["error"]
+
+
 def test_single_raising_saves_the_run_and_reports(tmp_path, run_cli):
     out = tmp_path / "run"
     res = run_cli("single", "--task", "tasks_for_tests:failing_dense", "--threads", 1,
