@@ -10,6 +10,7 @@ from .version import __version__
 
 _EXPORTS = {
     "HogwildConfig": "config", "TrainConfig": "config",
+    "SingleConfig": "config", "DDPConfig": "config",
     "AsyncSGDError": "errors", "CheckpointError": "errors", "ConfigError": "errors",
     "DataError": "errors", "TaskError": "errors", "WorkerError": "errors",
     "RunDir": "rundir", "Split": "tasks", "Task": "tasks", "load_task": "tasks",

@@ -68,7 +68,6 @@ class Placement:
     rank: int
     world: int
     local_rank: int
-    local_world: int
     backend: str
     threads: int
     store_port: Optional[int] = None  # spawned here: the parent's store; else env://
@@ -171,7 +170,7 @@ def train(cfg: DDPConfig, task: Optional[Task] = None,
     control = torch.zeros(1, dtype=torch.int64).share_memory_()
     user_errors = context(cfg.start_method).SimpleQueue()
     started_at = time.monotonic()
-    places = [Placement(rank, procs, rank, procs, backend, threads, store.port)
+    places = [Placement(rank, procs, rank, backend, threads, store.port)
               for rank in range(procs)]
     group = WorkerGroup(_spawned_rank, procs, name="rank", start_method=cfg.start_method,
                         args=[(cfg, task, places[r], str(run.path), started_at, control,
@@ -197,8 +196,7 @@ def _train_as_launched_rank(cfg: DDPConfig, launcher: dict, task: Optional[Task]
     threads = threads_per_process(launcher["LOCAL_WORLD_SIZE"], cfg.threads)
     if rank == 0:
         _announce(cfg, world, threads, backend, why)
-    place = Placement(rank, world, launcher["LOCAL_RANK"], launcher["LOCAL_WORLD_SIZE"],
-                      backend, threads)
+    place = Placement(rank, world, launcher["LOCAL_RANK"], backend, threads)
     return run_rank(cfg, task, place, run, flag_signals=True, argv=argv)
 
 
@@ -235,7 +233,7 @@ def run_rank(cfg: DDPConfig, task: Task, place: Placement, run: Optional[RunDir]
         return train_process(cfg, task, device=device, rank=place.rank, world=place.world,
                              run=run, wrap=wrap, agree=agree, flag_signals=flag_signals,
                              stop_requested=stop_requested, started_at=started_at, argv=argv,
-                             extra={"backend": place.backend, "threads": place.threads,
+                             name=f"rank {place.rank}", extra={"backend": place.backend, "threads": place.threads,
                                     "device": cfg.device})
     finally:
         dist.destroy_process_group()

@@ -240,13 +240,14 @@ def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: 
                   wrap: Callable[[nn.Module], nn.Module] = lambda m: m, agree: Agree = alone,
                   flag_signals: bool = False, stop_requested: Callable[[], bool] = lambda: False,
                   started_at: Optional[float] = None, argv: Optional[list] = None,
-                  extra: Optional[dict] = None) -> Optional[RunResult]:
+                  name: str = "training", extra: Optional[dict] = None) -> Optional[RunResult]:
     """Run one process of a synchronous run; rank 0 (given ``run``) returns the RunResult.
 
     ``agree`` sums a small tensor over all ranks (an all-reduce; nothing for one
     process). ``flag_signals``: SIGINT/SIGTERM ask every rank to stop at the next
     check (DDP) instead of raising KeyboardInterrupt at once (single).
-    ``stop_requested`` lets a launching parent ask the same.
+    ``stop_requested`` lets a launching parent ask the same. ``name`` says who
+    failed in an error ("rank 1").
     """
     torch.manual_seed(cfg.seed + rank)
     model = task.build_model(cfg.seed)
@@ -264,7 +265,6 @@ def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: 
     loop = SyncLoop(cfg, task, net, precision, part, device, rank=rank, world=world,
                     start_epoch=start_epoch, recorder=recorder, agree=agree,
                     interrupted=lambda: interrupted[0] or stop_requested())
-    who = f"rank {rank}" if world > 1 or flag_signals else "training"
     if recorder is None:
         with signals_as_flag(interrupted) if flag_signals else contextlib.nullcontext():
             loop.run()
@@ -273,7 +273,7 @@ def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: 
     with outcome.watch():
         with signals_as_flag(interrupted) if flag_signals else contextlib.nullcontext():
             recorder.evaluate(loop.samples())  # the starting point, before any update
-            outcome.stopped_by = _raising(who, rank, loop.run)
+            outcome.stopped_by = _raising(name, rank, loop.run)
             if outcome.stopped_by == "interrupted":
                 outcome.status = "interrupted"
     throughput = loop.throughput()

@@ -157,3 +157,37 @@ def test_gpu_nccl_and_amp(tmp_path, run_cli, amp):
                   "--out", tmp_path / "single")
     assert res.returncode == 0, res.stderr
     assert os.path.exists(tmp_path / "single" / "checkpoint.pt")
+
+
+def test_fp16_scaler_drives_asyncsgd_sgd_exactly():
+    """The GPU path's GradScaler with asyncsgd's SGD, checked on CPU: a power-of-two scale
+    is undone exactly, and a step with overflowing gradients is skipped and halves it."""
+    from asyncsgd.optim import SGD
+    from asyncsgd.precision import Precision
+
+    torch.manual_seed(0)
+    model, reference = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(8, 3)
+    opt, ref_opt = SGD(model.parameters(), lr=0.1), SGD(reference.parameters(), lr=0.1)
+    precision = Precision("fp16", "cpu")
+    scale = precision.scaler.get_scale()
+    precision.backward_and_step(model(x).pow(2).mean(), opt)
+    reference(x).pow(2).mean().backward()
+    ref_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    before = [p.clone() for p in model.parameters()]
+    opt.zero_grad()
+    precision.backward_and_step((model(x) * float("inf")).mean(), opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert precision.state() == {"amp": "fp16", "grad_scale": scale / 2}
+
+
+def test_padded_partitions_are_equal_and_cover_the_data():
+    from asyncsgd.syncloop import padded_partition
+
+    parts = [padded_partition(1003, 4, r, seed=5) for r in range(4)]
+    assert {len(p) for p in parts} == {251}
+    rows = torch.cat(parts)
+    assert set(rows.tolist()) == set(range(1003))
+    assert len(rows) - 1003 == 1  # 1003 = 3 x 251 + 250: the last part repeats one row
