@@ -265,13 +265,14 @@ def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: 
     loop = SyncLoop(cfg, task, net, precision, part, device, rank=rank, world=world,
                     start_epoch=start_epoch, recorder=recorder, agree=agree,
                     interrupted=lambda: interrupted[0] or stop_requested())
+    signals = signals_as_flag(interrupted) if flag_signals else contextlib.nullcontext()
     if recorder is None:
-        with signals_as_flag(interrupted) if flag_signals else contextlib.nullcontext():
+        with signals:
             loop.run()
         return None
     outcome = Outcome("epochs")
     with outcome.watch():
-        with signals_as_flag(interrupted) if flag_signals else contextlib.nullcontext():
+        with signals:
             recorder.evaluate(loop.samples())  # the starting point, before any update
             outcome.stopped_by = _raising(name, rank, loop.run)
             if outcome.stopped_by == "interrupted":
