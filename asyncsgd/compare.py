@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.2
 SHOW_SECONDS = 1.0
 PORT_ATTEMPTS = 3
+LINGER_SECONDS = 15.0
 NO_EPOCH_LIMIT = 1_000_000  # the budget ends the run
 SSP_DEFAULT = 2
 
@@ -164,10 +165,11 @@ class ModeRun:
         return flags + self.extra.get(spec.name, [])
 
     def worker_command(self, server: str, rank: int) -> list:
-        c = self.cfg
+        """No --max-seconds: the server's budget ends the run and it tells the workers
+        (their own clocks would end them at other moments)."""
         return self._data_flags() + self._train_flags() + _present({
             "--server": server, "--rank": rank, "--world": self.procs, "--seed": self.seed,
-            "--max-seconds": c.budget, "--threads": self.threads, "--progress": "off",
+            "--threads": self.threads, "--progress": "off",
         }) + self.extra.get("worker", [])
 
     # -- running -------------------------------------------------------------------------
@@ -215,49 +217,49 @@ class ModeRun:
                                   f"{self.threads} thread(s)")
         for attempt in range(PORT_ATTEMPTS):
             address = f"tcp://127.0.0.1:{free_port()}"
+            # Workers start beside the server, not after it: each spends seconds importing
+            # torch and loading the task, time the server's clock would otherwise count.
+            # Their hello waits in the socket until the server listens and serves.
             server = self._start("ps-server", ["--bind", address] + self.command(), "server")
-            error = self._wait_ready(server, address)
-            if error is None:
-                break
-            if "cannot listen on --bind" in error and attempt + 1 < PORT_ATTEMPTS:
-                log.info("port of %s taken meanwhile; retrying with another", address)
-                self.children.remove(server)
-                shutil.rmtree(self.run_dir, ignore_errors=True)  # ours, from the failed start
-                continue
-            return error
-        for rank in range(self.procs):
-            self._start("worker", self.worker_command(address, rank), f"worker-{rank}")
-        return self._watch()
-
-    def _wait_ready(self, server: Child, address: str) -> Optional[str]:
-        """None once the server answers a stats request; else why it never will."""
-        from .stats import fetch_stats
-        while True:
-            self.shown.tick(self)
-            if server.returncode is not None:
-                return server.error() if server.failed() else "ps-server ended before serving"
-            if time.monotonic() > self.deadline:
-                return self._overrun()
-            try:
-                fetch_stats(address, timeout=0.5)
-                return None
-            except AsyncSGDError:
-                continue
+            for rank in range(self.procs):
+                self._start("worker", self.worker_command(address, rank), f"worker-{rank}")
+            error = self._watch(server)
+            if not (error and server.failed() and "cannot listen on --bind" in error
+                    and attempt + 1 < PORT_ATTEMPTS):
+                return error
+            log.info("port of %s was taken meanwhile; retrying with another", address)
+            stop_all(self.children)
+            self.children.clear()
+            shutil.rmtree(self.run_dir, ignore_errors=True)  # ours, from the failed start
+        return error
 
     def _overrun(self) -> str:
         return (f"still running {self.cfg.budget + self.cfg.grace:g} s after it started "
                 f"(--budget {self.cfg.budget:g} + --grace {self.cfg.grace:g}); stopped")
 
-    def _watch(self) -> Optional[str]:
-        """Wait for every process: None when all ended cleanly, else the first error."""
+    def _watch(self, main: Optional[Child] = None) -> Optional[str]:
+        """Wait for every process: None when all ended cleanly, else the first error.
+
+        Once ``main`` (the server) has ended, the others get ``LINGER_SECONDS`` to
+        follow: a worker that never reached it would otherwise retry for a minute.
+        """
+        main_ended: Optional[float] = None
         while True:
             self.shown.tick(self)
             failed = [c for c in self.children if c.failed()]
             if failed:
                 return failed[0].error()
-            if all(c.returncode == 0 for c in self.children):
+            running = [c for c in self.children if c.returncode is None]
+            if not running:
                 return None
-            if time.monotonic() > self.deadline:
+            now = time.monotonic()
+            if main is not None and main.returncode is not None:
+                main_ended = main_ended or now
+                if now - main_ended > LINGER_SECONDS:
+                    return (f"{running[0].name} was still running {LINGER_SECONDS:g} s after "
+                            f"the {main.name} ended; stopped. Its last words: "
+                            f"{running[0].last_line() or '(none)'}")
+            if now > self.deadline:
                 return self._overrun()
             time.sleep(POLL_SECONDS)
 

@@ -106,15 +106,16 @@ class Child:
         except OSError:
             return ""
 
-    def error(self) -> str:
-        """Why it failed, in one line: its ``error:`` line, else the last line of its stderr."""
-        tail = self.stderr_tail()
-        lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    def last_line(self) -> str:
+        """Its ``error:`` line, else the last line of its stderr ('' when silent)."""
+        lines = [line.strip() for line in self.stderr_tail().splitlines() if line.strip()]
         chosen = next((line for line in reversed(lines) if line.startswith("error:")), None)
-        if chosen is None and lines:
-            chosen = lines[-1]
-        return f"{self.name} {describe_exit(self.returncode)}" + (f": {chosen}" if chosen else "")
+        return chosen or (lines[-1] if lines else "")
 
+    def error(self) -> str:
+        """Why it failed, in one line: how it exited and its last words."""
+        last = self.last_line()
+        return f"{self.name} {describe_exit(self.returncode)}" + (f": {last}" if last else "")
 
 def stop_all(children: list, grace: float = 15.0) -> None:
     """Stop every child together, bounded: SIGINT (each saves its run) and up to ``grace`` s

@@ -274,7 +274,12 @@ def render_table(rows: list, target: Optional[float]) -> str:
 def parse_table(text: str) -> list:
     """The rows of the first table in a report, as dicts of column -> text (for readers
     and tests of report.md)."""
-    lines = [ln for ln in text.splitlines() if ln.startswith("|")]
+    lines: list = []
+    for ln in text.splitlines():
+        if ln.startswith("|"):
+            lines.append(ln)
+        elif lines:
+            break
     if len(lines) < 2:
         return []
     header = [c.strip() for c in lines[0].strip("|").split("|")]
