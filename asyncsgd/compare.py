@@ -22,6 +22,7 @@ failed. The result is one directory:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -175,9 +176,11 @@ class ModeRun:
     # -- running -------------------------------------------------------------------------
     def run(self) -> Attempt:
         """Run it to the end; ``self.attempt`` holds the outcome even if interrupted."""
-        attempt = self.attempt
+        attempt, error = self.attempt, None
         try:
             error = self._run_ps() if self.spec.command == "ps-server" else self._run_one()
+        except OSError as exc:  # e.g. no process could be started: this run fails, not all
+            error = f"could not run {self.spec.command}: {exc}"
         except KeyboardInterrupt:
             attempt.status, attempt.error = "interrupted", "interrupted by the user"
             raise
@@ -346,7 +349,7 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
     task = load_task(cfg.task, samples=cfg.samples, data_dir=cfg.data_dir,
                      cache_dir=cfg.cache_dir, seed=cfg.seed)
     out = _compare_dir(cfg.out)
-    header = {"command": argv if argv is not None else sys.argv, "config": cfg.to_dict(),
+    header = {"command": argv if argv is not None else sys.argv, "config": dataclasses.asdict(cfg),
               "task": {"name": task.name, "train_samples": len(task.train),
                        "test_samples": len(task.test), "lr": cfg.lr or task.lr,
                        "batch_size": cfg.batch_size or task.batch_size},
@@ -357,6 +360,7 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
     shown.say(f"compare: {len(specs)} mode(s) x {cfg.repeats} repeat(s) = {total} run(s) of "
               f"{cfg.budget:g} s each on {task.name}, one after another; writing {out}")
     attempts: list = []
+    interrupted = False
     try:
         with sigterm_as_interrupt():
             # Repeats interleave (all modes, then all modes again): drift of a shared
@@ -366,10 +370,15 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
                     run = ModeRun(cfg, spec, repeat, out, extra, shown)
                     attempts.append(run.attempt)
                     run.run()
-    finally:  # also after Ctrl-C: report what ran
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
+    finally:  # also after Ctrl-C or SIGTERM: report what ran
         if attempts:
             table = publish(out, _title(cfg, task.name), _intro(cfg, header), attempts,
                             cfg.target_accuracy, header)
+        if interrupted:
+            shown.say(f"interrupted; the report of the runs so far: {out / 'report.md'}")
     return CompareResult(out, table, attempts)
 
 

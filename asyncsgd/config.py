@@ -378,9 +378,6 @@ class CompareConfig:
 
     mode = "compare"
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclass
 class PlotConfig:

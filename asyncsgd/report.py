@@ -224,8 +224,7 @@ def table_cells(row: Row, target: Optional[float]) -> dict:
     s = row.stats
     runs = f"{row.succeeded}/{len(row.attempts)}"
     if not row.succeeded:
-        cells = {"mode": row.label, "final acc. %": "failed", "runs ok": runs}
-        return cells
+        return {"mode": row.label, "final acc. %": row.attempts[0].status, "runs ok": runs}
     cells = {
         "mode": row.label,
         "final acc. %": _fmt(s["final_accuracy"], _pct),

@@ -313,3 +313,31 @@ def test_a_run_past_its_budget_is_stopped_and_leaves_nothing(cache_dir, tmp_path
     assert summary["status"] == "interrupted"  # SIGINT first: the run was saved
     row = parse_table((tmp_path / "cmp" / "report.md").read_text())[0]
     assert row["mode"] == "hogwild" and row["final acc. %"] == "failed"
+
+
+def test_sigterm_stops_the_comparison_and_reports_the_runs_so_far(cache_dir, tmp_path):
+    mark, out = uuid.uuid4().hex, tmp_path / "cmp"
+    proc = subprocess.Popen(
+        asyncsgd_cmd("compare", "--modes", "hogwild,ps-async", "--procs", 2, "--budget", 120,
+                     "--eval-every", 0.5, "--progress", "log", "--out", out),
+        env=_env(cache_dir, mark), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while not (out / "hogwild-r1" / "metrics.jsonl").is_file() or not any(
+                e["event"] == "eval" and e["samples"] > 0 for e in read_events(out / "hogwild-r1")):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "interrupted; the report of the runs so far" in err
+    assert _marked(mark) == []
+    assert read_json(out / "hogwild-r1" / "summary.json")["status"] == "interrupted"
+    rows = parse_table((out / "report.md").read_text())
+    assert [(r["mode"], r["final acc. %"]) for r in rows] == [("hogwild", "interrupted")]
+    assert not (out / "ps-async-r1").exists()  # never started
