@@ -6,7 +6,6 @@ against every run's own files, the plots, the failed mode and that nothing
 outlived it.
 """
 
-import json
 import os
 import struct
 import subprocess
