@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import Optional
 
 import click
 
-from .config import (DDPConfig, HogwildConfig, ServerConfig, SingleConfig, WorkerConfig,
-                     click_options, config_from_dict)
+from .config import (CompareConfig, DDPConfig, HogwildConfig, PlotConfig, ServerConfig,
+                     SingleConfig, WorkerConfig, click_options, config_from_dict)
 from .errors import AsyncSGDError, ConfigError
 from .version import __version__
 
@@ -212,6 +213,49 @@ def _finish(ctx: click.Context, command: str, result) -> None:
         click.echo(f"interrupted; continue with: asyncsgd {command} --resume {result.run_dir}",
                    err=True)
         ctx.exit(INTERRUPTED)
+
+
+@cli.command(epilog="Examples:\n\n\b\n"
+             "  asyncsgd compare --task mnist1d-cnn --procs 2 --budget 60 --target-accuracy 0.9\n"
+             "  asyncsgd compare --modes hogwild,ps-async,ps-sync --repeats 3 --out runs/cmp\n"
+             "  asyncsgd compare --modes hogwild,ps-async --mode-args 'ps-async=--optimizer adam'")
+@click_options(CompareConfig)
+def compare(**params: object) -> None:
+    """Run every mode on the same task, data, seeds and time budget, and report.
+
+    Runs go one after another (never overlapping) as subprocesses of this
+    command: single and hogwild and ddp as one command each, ps-* as a
+    parameter server and --procs workers on 127.0.0.1. A failed run is
+    recorded with its error and the comparison goes on. OUT gets report.md
+    (table and plots), results.json, PNGs, and every run's directory and logs.
+    Exits 1 when any run failed.
+    """
+    from .compare import compare as run_compare
+    result = run_compare(CompareConfig(**params), argv=sys.argv)
+    click.echo(result.table)
+    click.echo(f"report: {result.out / 'report.md'}")
+    if result.failed:
+        raise AsyncSGDError(f"{len(result.failed)} of {len(result.attempts)} run(s) failed: "
+                            + "; ".join(f"{a.label} (repeat {a.repeat + 1}): {a.error}"
+                                        for a in result.failed))
+
+
+@cli.command(epilog="Examples:\n\n\b\n"
+             "  asyncsgd plot runs/20261122-101500-hogwild runs/20261122-103000-ps\n"
+             "  asyncsgd plot runs/20261122-110000-compare --out figures --target-accuracy 0.9")
+@click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR...")
+@click_options(PlotConfig)
+def plot(run_dirs: tuple, **params: object) -> None:
+    """Plot and tabulate any run directories (of any mode, or of a compare).
+
+    Writes the compare plots (test accuracy and training loss vs time, loss vs
+    samples, throughput) and report.md into --out, and prints the table.
+    """
+    from .report import report_runs
+    cfg = PlotConfig(**params)
+    out = Path(cfg.out)
+    click.echo(report_runs(list(run_dirs), out, cfg.target_accuracy))
+    click.echo(f"report: {out / 'report.md'}")
 
 
 def main(argv: Optional[list] = None) -> None:

@@ -19,16 +19,17 @@ from .errors import ConfigError
 
 
 def knob(default: Any, help: str, *, type: Any = None, show: Optional[str] = None,
-         metavar: Optional[str] = None, identity: bool = False) -> Any:
+         metavar: Optional[str] = None, identity: bool = False, multiple: bool = False) -> Any:
     """A dataclass field documented for the CLI.
 
     ``show`` is what --help prints as the default when the value itself would
     say nothing (e.g. ``None`` meaning "the task's default"). ``identity``
     marks settings that define *what* is trained (task, data): a resumed run
-    must keep them.
+    must keep them. ``multiple`` makes an option that may be given several
+    times; its value is a tuple.
     """
     meta = {"help": help, "type": type, "show": show, "metavar": metavar,
-            "identity": identity}
+            "identity": identity, "multiple": multiple}
     return field(default=default, metadata=meta)
 
 
@@ -194,6 +195,8 @@ def click_options(cls):
                 kwargs["show_default"] = "none"
             if meta.get("metavar"):
                 kwargs["metavar"] = meta["metavar"]
+            if meta.get("multiple"):
+                kwargs["multiple"] = True
             func = click.option(flag, f.name, **kwargs)(func)
         return func
 
@@ -331,3 +334,87 @@ class DDPConfig(SingleConfig):
         type=click.FloatRange(min=1))
 
     mode = "ddp"
+COMPARE_MODES = "single,hogwild,ps-async,ps-ssp,ps-sync,ddp"
+
+
+@dataclass
+class CompareConfig:
+    """Settings of ``asyncsgd compare``: every mode on the same task, seeds and budget."""
+
+    task: str = knob(
+        "mnist1d-cnn", "Task every mode trains: a built-in name (see 'asyncsgd tasks') or "
+        "'package.module:function' returning an asyncsgd.Task.", metavar="NAME|MODULE:FUNC")
+    modes: str = knob(
+        COMPARE_MODES, "Comma-separated modes to run, in this order: single, hogwild, ps-async, "
+        "ps-ssp (bounded staleness 2; ps-ssp:K for another bound), ps-sync, ddp.",
+        metavar="MODE,...")
+    procs: Optional[int] = knob(
+        None, "Processes (Hogwild, DDP) or parameter-server workers of every parallel mode; "
+        "each gets CPU cores // procs torch threads. 'single' always runs one process.",
+        type=click.IntRange(min=1), show="CPU cores")
+    budget: float = knob(
+        60.0, "Seconds of training each run gets (its --max-seconds; start-up counts, as a "
+        "user waits for it too).", type=click.FloatRange(min=0, min_open=True),
+        metavar="SECONDS")
+    target_accuracy: Optional[float] = knob(
+        None, "Test accuracy whose first crossing the report times (e.g. 0.9); runs go on "
+        "to the end of the budget unless --stop-at-target.", type=click.FloatRange(0, 1),
+        show="none: no time-to-target column")
+    stop_at_target: bool = knob(
+        False, "End each run once it reaches --target-accuracy instead of using the whole "
+        "budget (faster; final accuracies are then about the target).")
+    repeats: int = knob(
+        1, "Runs of every mode; repeat r uses seed + r for every mode. The report shows "
+        "mean ± standard deviation over repeats.", type=click.IntRange(min=1))
+    seed: int = knob(0, "Seed of the first repeat: model initialisation and data order.")
+    samples: Optional[int] = knob(
+        None, "Samples to generate for generated tasks (mnist1d: 80% train, 20% test).",
+        type=click.IntRange(min=10), show="task's default (mnist1d: 5000)")
+    data_dir: Optional[str] = knob(
+        None, "Directory with MNIST / Fashion-MNIST IDX files (for the mnist-* tasks).",
+        metavar="DIR")
+    cache_dir: Optional[str] = knob(
+        None, "Where generated data sets are cached.", metavar="DIR",
+        show="$ASYNCSGD_CACHE or ~/.cache/asyncsgd")
+    batch_size: Optional[int] = knob(
+        None, "Samples per step in each process or worker.", type=click.IntRange(min=1),
+        show="task's default")
+    lr: Optional[float] = knob(
+        None, "Learning rate of plain SGD in every mode (the parameter server applies it "
+        "with its 'sgd' rule).", type=click.FloatRange(min=0, min_open=True),
+        show="task's default")
+    epochs: Optional[int] = knob(
+        None, "Passes over the training data after which a run ends early.",
+        type=click.IntRange(min=1), show="no limit: the budget ends every run")
+    eval_every: float = knob(
+        1.0, "Seconds between test-set evaluations in every run (the resolution of the "
+        "time to target).", type=click.FloatRange(min=0.05))
+    shards: int = knob(1, "Parameter-server shard processes in the ps-* modes.",
+                       type=click.IntRange(min=1))
+    ddp_backend: str = knob("auto", "torch.distributed backend of the ddp mode.",
+                            type=click.Choice(["auto", "nccl", "gloo"]))
+    mode_args: tuple = knob(
+        (), "Extra flags for one mode's command, e.g. 'hogwild=--lock' or "
+        "'ps-async=--optimizer adam'; 'worker=...' goes to every parameter-server worker. "
+        "May be given several times.", metavar="MODE=FLAGS", multiple=True)
+    grace: float = knob(
+        60.0, "Seconds a run may take beyond --budget to start up and finish before it is "
+        "stopped and marked failed.", type=click.FloatRange(min=1), metavar="SECONDS")
+    out: Optional[str] = knob(
+        None, "Directory for the report, the plots and every run's directory.",
+        metavar="DIR", show="runs/<time>-compare")
+    progress: str = knob(
+        "auto", "Progress display: a live line on a terminal and log lines otherwise (auto), "
+        "or force bar, log or off.", type=click.Choice(["auto", "bar", "log", "off"]))
+
+    mode = "compare"
+
+
+@dataclass
+class PlotConfig:
+    """Settings of ``asyncsgd plot``."""
+
+    out: str = knob("plots", "Directory for the PNGs and report.md.", metavar="DIR")
+    target_accuracy: Optional[float] = knob(
+        None, "Draw this test accuracy and time each run's first crossing of it.",
+        type=click.FloatRange(0, 1), show="none")

@@ -95,3 +95,55 @@ def summarize(events: list, *, mode: str, task: str, target: Optional[float],
         summary["error"] = error
     summary.update(extra)
     return summary
+
+
+def eval_curve(events: Iterable[dict]) -> list:
+    """(t, samples, accuracy) of every evaluation, in order."""
+    return [(e["t"], e.get("samples", 0), e["accuracy"]) for e in events
+            if e.get("event") == "eval" and "accuracy" in e]
+
+
+def train_curve(events: Iterable[dict]) -> list:
+    """(t, samples, loss): the training loss of all workers at each report.
+
+    Modes write one ``train`` event per worker at a time, all with the same
+    ``samples`` count; those are one point of the curve, their losses weighted
+    by the steps each covers, at the latest of their times.
+    """
+    points: list = []
+    group_samples, t, loss_sum, steps = None, 0.0, 0.0, 0
+    for e in events:
+        if e.get("event") != "train" or e.get("loss") is None:
+            continue
+        if e.get("samples") != group_samples and steps:
+            points.append((t, group_samples, loss_sum / steps))
+            loss_sum, steps = 0.0, 0
+        group_samples, t = e.get("samples"), max(t, e["t"])
+        n = max(1, int(e.get("steps", 1)))
+        loss_sum, steps = loss_sum + e["loss"] * n, steps + n
+    if steps:
+        points.append((t, group_samples, loss_sum / steps))
+    return points
+
+
+def first_progress(events: list) -> Optional[dict]:
+    """The first event after which training had processed samples: the end of start-up."""
+    if not events:
+        return None
+    start = events[0].get("samples", 0)
+    return next((e for e in events if e.get("samples", 0) > start), None)
+
+
+def steady_throughput(events: list) -> Optional[float]:
+    """Samples/s from the end of start-up (``first_progress``) to the last event.
+
+    One definition for every mode, read from metrics.jsonl alone: spawning
+    processes, connecting to a server or building a process group does not
+    dilute it, and ``first_progress``'s ``t`` shows what start-up cost.
+    """
+    first = first_progress(events)
+    if first is None:
+        return None
+    last = max(events, key=lambda e: e.get("t", 0.0))
+    dt = last["t"] - first["t"]
+    return (last["samples"] - first["samples"]) / dt if dt > 0 else None

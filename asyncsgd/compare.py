@@ -1,0 +1,404 @@
+"""``asyncsgd compare``: every mode on the same task, seeds and budget, one after another.
+
+    asyncsgd compare --task mnist1d-cnn --procs 2 --budget 60 --target-accuracy 0.9
+    asyncsgd compare --modes hogwild,ps-async,ps-sync --repeats 3 --out runs/cmp
+
+Each run is the installed CLI in subprocesses (``asyncsgd hogwild ...``;
+``asyncsgd ps-server`` and N ``asyncsgd worker`` for the ps-* modes), so modes
+are isolated and a failing one is recorded and skipped. Runs never overlap:
+they would steal each other's cores. Every run gets the same task and data,
+the same seed (repeat r: seed + r, hence the same model initialisation and
+data order), the same batch size per process, plain SGD with the same
+learning rate, and the same budget of training seconds (``--max-seconds``).
+A run still going ``--grace`` seconds past its budget is stopped and marked
+failed. The result is one directory:
+
+    OUT/report.md           the table, failed runs with their errors, the plots
+    OUT/results.json        the same numbers unrounded, and every run's status
+    OUT/*.png               accuracy and loss vs time, loss vs samples, throughput
+    OUT/<mode>-r<k>/        each run's own run directory
+    OUT/logs/<mode>-r<k>/   each process's stdout and stderr
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, TextIO
+
+from .config import CompareConfig, available_cores
+from .errors import AsyncSGDError, ConfigError
+from .launch import Child, free_port, stop_all
+from .procs import sigterm_as_interrupt
+from .progress import Progress
+from .report import Attempt, Run, publish
+from .rundir import RunDir, environment
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.2
+SHOW_SECONDS = 1.0
+PORT_ATTEMPTS = 3
+LINGER_SECONDS = 15.0
+NO_EPOCH_LIMIT = 1_000_000  # the budget ends the run
+SSP_DEFAULT = 2
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """A mode as --modes names it, and the command that runs it."""
+
+    name: str
+    command: str  # single | hogwild | ddp | ps-server
+    consistency: Optional[str] = None
+
+    @property
+    def slug(self) -> str:
+        return self.name.replace(":", "-")
+
+
+def parse_modes(text: str) -> list:
+    """``single,hogwild,ps-async,ps-ssp,ps-ssp:4,ps-sync,ddp`` -> [ModeSpec]."""
+    specs, seen = [], set()
+    for name in (m.strip() for m in text.split(",")):
+        if not name:
+            continue
+        ssp = re.fullmatch(r"ps-ssp(?::(\d+))?", name)
+        if name in ("single", "hogwild", "ddp"):
+            spec = ModeSpec(name, name)
+        elif name in ("ps-async", "ps-sync"):
+            spec = ModeSpec(name, "ps-server", name[3:])
+        elif ssp:
+            spec = ModeSpec(name, "ps-server", f"ssp:{ssp.group(1) or SSP_DEFAULT}")
+        else:
+            raise ConfigError(f"--modes: unknown mode {name!r}; choose from single, hogwild, "
+                              "ps-async, ps-ssp (or ps-ssp:K), ps-sync, ddp")
+        if name in seen:
+            raise ConfigError(f"--modes: {name} is listed twice; use --repeats to run it again")
+        seen.add(name)
+        specs.append(spec)
+    if not specs:
+        raise ConfigError("--modes is empty; name at least one mode, e.g. --modes hogwild")
+    return specs
+
+
+def parse_mode_args(items: tuple, specs: list) -> dict:
+    """``('hogwild=--lock', 'worker=--push-every 4')`` -> {name: [flags]}."""
+    known = {s.name for s in specs} | {"worker"}
+    extra: dict = {}
+    for item in items:
+        name, sep, flags = item.partition("=")
+        name = name.strip()
+        if not sep or name not in known:
+            raise ConfigError(f"--mode-args {item!r}: use MODE=FLAGS with MODE one of "
+                              f"{', '.join(sorted(known))}, e.g. 'hogwild=--lock'")
+        try:
+            extra.setdefault(name, []).extend(shlex.split(flags))
+        except ValueError as exc:
+            raise ConfigError(f"--mode-args {item!r}: {exc}") from exc
+    return extra
+
+
+def _present(flags: dict) -> list:
+    """``{'--lr': None, '--seed': 3}`` -> ['--seed', '3']: only the flags that are set."""
+    return [str(part) for name, value in flags.items() if value is not None
+            for part in (name, value)]
+
+
+class ModeRun:
+    """One run of one mode: starts its processes, watches them, returns an Attempt."""
+
+    def __init__(self, cfg: CompareConfig, spec: ModeSpec, repeat: int, out: Path,
+                 extra: dict, shown: "CompareProgress"):
+        self.cfg, self.spec, self.repeat, self.extra, self.shown = cfg, spec, repeat, extra, shown
+        self.seed = cfg.seed + repeat
+        self.procs = cfg.procs or available_cores()
+        self.threads = max(1, available_cores() // self.procs)
+        self.run_dir = out / f"{spec.slug}-r{repeat + 1}"
+        self.logs = out / "logs" / f"{spec.slug}-r{repeat + 1}"
+        self.children: list = []
+        self.started = time.monotonic()
+        self.deadline = self.started + cfg.budget + cfg.grace
+        self.attempt = Attempt(spec.name, repeat, self.seed, run_dir=str(self.run_dir),
+                               logs=str(self.logs))
+
+    # -- command lines -------------------------------------------------------------------
+    def _data_flags(self) -> list:
+        c = self.cfg
+        return _present({"--task": c.task, "--samples": c.samples, "--data-dir": c.data_dir,
+                         "--cache-dir": c.cache_dir})
+
+    def _run_flags(self) -> list:
+        """What every run-directory-writing command takes (RunConfig)."""
+        c = self.cfg
+        return self._data_flags() + _present({
+            "--seed": self.seed, "--max-seconds": c.budget, "--eval-every": c.eval_every,
+            "--target-accuracy": c.target_accuracy if c.stop_at_target else None,
+            "--out": self.run_dir, "--progress": "off", "--checkpoint-every": 0})
+
+    def _train_flags(self) -> list:
+        c = self.cfg
+        return _present({"--epochs": c.epochs or NO_EPOCH_LIMIT, "--batch-size": c.batch_size})
+
+    def command(self) -> list:
+        """Flags of the mode's (first) command."""
+        spec, c = self.spec, self.cfg
+        if spec.command == "ps-server":
+            flags = self._run_flags() + _present({
+                "--workers": self.procs, "--shards": c.shards, "--consistency": spec.consistency,
+                "--optimizer": "sgd", "--lr": c.lr})
+        else:
+            flags = self._run_flags() + self._train_flags() + _present({"--lr": c.lr})
+            if spec.command == "single":
+                flags += ["--threads", str(available_cores())]
+            else:
+                flags += _present({"--procs": self.procs, "--threads": self.threads})
+                if spec.command == "ddp":
+                    flags += ["--backend", c.ddp_backend]
+        return flags + self.extra.get(spec.name, [])
+
+    def worker_command(self, server: str, rank: int) -> list:
+        """No --max-seconds: the server's budget ends the run and it tells the workers
+        (their own clocks would end them at other moments)."""
+        return self._data_flags() + self._train_flags() + _present({
+            "--server": server, "--rank": rank, "--world": self.procs, "--seed": self.seed,
+            "--threads": self.threads, "--progress": "off",
+        }) + self.extra.get("worker", [])
+
+    # -- running -------------------------------------------------------------------------
+    def run(self) -> Attempt:
+        """Run it to the end; ``self.attempt`` holds the outcome even if interrupted."""
+        attempt, error = self.attempt, None
+        try:
+            error = self._run_ps() if self.spec.command == "ps-server" else self._run_one()
+        except OSError as exc:  # e.g. no process could be started: this run fails, not all
+            error = f"could not run {self.spec.command}: {exc}"
+        except KeyboardInterrupt:
+            attempt.status, attempt.error = "interrupted", "interrupted by the user"
+            raise
+        finally:
+            stop_all(self.children)
+            attempt.seconds = time.monotonic() - self.started
+            if attempt.status == "ok":
+                attempt.status, attempt.error = ("failed", error) if error else ("ok", None)
+            if (self.run_dir / "config.json").is_file():
+                try:
+                    attempt.run = Run.read(self.run_dir)
+                except AsyncSGDError as exc:
+                    attempt.status, attempt.error = "failed", str(exc)
+            elif attempt.status == "ok":
+                attempt.status, attempt.error = "failed", "it wrote no run directory"
+            self.shown.finished(attempt)
+        return attempt
+
+    def _start(self, command: str, flags: list, name: str) -> Child:
+        child = Child.start(command, flags, self.logs, name=name)
+        self.children.append(child)
+        return child
+
+    def _run_one(self) -> Optional[str]:
+        self.shown.starting(self, f"{self.spec.command} with {self._processes()}")
+        self._start(self.spec.command, self.command(), self.spec.slug)
+        return self._watch()
+
+    def _processes(self) -> str:
+        if self.spec.command == "single":
+            return f"1 process x {available_cores()} threads"
+        return f"{self.procs} processes x {self.threads} thread(s)"
+
+    def _run_ps(self) -> Optional[str]:
+        self.shown.starting(self, f"ps-server --consistency {self.spec.consistency} "
+                                  f"--shards {self.cfg.shards} + {self.procs} workers x "
+                                  f"{self.threads} thread(s)")
+        for attempt in range(PORT_ATTEMPTS):
+            address = f"tcp://127.0.0.1:{free_port()}"
+            # Workers start beside the server, not after it: each spends seconds importing
+            # torch and loading the task, time the server's clock would otherwise count.
+            # Their hello waits in the socket until the server listens and serves.
+            server = self._start("ps-server", ["--bind", address] + self.command(), "server")
+            for rank in range(self.procs):
+                self._start("worker", self.worker_command(address, rank), f"worker-{rank}")
+            error = self._watch(server)
+            if not (error and server.failed() and "cannot listen on --bind" in error
+                    and attempt + 1 < PORT_ATTEMPTS):
+                return error
+            log.info("port of %s was taken meanwhile; retrying with another", address)
+            stop_all(self.children)
+            self.children.clear()
+            shutil.rmtree(self.run_dir, ignore_errors=True)  # ours, from the failed start
+        return error
+
+    def _overrun(self) -> str:
+        return (f"still running {self.cfg.budget + self.cfg.grace:g} s after it started "
+                f"(--budget {self.cfg.budget:g} + --grace {self.cfg.grace:g}); stopped")
+
+    def _watch(self, main: Optional[Child] = None) -> Optional[str]:
+        """Wait for every process: None when all ended cleanly, else the first error.
+
+        Once ``main`` (the server) has ended, the others get ``LINGER_SECONDS`` to
+        follow: a worker that never reached it would otherwise retry for a minute.
+        """
+        main_ended: Optional[float] = None
+        while True:
+            self.shown.tick(self)
+            failed = [c for c in self.children if c.failed()]
+            if failed:
+                return failed[0].error()
+            running = [c for c in self.children if c.returncode is None]
+            if not running:
+                return None
+            now = time.monotonic()
+            if main is not None and main.returncode is not None:
+                main_ended = main_ended or now
+                if now - main_ended > LINGER_SECONDS:
+                    return (f"{running[0].name} was still running {LINGER_SECONDS:g} s after "
+                            f"the {main.name} ended; stopped. Its last words: "
+                            f"{running[0].last_line() or '(none)'}")
+            if now > self.deadline:
+                return self._overrun()
+            time.sleep(POLL_SECONDS)
+
+
+class CompareProgress:
+    """Which run is on, how long it has run, and its latest evaluation."""
+
+    def __init__(self, total: int, style: str, stream: TextIO = sys.stderr):
+        if style == "auto":
+            style = "bar" if getattr(stream, "isatty", lambda: False)() else "log"
+        self.total, self.style, self.stream = total, style, stream
+        self.index = 0
+        self._bar: Optional[Progress] = None
+        self._next_show = 0.0
+
+    def say(self, text: str) -> None:
+        if self.style != "off":
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def starting(self, run: ModeRun, what: str) -> None:
+        self.index += 1
+        reps = run.cfg.repeats
+        self.say(f"[{self.index}/{self.total}] {run.spec.name}"
+                 + (f", repeat {run.repeat + 1}/{reps}" if reps > 1 else "")
+                 + f" (seed {run.seed}): {what}, budget {run.cfg.budget:g} s")
+        self._bar = Progress(f"{self.index}/{self.total} {run.spec.name}", None, self.style,
+                             self.stream)
+        self._next_show = 0.0
+
+    def tick(self, run: ModeRun) -> None:
+        now = time.monotonic()
+        if self._bar is None or self.style == "off" or now < self._next_show:
+            return
+        self._next_show = now + SHOW_SECONDS
+        events = list(RunDir(run.run_dir).events())
+        last = events[-1] if events else {"t": 0.0, "samples": 0}
+        evals = [e for e in events if e.get("event") == "eval"]
+        if evals:
+            self._bar.evaluated(evals[-1]["accuracy"], evals[-1]["loss"])
+        rate = last["samples"] / last["t"] if last.get("t") else 0.0
+        self._bar.update(now - run.started, last.get("samples", 0), rate)
+
+    def finished(self, attempt: Attempt) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        took = f"in {attempt.seconds:.1f} s"
+        if attempt.ok:
+            s = attempt.run.summary
+            acc = ("" if s.get("final_accuracy") is None else
+                   f": final test accuracy {s['final_accuracy'] * 100:.2f}% "
+                   f"(best {s['best_accuracy'] * 100:.2f}%)")
+            self.say(f"[{self.index}/{self.total}] {attempt.label} done {took}{acc}")
+        else:
+            self.say(f"[{self.index}/{self.total}] {attempt.label} {attempt.status.upper()} "
+                     f"{took}: {attempt.error}")
+
+
+@dataclass
+class CompareResult:
+    out: Path
+    table: str
+    attempts: list
+
+    @property
+    def failed(self) -> list:
+        return [a for a in self.attempts if not a.ok]
+
+
+def _compare_dir(out: Optional[str]) -> Path:
+    if out is not None and Path(out).exists() and any(Path(out).iterdir()):
+        raise ConfigError(f"--out {out} exists and is not empty; choose a new directory")
+    return RunDir.create(out, "compare").path
+
+
+def compare(cfg: CompareConfig, argv: Optional[list] = None,
+            stream: TextIO = sys.stderr) -> CompareResult:
+    """Run every mode of ``cfg.modes`` ``cfg.repeats`` times and write the report."""
+    specs = parse_modes(cfg.modes)
+    extra = parse_mode_args(cfg.mode_args, specs)
+    from .tasks import load_task
+    # Fails early on a bad task, and generates and caches its data outside every budget.
+    task = load_task(cfg.task, samples=cfg.samples, data_dir=cfg.data_dir,
+                     cache_dir=cfg.cache_dir, seed=cfg.seed)
+    out = _compare_dir(cfg.out)
+    header = {"command": argv if argv is not None else sys.argv, "config": dataclasses.asdict(cfg),
+              "task": {"name": task.name, "train_samples": len(task.train),
+                       "test_samples": len(task.test), "lr": cfg.lr or task.lr,
+                       "batch_size": cfg.batch_size or task.batch_size},
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **environment()}
+    (out / "compare.json").write_text(json.dumps(header, indent=2, default=str) + "\n")
+    total = len(specs) * cfg.repeats
+    shown = CompareProgress(total, cfg.progress, stream)
+    shown.say(f"compare: {len(specs)} mode(s) x {cfg.repeats} repeat(s) = {total} run(s) of "
+              f"{cfg.budget:g} s each on {task.name}, one after another; writing {out}")
+    attempts: list = []
+    interrupted = False
+    try:
+        with sigterm_as_interrupt():
+            # Repeats interleave (all modes, then all modes again): drift of a shared
+            # machine then spreads over every mode instead of favouring one.
+            for repeat in range(cfg.repeats):
+                for spec in specs:
+                    run = ModeRun(cfg, spec, repeat, out, extra, shown)
+                    attempts.append(run.attempt)
+                    run.run()
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
+    finally:  # also after Ctrl-C or SIGTERM: report what ran
+        if attempts:
+            table = publish(out, _title(cfg, task.name), _intro(cfg, header), attempts,
+                            cfg.target_accuracy, header)
+        if interrupted:
+            shown.say(f"interrupted; the report of the runs so far: {out / 'report.md'}")
+    return CompareResult(out, table, attempts)
+
+
+def _title(cfg: CompareConfig, task: str) -> str:
+    return f"asyncsgd compare: {task}, {cfg.procs or available_cores()} processes"
+
+
+def _intro(cfg: CompareConfig, header: dict) -> list:
+    versions, host = header["versions"], header["host"]
+    task = header["task"]
+    return [
+        f"Every mode trained `{task['name']}` ({task['train_samples']:,} training / "
+        f"{task['test_samples']:,} test samples) for a budget of {cfg.budget:g} s, one run "
+        f"after another, with plain SGD (lr {task['lr']:g}, batch {task['batch_size']} per "
+        f"process), seeds {cfg.seed}..{cfg.seed + cfg.repeats - 1} (same model initialisation "
+        f"and data order in every mode), evaluating every {cfg.eval_every:g} s.",
+        "",
+        f"Host: {host['hostname']}, {host['cpus']} CPUs, "
+        f"{'GPUs: ' + ', '.join(host['gpus']) if host.get('gpus') else 'no GPU'}; "
+        f"torch {versions['torch']}, asyncsgd {versions['asyncsgd']}.",
+        "",
+        "Command: `" + " ".join(shlex.quote(str(a)) for a in header["command"]) + "`",
+    ]

@@ -1,0 +1,399 @@
+"""Tables and report.md from run directories (``asyncsgd compare`` and ``asyncsgd plot``).
+
+    runs = [Attempt(label="hogwild", run=Run.read("runs/a")), ...]
+    rows = mode_rows(runs, target=0.9)
+    print(render_table(rows, target=0.9))
+
+Every number comes from a run's own files through the shared readers:
+final and best accuracy from summary.json, time to target and samples/s
+from metrics.jsonl (``metrics.time_to_target``, ``metrics.steady_throughput``),
+staleness percentiles from the parameter server's summary. Runs of one mode
+(repeats) are folded into mean ± sample standard deviation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from .errors import CheckpointError, ConfigError
+from .metrics import first_progress, steady_throughput, summarize, time_to_target
+from .rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+BASELINE = "single"
+DASH = "—"
+
+
+def run_label(config: dict) -> str:
+    """A run's mode as ``compare`` names it: hogwild, ps-async, ps-ssp:2, ddp, ..."""
+    mode = config.get("mode", "?")
+    settings = config.get("config", {})
+    if mode == "ps":
+        consistency = str(settings.get("consistency", "async"))
+        return "ps-ssp" if consistency == "ssp:2" else f"ps-{consistency}"
+    if mode == "hogwild" and settings.get("lock"):
+        return "hogwild-lock"
+    return mode
+
+
+@dataclass
+class Run:
+    """One run directory as the report reads it."""
+
+    path: Path
+    config: dict
+    summary: dict
+    events: list
+
+    @classmethod
+    def read(cls, path) -> "Run":
+        run = RunDir.open(str(path))
+        config = run.read_config()
+        events = list(run.events())
+        try:
+            summary = run.read_summary()
+        except CheckpointError:  # killed before the end: summarize what it recorded
+            summary = summarize(events, mode=config.get("mode", "?"),
+                                task=config.get("task", {}).get("name", "?"), target=None,
+                                stopped_by="unknown", status="incomplete")
+        return cls(run.path, config, summary, events)
+
+    @property
+    def seed(self) -> Optional[int]:
+        return self.config.get("config", {}).get("seed")
+
+    def numbers(self, target: Optional[float]) -> dict:
+        """The row of this run in a report."""
+        start = first_progress(self.events)
+        return {
+            "final_accuracy": self.summary.get("final_accuracy"),
+            "best_accuracy": self.summary.get("best_accuracy"),
+            "time_to_target": time_to_target(self.events, target),
+            "samples_per_second": steady_throughput(self.events),
+            "startup_seconds": start["t"] if start else None,
+            "samples": self.summary.get("samples"),
+            "train_seconds": self.summary.get("train_seconds"),
+            "staleness_p50": self.summary.get("staleness_p50"),
+            "staleness_p99": self.summary.get("staleness_p99"),
+        }
+
+
+@dataclass
+class Attempt:
+    """One run of one mode: its directory when it produced one, and whether it succeeded."""
+
+    label: str
+    repeat: int = 0
+    seed: Optional[int] = None
+    status: str = "ok"  # ok | failed | interrupted
+    error: Optional[str] = None
+    run: Optional[Run] = None
+    run_dir: Optional[str] = None
+    logs: Optional[str] = None
+    seconds: Optional[float] = None  # wall-clock, start-up and shut-down included
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and self.run is not None
+
+    def to_dict(self, target: Optional[float]) -> dict:
+        record = {"mode": self.label, "repeat": self.repeat, "seed": self.seed,
+                  "status": self.status, "error": self.error, "run_dir": self.run_dir,
+                  "logs": self.logs, "wall_seconds": self.seconds}
+        if self.run is not None:
+            record.update(self.run.numbers(target))
+        return record
+
+
+@dataclass
+class Spread:
+    """Mean ± sample standard deviation of the values that exist, and how many did."""
+
+    values: list
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def mean(self) -> Optional[float]:
+        return statistics.fmean(self.values) if self.values else None
+
+    @property
+    def std(self) -> Optional[float]:
+        return statistics.stdev(self.values) if len(self.values) > 1 else None
+
+    @classmethod
+    def of(cls, values) -> "Spread":
+        return cls([float(v) for v in values if v is not None and math.isfinite(v)])
+
+
+@dataclass
+class Row:
+    """One mode in the table: its attempts folded over repeats."""
+
+    label: str
+    attempts: list
+    stats: dict = field(default_factory=dict)  # name -> Spread over successful runs
+    speedup_time: Optional[float] = None
+    speedup_throughput: Optional[float] = None
+
+    @property
+    def succeeded(self) -> int:
+        return sum(a.ok for a in self.attempts)
+
+    def to_dict(self) -> dict:
+        return {"mode": self.label, "runs": len(self.attempts), "succeeded": self.succeeded,
+                **{name: {"mean": s.mean, "std": s.std, "n": s.n}
+                   for name, s in self.stats.items()},
+                "speedup_time_to_target": self.speedup_time,
+                "speedup_samples_per_second": self.speedup_throughput}
+
+
+def mode_rows(attempts: list, target: Optional[float], baseline: str = BASELINE) -> list:
+    """One row per label, in first-seen order, with speed-ups over ``baseline``.
+
+    Speed-up over the baseline is a ratio of means over repeats: of its time to
+    target over the mode's (where both reached the target), and of the mode's
+    samples/s over its samples/s.
+    """
+    by_label: dict = {}
+    for a in attempts:
+        by_label.setdefault(a.label, []).append(a)
+    rows = []
+    for label, group in by_label.items():
+        numbers = [a.run.numbers(target) for a in group if a.ok]
+        names = numbers[0].keys() if numbers else ()
+        rows.append(Row(label, group, {name: Spread.of(n[name] for n in numbers)
+                                       for name in names}))
+    base = next((r for r in rows if r.label == baseline and r.succeeded), None)
+    if base is not None:
+        for row in rows:
+            if not row.succeeded:
+                continue
+            row.speedup_throughput = _ratio(row.stats["samples_per_second"].mean,
+                                            base.stats["samples_per_second"].mean)
+            row.speedup_time = _ratio(base.stats["time_to_target"].mean,
+                                      row.stats["time_to_target"].mean)
+    return rows
+
+
+def _ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
+    return num / den if num is not None and den else None
+
+
+def _fmt(spread: Spread, fmt, unit: str = "") -> str:
+    if spread.mean is None:
+        return DASH
+    text = fmt(spread.mean)
+    if spread.std is not None:
+        text += f" ± {fmt(spread.std)}"
+    return text + unit
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.2f}"
+
+
+def _sec(x: float) -> str:
+    return f"{x:.1f}"
+
+
+def _rate(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def _count(x: float) -> str:
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
+
+
+def _times(x: Optional[float]) -> str:
+    return DASH if x is None else f"{x:.2f}×"
+
+
+def table_cells(row: Row, target: Optional[float]) -> dict:
+    """The row as the table prints it, column name -> text."""
+    s = row.stats
+    runs = f"{row.succeeded}/{len(row.attempts)}"
+    if not row.succeeded:
+        return {"mode": row.label, "final acc. %": row.attempts[0].status, "runs ok": runs}
+    cells = {
+        "mode": row.label,
+        "final acc. %": _fmt(s["final_accuracy"], _pct),
+        "best acc. %": _fmt(s["best_accuracy"], _pct),
+    }
+    if target is not None:
+        ttt = s["time_to_target"]
+        text = _fmt(ttt, _sec, " s") if ttt.n else "not reached"
+        if 0 < ttt.n < row.succeeded:
+            text += f" ({ttt.n}/{row.succeeded} reached)"
+        cells[f"time to {target * 100:g}%"] = text
+        cells["speed-up (time)"] = _times(row.speedup_time)
+    cells.update({
+        "samples/s": _fmt(s["samples_per_second"], _rate),
+        "speed-up (samples/s)": _times(row.speedup_throughput),
+        "start-up s": _fmt(s["startup_seconds"], _sec),
+        "staleness p50 / p99": (f"{_fmt(s['staleness_p50'], _count)} / "
+                                f"{_fmt(s['staleness_p99'], _count)}"
+                                if s["staleness_p50"].n else DASH),
+        "runs ok": runs,
+    })
+    return cells
+
+
+def columns(target: Optional[float]) -> list:
+    names = ["mode", "final acc. %", "best acc. %"]
+    if target is not None:
+        names += [f"time to {target * 100:g}%", "speed-up (time)"]
+    return names + ["samples/s", "speed-up (samples/s)", "start-up s", "staleness p50 / p99",
+                    "runs ok"]
+
+
+def render_table(rows: list, target: Optional[float]) -> str:
+    """A markdown table padded to line up in a terminal too."""
+    names = columns(target)
+    body = [[table_cells(r, target).get(n, "") for n in names] for r in rows]
+    widths = [max(len(n), *(len(b[i]) for b in body)) for i, n in enumerate(names)]
+
+    def line(cells):
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    return "\n".join([line(names), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+                      *(line(b) for b in body)])
+
+
+def parse_table(text: str) -> list:
+    """The rows of the first table in a report, as dicts of column -> text (for readers
+    and tests of report.md)."""
+    lines: list = []
+    for ln in text.splitlines():
+        if ln.startswith("|"):
+            lines.append(ln)
+        elif lines:
+            break
+    if len(lines) < 2:
+        return []
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(header, (c.strip() for c in ln.strip("|").split("|"))))
+            for ln in lines[2:]]
+
+
+NOTES = """\
+How to read this table:
+- *final* / *best acc.*: test accuracy at the end of the run / the best evaluation
+  (summary.json).
+- *time to X%*: training seconds until the first evaluation at or above X%
+  (metrics.jsonl; resolution: the evaluation interval).
+- *samples/s*: training samples processed per second from the end of start-up to the
+  end of the run (metrics.jsonl); *start-up s*: seconds until the first samples were
+  processed (spawning processes, connecting workers, building process groups).
+- *speed-up*: over `single`, a ratio of means over repeats: single's time to target over
+  the mode's, where both reached the target, and the mode's samples/s over single's.
+- *staleness*: parameter-server modes only, in versions of a shard's parameters between
+  a worker's pull and its push (percentiles over every push).
+- With several repeats: mean ± sample standard deviation over the runs that succeeded.
+"""
+
+PLOTS = [("accuracy_vs_time.png", "Test accuracy vs wall-clock time"),
+         ("loss_vs_time.png", "Training loss vs wall-clock time"),
+         ("loss_vs_samples.png", "Training loss vs samples processed"),
+         ("throughput.png", "Throughput per mode")]
+
+
+def render_report(title: str, intro: list, rows: list, target: Optional[float],
+                  plots: list, out_dir: Path) -> str:
+    """report.md: the table, failed runs with their errors, the plots, every run's directory."""
+    parts = [f"# {title}", "", *intro, "", render_table(rows, target), "", NOTES]
+    failed = [a for r in rows for a in r.attempts if not a.ok]
+    if failed:
+        parts += ["## Failed runs", ""]
+        for a in failed:
+            where = f" (logs: `{_rel(a.logs, out_dir)}`)" if a.logs else ""
+            parts.append(f"- **{a.label}**, repeat {a.repeat + 1}, {a.status}: "
+                         f"{(a.error or 'no error recorded').strip()}{where}")
+        parts.append("")
+    if plots:
+        parts += ["## Plots", ""]
+        parts += [f"![{caption}]({name})\n" for name, caption in plots]
+    parts += ["## Runs", "", "| mode | repeat | seed | status | run directory |",
+              "|---|---|---|---|---|"]
+    for r in rows:
+        for a in r.attempts:
+            where = f"`{_rel(a.run_dir, out_dir)}`" if a.run is not None else DASH
+            parts.append(f"| {a.label} | {a.repeat + 1} | {a.seed} | {a.status} | {where} |")
+    return "\n".join(parts) + "\n"
+
+
+def _rel(path: Optional[str], base: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(base.resolve()))
+    except ValueError:
+        return str(path)
+
+
+def write_results(path: Path, header: dict, rows: list, target: Optional[float]) -> None:
+    """results.json: the same numbers as the table, unrounded, and every attempt."""
+    record = {**header, "target_accuracy": target,
+              "modes": [r.to_dict() for r in rows],
+              "runs": [a.to_dict(target) for r in rows for a in r.attempts]}
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+
+def publish(out_dir: Path, title: str, intro: list, attempts: list, target: Optional[float],
+            header: dict) -> str:
+    """Write the plots, report.md and results.json of ``attempts`` into ``out_dir``;
+    returns the table."""
+    from .plots import draw_all  # matplotlib loads only when plots are drawn
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = mode_rows(attempts, target)
+    plots = draw_all([(r.label, [a.run for a in r.attempts if a.ok]) for r in rows],
+                     out_dir, target)
+    (out_dir / "report.md").write_text(
+        render_report(title, intro, rows, target, plots, out_dir))
+    write_results(out_dir / "results.json", header, rows, target)
+    return render_table(rows, target)
+
+
+def report_runs(paths: list, out: Path, target: Optional[float]) -> str:
+    """``asyncsgd plot``: the plots and report.md of any run directories (or compare
+    directories, whose runs keep their modes and repeats) into ``out``; returns the table."""
+    attempts, plain = [], []
+    for path in paths:
+        path = Path(path)
+        if (path / "results.json").is_file() and not (path / "config.json").is_file():
+            attempts += _compare_attempts(path)
+            continue
+        run = Run.read(path)
+        plain.append(Attempt(run_label(run.config), seed=run.seed, run=run, run_dir=str(path)))
+        attempts.append(plain[-1])
+    labels = [a.label for a in attempts]
+    for a in plain:  # plain runs of one mode are different experiments, not repeats
+        if labels.count(a.label) > 1:
+            a.label = f"{a.label} ({Path(a.run_dir).name})"
+    return publish(out, "asyncsgd plot", [f"Runs: {', '.join(str(p) for p in paths)}"],
+                   attempts, target, {"command": sys.argv})
+
+
+def _compare_attempts(path: Path) -> list:
+    """The attempts of an earlier compare, from its results.json and run directories."""
+    try:
+        record = json.loads((path / "results.json").read_text())
+        runs = record["runs"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"{path}/results.json is not a compare result: {exc}") from exc
+    attempts = []
+    for r in runs:
+        run_dir = path / Path(r["run_dir"]).name if r.get("run_dir") else None
+        run = Run.read(run_dir) if run_dir and (run_dir / "config.json").is_file() else None
+        attempts.append(Attempt(r["mode"], r.get("repeat", 0), r.get("seed"),
+                                r.get("status", "ok"), r.get("error"), run,
+                                str(run_dir) if run_dir else None, r.get("logs")))
+    return attempts

@@ -1,0 +1,342 @@
+"""``asyncsgd compare`` and ``asyncsgd plot`` with real runs, processes and files.
+
+One short comparison (hogwild, ps-async, and ps-sync made to fail with a bad
+extra flag) runs once for the module; its tests check the report's table
+against every run's own files, the plots, the failed mode and that nothing
+outlived it.
+"""
+
+import os
+import struct
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from asyncsgd.compare import parse_modes
+from asyncsgd.errors import ConfigError
+from asyncsgd.metrics import MetricsLog, steady_throughput, summarize, train_curve
+from asyncsgd.report import Attempt, Run, mode_rows, parse_table, table_cells
+from asyncsgd.rundir import RunDir
+from conftest import TESTS, asyncsgd_cmd, read_events, read_json
+
+BUDGET, TARGET = 5, 0.3
+PNGS = ["accuracy_vs_time.png", "loss_vs_time.png", "loss_vs_samples.png", "throughput.png"]
+
+
+def _env(cache_dir, mark):
+    env = dict(os.environ, ASYNCSGD_CACHE=str(cache_dir), ASYNCSGD_TEST_MARK=mark)
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def _marked(mark):
+    """Live processes started under this test's marker (children inherit the environment)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("ASYNCSGD_TEST_MARK") == mark:
+                found.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def _run(cache_dir, *args, timeout=300):
+    mark = uuid.uuid4().hex
+    started = time.monotonic()
+    res = subprocess.run(asyncsgd_cmd(*args), env=_env(cache_dir, mark), capture_output=True,
+                         text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    res.seconds = time.monotonic() - started
+    res.leftovers = _marked(mark)
+    return res
+
+
+@pytest.fixture(scope="module")
+def compared(cache_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare") / "cmp"
+    res = _run(cache_dir, "compare", "--task", "mnist1d-cnn", "--modes",
+               "hogwild,ps-async,ps-sync", "--procs", 2, "--budget", BUDGET,
+               "--target-accuracy", TARGET, "--eval-every", 0.5, "--grace", 90,
+               "--mode-args", "ps-sync=--no-such-flag", "--progress", "log", "--out", out)
+    return res, out
+
+
+def _pct(x):
+    return f"{x * 100:.2f}"
+
+
+def expected_row(run_dir, target):
+    """A run's row computed straight from its files, independently of asyncsgd.report."""
+    summary = read_json(Path(run_dir) / "summary.json")
+    events = read_events(run_dir)
+    evals = [e for e in events if e["event"] == "eval"]
+    ttt = next((e["t"] for e in evals if e["accuracy"] >= target), None)
+    progress = [e for e in events if e["samples"] > events[0]["samples"]]
+    assert progress, f"{run_dir} trained on nothing"
+    first = progress[0]
+    last = max(events, key=lambda e: e["t"])
+    rate = (last["samples"] - first["samples"]) / (last["t"] - first["t"])
+    p50, p99 = summary.get("staleness_p50"), summary.get("staleness_p99")
+    return {
+        "final acc. %": _pct(summary["final_accuracy"]),
+        "best acc. %": _pct(max(e["accuracy"] for e in evals)),
+        f"time to {target * 100:g}%": f"{ttt:.1f} s" if ttt is not None else "not reached",
+        "samples/s": f"{rate:,.0f}",
+        "start-up s": f"{first['t']:.1f}",
+        "staleness p50 / p99": "—" if p50 is None else f"{p50} / {p99}",
+        "runs ok": "1/1",
+    }
+
+
+def test_compare_reports_what_the_runs_recorded(compared):
+    res, out = compared
+    assert res.returncode == 1, res.stderr  # one mode failed
+    rows = {r["mode"]: r for r in parse_table((out / "report.md").read_text())}
+    assert list(rows) == ["hogwild", "ps-async", "ps-sync"]
+    for mode in ("hogwild", "ps-async"):
+        expected = expected_row(out / f"{mode}-r1", TARGET)
+        assert {k: rows[mode][k] for k in expected} == expected, mode
+        assert rows[mode]["speed-up (samples/s)"] == "—"  # no single baseline ran
+    assert rows["hogwild"]["staleness p50 / p99"] == "—"
+    # The terminal shows the same table.
+    table = [ln for ln in (out / "report.md").read_text().split("\n\n")
+             if ln.startswith("| mode ")][0]
+    assert table in res.stdout
+    results = read_json(out / "results.json")
+    by_mode = {r["mode"]: r for r in results["runs"]}
+    hog = read_json(out / "hogwild-r1" / "summary.json")
+    assert by_mode["hogwild"]["final_accuracy"] == hog["final_accuracy"]
+
+
+def test_every_mode_ran_alike_and_one_after_another(compared):
+    res, out = compared
+    configs = {m: read_json(out / f"{m}-r1" / "config.json") for m in ("hogwild", "ps-async")}
+    assert configs["hogwild"]["mode"] == "hogwild" and configs["ps-async"]["mode"] == "ps"
+    assert configs["ps-async"]["config"]["consistency"] == "async"
+    for c in configs.values():
+        assert c["config"]["seed"] == 0 and c["config"]["max_seconds"] == BUDGET
+        assert c["config"]["task"] == "mnist1d-cnn" and c["task"]["train_samples"] == 4000
+    assert configs["hogwild"]["config"]["procs"] == 2
+    assert configs["ps-async"]["config"]["workers"] == 2
+    hog, ps = read_events(out / "hogwild-r1"), read_events(out / "ps-async-r1")
+    assert hog[-1]["wall"] < ps[0]["wall"]  # never overlapping
+    for m in ("hogwild", "ps-async"):  # stopped by the budget, a little after it
+        summary = read_json(out / f"{m}-r1" / "summary.json")
+        assert summary["stopped_by"] == "max_seconds"
+        assert BUDGET <= summary["train_seconds"] < BUDGET + 10
+    workers = sorted((out / "logs" / "ps-async-r1").glob("worker-*.out"))
+    assert len(workers) == 2 and all("the server ended training" in w.read_text()
+                                     for w in workers)
+
+
+def test_a_failed_mode_is_reported_and_the_others_ran(compared):
+    res, out = compared
+    report = (out / "report.md").read_text()
+    row = next(r for r in parse_table(report) if r["mode"] == "ps-sync")
+    assert row["final acc. %"] == "failed" and row["runs ok"] == "0/1"
+    failures = report.split("## Failed runs")[1].split("##")[0]
+    assert "**ps-sync**" in failures and "No such option '--no-such-flag'" in failures
+    assert "logs/ps-sync-r1" in failures
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: 1 of 3 run(s) failed: ps-sync") and "--no-such-flag" in last
+    assert "[1/3] hogwild" in res.stderr and "[3/3] ps-sync FAILED" in res.stderr
+    assert res.leftovers == []
+
+
+def _check_png(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert 200 <= width <= 1200 and 150 <= height <= 900, (path, width, height)
+    assert len(data) < 300_000
+    import matplotlib.image
+    assert matplotlib.image.imread(str(path)).shape[:2] == (height, width)
+
+
+def test_compare_draws_valid_pngs_linked_from_the_report(compared):
+    res, out = compared
+    report = (out / "report.md").read_text()
+    for name in PNGS:
+        _check_png(out / name)
+        assert f"]({name})" in report
+
+
+def test_plot_draws_any_run_directories(compared, cache_dir, tmp_path):
+    _, out = compared
+    other = tmp_path / "my-hogwild"
+    _fake_run(other, "hogwild", seed=3, points=[(0.5, 100, 0.2), (2.5, 900, 0.6)])
+    res = _run(cache_dir, "plot", out / "hogwild-r1", out / "ps-async-r1", other,
+               "--out", tmp_path / "plots", "--target-accuracy", TARGET)
+    assert res.returncode == 0, res.stderr
+    rows = {r["mode"]: r for r in parse_table((tmp_path / "plots" / "report.md").read_text())}
+    # Two hogwild runs are different experiments, told apart by their directory.
+    assert set(rows) == {"hogwild (hogwild-r1)", "ps-async", "hogwild (my-hogwild)"}
+    for name, run_dir in (("hogwild (hogwild-r1)", out / "hogwild-r1"),
+                          ("ps-async", out / "ps-async-r1")):
+        expected = expected_row(run_dir, TARGET)
+        assert {k: rows[name][k] for k in expected} == expected
+    assert rows["hogwild (my-hogwild)"]["samples/s"] == "400"  # (900 - 100) / (2.5 - 0.5)
+    assert rows["hogwild (my-hogwild)"][f"time to {TARGET * 100:g}%"] == "2.5 s"
+    for name in PNGS:
+        _check_png(tmp_path / "plots" / name)
+    assert "| mode" in res.stdout
+
+
+def test_plot_of_a_compare_directory_keeps_its_modes_and_failures(compared, cache_dir,
+                                                                  tmp_path):
+    _, out = compared
+    res = _run(cache_dir, "plot", out, "--out", tmp_path / "again", "--target-accuracy", TARGET)
+    assert res.returncode == 0, res.stderr
+    again = parse_table((tmp_path / "again" / "report.md").read_text())
+    assert again == parse_table((out / "report.md").read_text())
+
+
+def _fake_run(path, mode, seed, points, **summary_extra):
+    """A run directory written through the library's own writers: (t, samples, accuracy)
+    evaluations, a train event (loss 1 - accuracy) at each."""
+    run = RunDir.create(str(path), mode)
+    run.write_config(mode, {"seed": seed}, {"name": "synthetic"}, argv=[])
+    metrics = MetricsLog(run)
+    metrics.write("start", 0.0, 0)
+    for t, samples, acc in points:
+        metrics.write("train", t, samples, worker=0, loss=1 - acc, steps=10, epoch=0)
+        metrics.write("eval", t, samples, loss=1 - acc, accuracy=acc)
+    metrics.close()
+    run.write_summary(summarize(list(run.events()), mode=mode, task="synthetic", target=None,
+                                stopped_by="max_seconds", **summary_extra))
+    return Run.read(path)
+
+
+def test_repeats_fold_into_mean_and_spread_with_speedups_over_single(tmp_path):
+    def attempt(label, repeat, points, **extra):
+        run = _fake_run(tmp_path / f"{label}-{repeat}", label, repeat, points, **extra)
+        return Attempt(label, repeat, repeat, run=run)
+
+    attempts = [
+        attempt("single", 0, [(1, 100, 0.1), (3, 500, 0.5)]),            # 200/s, target at 3
+        attempt("single", 1, [(1, 100, 0.1), (5, 1300, 0.5)]),           # 300/s, target at 5
+        attempt("hogwild", 0, [(1, 100, 0.5), (2, 700, 0.6)]),           # 600/s, target at 1
+        attempt("hogwild", 1, [(1, 100, 0.2), (2, 1100, 0.4)]),          # 1000/s, never
+        attempt("ps-async", 0, [(1, 10, 0.1), (2, 20, 0.2)], staleness_p50=1, staleness_p99=4),
+        Attempt("ps-async", 1, 1, status="failed", error="worker-0 exited with code 1"),
+    ]
+    rows = {r.label: r for r in mode_rows(attempts, target=0.5)}
+    hog = rows["hogwild"]
+    assert hog.stats["samples_per_second"].mean == 800
+    assert hog.speedup_throughput == 800 / 250
+    assert hog.speedup_time == 4.0 / 1.0  # single's mean time to target over hogwild's
+    cells = table_cells(hog, 0.5)
+    assert cells["samples/s"] == "800 ± 283"  # stdev(600, 1000) = 282.8
+    assert cells["time to 50%"] == "1.0 s (1/2 reached)"
+    assert cells["speed-up (time)"] == "4.00×" and cells["speed-up (samples/s)"] == "3.20×"
+    assert cells["final acc. %"] == "50.00 ± 14.14"
+    assert table_cells(rows["single"], 0.5)["speed-up (samples/s)"] == "1.00×"
+    ps = table_cells(rows["ps-async"], 0.5)
+    assert ps["runs ok"] == "1/2" and ps["staleness p50 / p99"] == "1 / 4"
+    assert ps["time to 50%"] == "not reached" and ps["speed-up (time)"] == "—"
+
+
+def test_train_curve_merges_the_workers_of_one_report():
+    events = [{"event": "start", "t": 0, "samples": 0},
+              {"event": "train", "t": 1.0, "samples": 64, "worker": 0, "loss": 2.0, "steps": 1},
+              {"event": "train", "t": 1.1, "samples": 64, "worker": 1, "loss": 1.0, "steps": 3},
+              {"event": "eval", "t": 1.2, "samples": 64, "loss": 0.5, "accuracy": 0.5},
+              {"event": "train", "t": 2.0, "samples": 128, "worker": 0, "loss": 0.5, "steps": 2}]
+    assert train_curve(events) == [(1.1, 64, 1.25), (2.0, 128, 0.5)]
+    assert steady_throughput(events) == (128 - 64) / (2.0 - 1.0)
+    assert steady_throughput(events[:1]) is None
+
+
+def test_modes_parse_into_commands():
+    specs = parse_modes("single, hogwild,ps-ssp,ps-ssp:5,ps-sync,ddp")
+    assert [(s.command, s.consistency) for s in specs] == [
+        ("single", None), ("hogwild", None), ("ps-server", "ssp:2"), ("ps-server", "ssp:5"),
+        ("ps-server", "sync"), ("ddp", None)]
+    with pytest.raises(ConfigError, match="unknown mode 'ps-ssp:x'"):
+        parse_modes("ps-ssp:x")
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--modes", "hogwild,warp-drive"], ["unknown mode 'warp-drive'", "ps-async"]),
+    (["--modes", ","], ["--modes is empty"]),
+    (["--modes", "hogwild,hogwild"], ["listed twice", "--repeats"]),
+    (["--budget", "0"], ["--budget", "0"]),
+    (["--budget", "-5"], ["--budget"]),
+    (["--repeats", "0"], ["--repeats"]),
+    (["--mode-args", "ps-sync=--lock"], ["--mode-args", "MODE one of"]),
+    (["--task", "no-such-task"], ["unknown task 'no-such-task'"]),
+])
+def test_bad_compare_flags_are_one_clear_line(run_cli, tmp_path, args, fragments):
+    res = run_cli("compare", "--modes", "hogwild", *args, "--out", tmp_path / "x", timeout=120)
+    _one_clear_line(res, fragments)
+    assert not (tmp_path / "x").exists()  # nothing ran, nothing was written
+
+
+def test_compare_refuses_a_used_out_directory(run_cli, tmp_path):
+    (tmp_path / "old.txt").write_text("")
+    _one_clear_line(run_cli("compare", "--modes", "hogwild", "--out", tmp_path),
+                    ["exists and is not empty", "--out"])
+
+
+@pytest.mark.parametrize("args, fragments", [
+    ([], ["Missing argument 'RUN_DIR...'"]),
+    (["/nonexistent/run"], ["/nonexistent/run is not a run directory"]),
+])
+def test_bad_plot_input_is_one_clear_line(run_cli, tmp_path, args, fragments):
+    _one_clear_line(run_cli("plot", *args, "--out", tmp_path / "p", timeout=120), fragments)
+
+
+def _one_clear_line(res, fragments):
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_a_run_past_its_budget_is_stopped_and_leaves_nothing(cache_dir, tmp_path):
+    # The extra flag comes last and overrides the budget: the run would go on for 10 minutes.
+    res = _run(cache_dir, "compare", "--modes", "hogwild", "--procs", 2, "--budget", 1,
+               "--grace", 4, "--mode-args", "hogwild=--max-seconds 600", "--progress", "off",
+               "--out", tmp_path / "cmp", timeout=120)
+    assert res.returncode == 1
+    assert "still running 5 s after it started (--budget 1 + --grace 4); stopped" in res.stderr
+    assert res.seconds < 60
+    assert res.leftovers == []
+    summary = read_json(tmp_path / "cmp" / "hogwild-r1" / "summary.json")
+    assert summary["status"] == "interrupted"  # SIGINT first: the run was saved
+    row = parse_table((tmp_path / "cmp" / "report.md").read_text())[0]
+    assert row["mode"] == "hogwild" and row["final acc. %"] == "failed"
+
+
+def test_sigterm_stops_the_comparison_and_reports_the_runs_so_far(cache_dir, tmp_path):
+    mark, out = uuid.uuid4().hex, tmp_path / "cmp"
+    proc = subprocess.Popen(
+        asyncsgd_cmd("compare", "--modes", "hogwild,ps-async", "--procs", 2, "--budget", 120,
+                     "--eval-every", 0.5, "--progress", "log", "--out", out),
+        env=_env(cache_dir, mark), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while not (out / "hogwild-r1" / "metrics.jsonl").is_file() or not any(
+                e["event"] == "eval" and e["samples"] > 0 for e in read_events(out / "hogwild-r1")):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "interrupted; the report of the runs so far" in err
+    assert _marked(mark) == []
+    assert read_json(out / "hogwild-r1" / "summary.json")["status"] == "interrupted"
+    rows = parse_table((out / "report.md").read_text())
+    assert [(r["mode"], r["final acc. %"]) for r in rows] == [("hogwild", "interrupted")]
+    assert not (out / "ps-async-r1").exists()  # never started
