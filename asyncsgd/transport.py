@@ -78,6 +78,28 @@ def send(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None, copy: boo
     return False
 
 
+def send_tracked(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None
+                 ) -> Optional[zmq.MessageTracker]:
+    """Send ``msg`` with its large tensor frames uncopied; the tracker says when libzmq is
+    done reading them (None: nothing is still being read, or the message was dropped)."""
+    frames = encode(msg)
+    large = [zmq.Frame(f, copy=False, track=True) if len(f) >= COPY_BELOW else f
+             for f in frames[1:]]
+    tracked = [f for f in large if isinstance(f, zmq.Frame)]
+    parts: list = ([peer] if peer is not None else []) + [frames[0]] + large
+    try:
+        sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        log.warning("send queue full for a peer; reply dropped (the peer will retry)")
+        return None
+    except zmq.ZMQError as exc:
+        if exc.errno != zmq.EHOSTUNREACH:
+            raise
+        log.info("peer disconnected before its reply could be sent")
+        return None
+    return zmq.MessageTracker(*tracked) if tracked else None
+
+
 def recv(sock: zmq.Socket, router_side: bool) -> tuple:
     """``(peer, frames)`` from a ROUTER (``peer`` None on a DEALER); frames uncopied."""
     frames = sock.recv_multipart(copy=False)

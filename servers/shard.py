@@ -22,7 +22,7 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -108,6 +108,10 @@ class ShardState:
             raise ConfigError(f"sync reduce {cfg.sync_reduce!r}: use mean or sum")
         self.params = params.detach().clone().float()
         self.size = len(self.params)
+        # Set by the process around this object when replies are sent without copying:
+        # called before every write, it returns a tensor equal to ``params`` that no
+        # send in flight still reads (``params`` itself, or a copy of it).
+        self.before_write: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.rule = make_rule(cfg.rule, self.size, cfg.lr, **cfg.hyper)
         self.version = 0
         self.workers: dict = {}
@@ -163,6 +167,11 @@ class ShardState:
         record.last_seen = now
         return record
 
+    def _writable(self) -> torch.Tensor:
+        if self.before_write is not None:
+            self.params = self.before_write(self.params)
+        return self.params
+
     def _live(self) -> list:
         return [w for w in self.workers.values() if w.alive]
 
@@ -197,7 +206,8 @@ class ShardState:
             if record.backup is None:  # DC-ASGD compensates against what was pulled
                 record.backup = torch.empty_like(self.params)
             record.backup.copy_(self.params)
-        # The transport copies the frames when sending, so later updates can't tear them.
+        # The segments view ``params``: whoever sends them without copying must set
+        # ``before_write`` so that later updates can't tear a reply still in flight.
         return Message(type=PARAMS, shard=self.cfg.index, seq=msg.seq, clock=self.version,
                        meta={"version": self.version, "updates": self.counters["updates"]},
                        segments=split(self.params))
@@ -265,7 +275,7 @@ class ShardState:
             return self._accumulate(record, msg, staleness)
         segments = self._compensated(record, msg)
         scale = staleness_scale(staleness) if self.cfg.staleness_lr else 1.0
-        self.rule.step(self.params, segments, lr_scale=scale)
+        self.rule.step(self._writable(), segments, lr_scale=scale)
         self.version += 1
         self.counters["updates"] += 1
         self._remember(record, msg.seq)
@@ -325,7 +335,7 @@ class ShardState:
         contributors = len(self.round_acks)
         if self.cfg.sync_reduce == "mean" and contributors > 1:
             self.round_sum.div_(contributors)
-        self.rule.step(self.params, [(0, self.round_sum)])
+        self.rule.step(self._writable(), [(0, self.round_sum)])
         self.round_sum.zero_()
         self.version += 1
         self.counters["updates"] += 1
@@ -378,7 +388,7 @@ class ShardState:
         if (state.get("start"), state.get("end")) != (self.cfg.start, self.cfg.end):
             raise ConfigError(f"checkpoint of shard range [{state.get('start')}, "
                               f"{state.get('end')}) does not fit [{self.cfg.start}, {self.cfg.end})")
-        self.params.copy_(state["params"])
+        self._writable().copy_(state["params"])
         self.version = int(state["version"])
         self.rule.load_state_dict(state["rule"])
         self.counters.update(state.get("counters", {}))

@@ -20,9 +20,10 @@ import zmq
 
 from asyncsgd.checkpoint import load_checkpoint, save_checkpoint
 from asyncsgd.memory import keep_freed_memory
-from asyncsgd.protocol import BYE, Message, ProtocolError, decode, error_message
-from asyncsgd.transport import recv, router, send
+from asyncsgd.protocol import BYE, PARAMS, Message, ProtocolError, decode, error_message
+from asyncsgd.transport import recv, router, send, send_tracked
 
+from .inflight import InFlight
 from .shard import ShardConfig, ShardState
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
     torch.set_num_threads(settings.threads)
     keep_freed_memory()
     state = ShardState(settings.config, initial)
+    inflight = InFlight()
+    state.before_write = inflight.writable
     path = checkpoint_path(settings.checkpoint_dir, rank) if settings.checkpoint_dir else None
     if settings.resume and path is not None and path.exists():
         state.load_state_dict(load_checkpoint(path)["shard"])
@@ -67,14 +70,14 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
         while not stop[0]:
             if sock.poll(int(TICK_SECONDS * 1000)):
                 for _ in range(BATCH):
-                    _serve_one(sock, state)
+                    _serve_one(sock, state, inflight)
                     if not sock.poll(0):
                         break
             now = time.monotonic()
             if now >= next_tick:  # liveness needs no finer grain than this
                 next_tick = now + TICK_SECONDS
                 for peer, reply in state.tick(now):
-                    send(sock, reply, peer)
+                    _reply(sock, state, inflight, peer, reply)
             if path is not None and now >= next_checkpoint:
                 save_checkpoint(path, {"shard": state.state_dict()})
                 next_checkpoint = now + settings.checkpoint_every
@@ -105,7 +108,20 @@ def _drain(sock: zmq.Socket, state: ShardState) -> None:
             send(sock, error_message(exc.code, str(exc)), peer)
 
 
-def _serve_one(sock: zmq.Socket, state: ShardState) -> None:
+def _reply(sock: zmq.Socket, state: ShardState, inflight: InFlight, peer: bytes,
+           reply: Message) -> None:
+    """Parameters go out without copying when ``inflight`` allows it; the rest as usual."""
+    params = state.params
+    if (reply.type == PARAMS and reply.segments and inflight.zero_copy(params)
+            and all(seg.data._base is params for seg in reply.segments)):
+        tracker = send_tracked(sock, reply, peer)
+        if tracker is not None:
+            inflight.sent(params, tracker)
+        return
+    send(sock, reply, peer)
+
+
+def _serve_one(sock: zmq.Socket, state: ShardState, inflight: InFlight) -> None:
     peer, frames = recv(sock, router_side=True)
     try:
         msg = decode(frames)
@@ -120,4 +136,4 @@ def _serve_one(sock: zmq.Socket, state: ShardState) -> None:
         state.counters["rejected"] += 1
         replies = [(peer, error_message("unexpected", f"{type(exc).__name__}: {exc}", msg))]
     for to, reply in replies:
-        send(sock, reply, to)
+        _reply(sock, state, inflight, to, reply)

@@ -1,0 +1,112 @@
+"""Parameters sent without copying are never torn by a later update (real zmq sockets)."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+import zmq
+
+from asyncsgd.protocol import PULL, PUSH, Message, split
+from asyncsgd.transport import recv, router
+from servers.inflight import InFlight
+from servers.shard import ShardConfig, ShardState
+from servers.shard_server import _reply
+
+SIZE = 4 * 2 ** 20  # 16 MiB of float32: more than the loopback socket buffers hold
+
+
+def _shard():
+    state = ShardState(ShardConfig(index=0, start=0, end=SIZE, lr=1.0),
+                       torch.arange(SIZE, dtype=torch.float32))
+    inflight = InFlight()
+    state.before_write = inflight.writable
+    return state, inflight
+
+
+def _pull(seq, worker="w"):
+    return Message(type=PULL, worker=worker, incarnation=1, seq=seq, shard=0)
+
+
+def _push(seq, value, clock, worker="w"):
+    return Message(type=PUSH, worker=worker, incarnation=1, seq=seq, clock=clock, shard=0,
+                   segments=split(torch.full((SIZE,), float(value))))
+
+
+# A peer in its own process that says hello, is then stopped (SIGSTOP: its libzmq
+# reads nothing, so the reply stays in flight), and once continued prints what it got.
+PEER = """
+import sys, torch, zmq
+from asyncsgd.protocol import decode
+ctx = zmq.Context(); sock = ctx.socket(zmq.DEALER); sock.connect(sys.argv[1]); sock.send(b"x")
+print("hello", flush=True)
+assert sock.poll(60000)
+msg = decode(sock.recv_multipart(copy=False))
+flat = torch.cat([seg.data for seg in msg.segments])
+print(msg.meta["version"], len(flat), repr(flat.double().sum().item()), flush=True)
+sock.close(0); ctx.term()
+"""
+
+
+def test_update_during_a_zero_copy_send_moves_to_a_copy_and_the_reply_stays_whole():
+    state, inflight = _shard()
+    expected_old = torch.arange(SIZE, dtype=torch.float32)
+    ctx = zmq.Context()
+    server, endpoint = router(ctx, "tcp://127.0.0.1:0")
+    peer_proc = subprocess.Popen([sys.executable, "-c", PEER, endpoint], stdout=subprocess.PIPE,
+                                 text=True)
+    try:
+        assert peer_proc.stdout.readline().strip() == "hello"
+        assert server.poll(20000)
+        slow, _ = recv(server, router_side=True)
+        peer_proc.send_signal(signal.SIGSTOP)
+        time.sleep(0.2)
+        sent_from = state.params
+        for to, reply in state.handle(slow, _pull(1), time.monotonic()):
+            _reply(server, state, inflight, to, reply)
+        time.sleep(0.5)
+        assert inflight.zero_copy(sent_from) and inflight.sends, \
+            "a stopped peer cannot have taken a 16 MiB reply"
+        for to, reply in state.handle(b"other", _push(1, 1, state.version, "v"),
+                                      time.monotonic()):
+            _reply(server, state, inflight, to, reply)
+        assert state.params is not sent_from, "the update must not write the buffer being sent"
+        assert inflight.copies == 1
+        assert torch.equal(state.params, expected_old - 1)
+        peer_proc.send_signal(signal.SIGCONT)
+        out, _ = peer_proc.communicate(timeout=60)
+        assert peer_proc.returncode == 0
+        version, numel, total = out.split()
+        assert (int(version), int(numel)) == (0, SIZE)
+        assert float(total) == expected_old.double().sum().item(), "the reply was torn"
+        # Once the send is done, updates write in place again: no more copies.
+        deadline = time.monotonic() + 10
+        while inflight.sends and time.monotonic() < deadline:
+            inflight.writable(state.params)
+            time.sleep(0.01)
+        current = state.params
+        state.handle(b"other", _push(2, 2, state.version, "v"), time.monotonic())
+        assert state.params is current and inflight.copies == 1
+        assert torch.equal(state.params, expected_old - 3)
+    finally:
+        if peer_proc.poll() is None:
+            peer_proc.send_signal(signal.SIGCONT)
+            peer_proc.kill()
+            peer_proc.wait(10)
+        server.close(0)
+        ctx.term()
+
+
+def test_pinned_buffers_are_bounded_and_replies_fall_back_to_copies():
+    inflight = InFlight(max_buffers=2)
+    params = torch.zeros(8)
+
+    class Pending:
+        done = False
+
+    inflight.sent(params, Pending())
+    assert inflight.zero_copy(params), "sending again from a buffer already in flight pins nothing new"
+    moved = inflight.writable(params)
+    assert moved is not params and torch.equal(moved, params)
+    assert not inflight.zero_copy(moved), "a second pinned buffer would exceed max_buffers"
