@@ -75,12 +75,25 @@ class Message:
     segments: list = field(default_factory=list)
 
 
+# Views of the same memory are sent step after step (a worker's gradient buffer, a
+# shard's parameters): getting a tensor's bytes takes five torch calls, so the views
+# of recent contiguous tensors are kept, keyed by address and size. A kept view holds
+# its memory alive, so no other tensor can appear at the same address meanwhile.
+_RAW_CACHE: dict = {}
+_RAW_CACHE_SIZE = 256
+
+
 def _raw(t: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor, without copying when it is contiguous."""
-    flat = t.detach().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    return memoryview(flat.view(torch.uint8).numpy())
+    if t.is_contiguous():
+        key = (t.data_ptr(), t.numel() * t.element_size())
+        view = _RAW_CACHE.get(key)
+        if view is None:
+            if len(_RAW_CACHE) >= _RAW_CACHE_SIZE:
+                _RAW_CACHE.pop(next(iter(_RAW_CACHE)))
+            view = _RAW_CACHE[key] = memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+        return view
+    return memoryview(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
 
 
 def encode(msg: Message) -> list:
@@ -179,6 +192,31 @@ def _segment(desc: Any, buf: memoryview) -> Segment:
                                                f"{numel * itemsize} bytes, frame has {len(buf)}")
     data = torch.frombuffer(buf, dtype=dtype) if numel else torch.empty(0, dtype=dtype)
     return Segment(offset, data.view(shape))
+
+
+def in_parts(msg: Message) -> list:
+    """``msg`` as one message per segment, ``meta`` part j of ``parts`` on each (an
+    ``ack`` in ``meta`` rides on part 0 only).
+
+    A large PARAMS reply goes out this way so that the receiver copies each part
+    while the next is still on the wire, instead of waiting for the whole.
+    """
+    parts = len(msg.segments)
+    rest = {k: v for k, v in msg.meta.items() if k != "ack"}  # acknowledged once, by part 0
+    return [Message(type=msg.type, worker=msg.worker, incarnation=msg.incarnation,
+                    seq=msg.seq, clock=msg.clock, shard=msg.shard,
+                    meta={**(msg.meta if j == 0 else rest), "part": j, "parts": parts},
+                    segments=[seg])
+            for j, seg in enumerate(msg.segments)]
+
+
+def parts_of(msg: Message) -> tuple:
+    """``(part, parts)`` of a message sent in parts; ``(0, 1)`` for a whole one."""
+    part, parts = msg.meta.get("part", 0), msg.meta.get("parts", 1)
+    if type(part) is not int or type(parts) is not int or not 0 <= part < parts <= MAX_SEGMENTS:
+        raise ProtocolError("bad-field", f"part {part!r} of {parts!r} is not a part number "
+                                         f"below a count of at most {MAX_SEGMENTS}")
+    return part, parts
 
 
 def error_message(code: str, detail: str, reply_to: Message = None) -> Message:

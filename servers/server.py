@@ -27,7 +27,7 @@ from asyncsgd.layout import Layout, signature_mismatch
 from asyncsgd.memory import keep_freed_memory
 from asyncsgd.procs import WorkerGroup, context
 from asyncsgd.protocol import (BYE, HEARTBEAT, HELLO, PARAMS, PULL, STATS, WELCOME, Message,
-                               ProtocolError, decode, error_message)
+                               ProtocolError, decode, error_message, parts_of)
 from asyncsgd.recorder import Outcome, Recorder, RunResult
 from asyncsgd.tasks import load_task
 from asyncsgd.transport import dealer, recv, router, send
@@ -69,10 +69,14 @@ class ShardReader:
             send(sock, Message(type=PULL, seq=self.seq, meta={"observer": True}))
         versions = {}
         for i in range(len(self.socks)):
-            msg = self._reply(i, PARAMS, timeout)
-            start = self.shards[i]["start"]
-            for seg in msg.segments:
-                self.flat[start + seg.offset:start + seg.offset + len(seg.data)].copy_(seg.data)
+            left = None
+            while left is None or left:
+                msg = self._reply(i, PARAMS, timeout)
+                start = self.shards[i]["start"]
+                for seg in msg.segments:
+                    self.flat[start + seg.offset:start + seg.offset + len(seg.data)].copy_(
+                        seg.data)
+                left = (parts_of(msg)[1] if left is None else left) - 1
             versions[i] = msg.meta.get("version", 0)
         return versions
 

@@ -112,6 +112,8 @@ class ShardState:
         # called before every write, it returns a tensor equal to ``params`` that no
         # send in flight still reads (``params`` itself, or a copy of it).
         self.before_write: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self._segments_of: Optional[torch.Tensor] = None
+        self._segments: list = []
         self.rule = make_rule(cfg.rule, self.size, cfg.lr, **cfg.hyper)
         self.version = 0
         self.workers: dict = {}
@@ -167,6 +169,12 @@ class ShardState:
         record.last_seen = now
         return record
 
+    def _param_segments(self) -> list:
+        """``split(params)``, made once per parameter buffer: replies share these views."""
+        if self._segments_of is not self.params:
+            self._segments_of, self._segments = self.params, split(self.params)
+        return self._segments
+
     def _writable(self) -> torch.Tensor:
         if self.before_write is not None:
             self.params = self.before_write(self.params)
@@ -210,7 +218,7 @@ class ShardState:
         # ``before_write`` so that later updates can't tear a reply still in flight.
         return Message(type=PARAMS, shard=self.cfg.index, seq=msg.seq, clock=self.version,
                        meta={"version": self.version, "updates": self.counters["updates"]},
-                       segments=split(self.params))
+                       segments=self._param_segments())
 
     def _release(self) -> list:
         """Answer every held pull that is now allowed."""

@@ -20,7 +20,8 @@ import zmq
 
 from asyncsgd.checkpoint import load_checkpoint, save_checkpoint
 from asyncsgd.memory import keep_freed_memory
-from asyncsgd.protocol import BYE, PARAMS, Message, ProtocolError, decode, error_message
+from asyncsgd.protocol import (BYE, PARAMS, Message, ProtocolError, decode, error_message,
+                               in_parts)
 from asyncsgd.transport import recv, router, send, send_tracked
 
 from .inflight import InFlight
@@ -110,13 +111,15 @@ def _drain(sock: zmq.Socket, state: ShardState) -> None:
 
 def _reply(sock: zmq.Socket, state: ShardState, inflight: InFlight, peer: bytes,
            reply: Message) -> None:
-    """Parameters go out without copying when ``inflight`` allows it; the rest as usual."""
+    """Parameters go out without copying when ``inflight`` allows it, a message per frame
+    (so the worker copies one while the next is on the wire); the rest as usual."""
     params = state.params
     if (reply.type == PARAMS and reply.segments and inflight.zero_copy(params)
             and all(seg.data._base is params for seg in reply.segments)):
-        tracker = send_tracked(sock, reply, peer)
-        if tracker is not None:
-            inflight.sent(params, tracker)
+        for part in in_parts(reply) if len(reply.segments) > 1 else [reply]:
+            tracker = send_tracked(sock, part, peer)
+            if tracker is not None:
+                inflight.sent(params, tracker)
         return
     send(sock, reply, peer)
 

@@ -38,13 +38,17 @@ def _push(seq, value, clock, worker="w"):
 # reads nothing, so the reply stays in flight), and once continued prints what it got.
 PEER = """
 import sys, torch, zmq
-from asyncsgd.protocol import decode
+from asyncsgd.protocol import decode, parts_of
 ctx = zmq.Context(); sock = ctx.socket(zmq.DEALER); sock.connect(sys.argv[1]); sock.send(b"x")
 print("hello", flush=True)
-assert sock.poll(60000)
-msg = decode(sock.recv_multipart(copy=False))
-flat = torch.cat([seg.data for seg in msg.segments])
-print(msg.meta["version"], len(flat), repr(flat.double().sum().item()), flush=True)
+pieces, parts = {}, 1
+while len(pieces) < parts:
+    assert sock.poll(60000)
+    msg = decode(sock.recv_multipart(copy=False))
+    part, parts = parts_of(msg)
+    pieces[msg.segments[0].offset] = msg.segments[0].data.clone()
+flat = torch.cat([pieces[k] for k in sorted(pieces)])
+print(msg.meta["version"], parts, len(flat), repr(flat.double().sum().item()), flush=True)
 sock.close(0); ctx.term()
 """
 
@@ -77,8 +81,8 @@ def test_update_during_a_zero_copy_send_moves_to_a_copy_and_the_reply_stays_whol
         peer_proc.send_signal(signal.SIGCONT)
         out, _ = peer_proc.communicate(timeout=60)
         assert peer_proc.returncode == 0
-        version, numel, total = out.split()
-        assert (int(version), int(numel)) == (0, SIZE)
+        version, parts, numel, total = out.split()
+        assert (int(version), int(parts), int(numel)) == (0, 4, SIZE), "4 parts of 4 MiB"
         assert float(total) == expected_old.double().sum().item(), "the reply was torn"
         # Once the send is done, updates write in place again: no more copies.
         deadline = time.monotonic() + 10
@@ -110,3 +114,22 @@ def test_pinned_buffers_are_bounded_and_replies_fall_back_to_copies():
     moved = inflight.writable(params)
     assert moved is not params and torch.equal(moved, params)
     assert not inflight.zero_copy(moved), "a second pinned buffer would exceed max_buffers"
+
+
+def test_in_parts_splits_a_reply_and_parts_of_checks_the_numbers():
+    import pytest
+
+    from asyncsgd.protocol import PARAMS, ProtocolError, decode, encode, in_parts, parts_of
+    whole = Message(type=PARAMS, seq=7, shard=1, clock=3,
+                    meta={"version": 3, "ack": {"applied": True}},
+                    segments=split(torch.arange(10.0), frame_bytes=16))
+    parts = [decode(encode(m)) for m in in_parts(whole)]
+    assert [parts_of(m) for m in parts] == [(0, 3), (1, 3), (2, 3)]
+    assert [m.seq for m in parts] == [7, 7, 7]
+    assert "ack" in parts[0].meta and all("ack" not in m.meta for m in parts[1:])
+    assert torch.equal(torch.cat([m.segments[0].data for m in parts]), torch.arange(10.0))
+    assert parts_of(Message(type=PARAMS)) == (0, 1)
+    for meta in ({"part": 3, "parts": 3}, {"part": -1, "parts": 2}, {"part": "0", "parts": 2},
+                 {"part": 0, "parts": 10 ** 9}):
+        with pytest.raises(ProtocolError):
+            parts_of(Message(type=PARAMS, meta=meta))

@@ -28,7 +28,7 @@ import zmq
 
 from asyncsgd.errors import AsyncSGDError
 from asyncsgd.protocol import (ACK, BYE, ERROR, HEARTBEAT, HELLO, PARAMS, PULL, PUSH, Message,
-                               ProtocolError, decode, split)
+                               ProtocolError, decode, parts_of, split)
 from asyncsgd.transport import dealer, recv, send
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,12 @@ class PSClient:
         self.shard_addrs = [f"tcp://{host}:{s['port']}" for s in welcome.meta["shards"]]
         self.ranges = [(s["start"], s["end"]) for s in welcome.meta["shards"]]
         self.shards = [dealer(self.ctx, a) for a in self.shard_addrs]
+        self.poller = zmq.Poller()
+        for sock in self.shards:
+            self.poller.register(sock, zmq.POLLIN)
         self.version = 0  # the parameter version the local copy was pulled at (per shard min)
         self.versions = [0] * len(self.shards)
+        self._parts_left: dict = {}  # (shard, seq) -> parts of a PARAMS reply still to come
 
     def _msg(self, kind: str, **kw) -> Message:
         self.seq += 1
@@ -123,9 +127,7 @@ class PSClient:
         self._await(outstanding, params)
 
     def _await(self, outstanding: dict, params: torch.Tensor) -> None:
-        poller = zmq.Poller()
-        for sock in self.shards:
-            poller.register(sock, zmq.POLLIN)
+        poller = self.poller
         last_heard = [time.monotonic()] * len(self.shards)
         next_beat = time.monotonic() + self.heartbeat
         backoff = self.heartbeat
@@ -136,10 +138,14 @@ class PSClient:
             for i, sock in enumerate(self.shards):
                 if sock not in events:
                     continue
-                while sock.poll(0):
+                while True:
                     reply = decode(recv(sock, router_side=False)[1])
                     last_heard[i] = now
                     self._handle(i, reply, outstanding, params)
+                    if not outstanding or not sock.poll(0):
+                        break
+            if not outstanding:
+                return
             waiting = sorted({i for i, _ in outstanding})
             if now >= next_beat:
                 for i in waiting:
@@ -185,11 +191,16 @@ class PSClient:
             if ack.get("duplicate"):
                 self.stats["duplicate_acks"] += 1
         if reply.type == PARAMS:
+            _, parts = parts_of(reply)
             start = self.ranges[i][0]
             for seg in reply.segments:
                 params[start + seg.offset:start + seg.offset + len(seg.data)].copy_(seg.data)
             self.versions[i] = reply.meta.get("version", reply.clock)
-            owed.discard(PARAMS)
+            left = self._parts_left.pop(key, parts) - 1
+            if left > 0:
+                self._parts_left[key] = left
+            else:
+                owed.discard(PARAMS)
         if not owed:
             del outstanding[key]
 
