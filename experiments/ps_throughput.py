@@ -13,7 +13,8 @@ DEALER/ROUTER round trips of the same bytes (one frame, and 4 MiB frames);
 each is repeated ``--repeats`` times, interleaved, and the medians compared,
 because this machine drifts by 2x within minutes.
 
-Writes ``experiments/results/ps_throughput.md`` (and ``.json``) unless --no-save.
+Writes ``experiments/results/ps_throughput.md`` (and ``.json``, and the figure
+``ps_throughput.png``) unless --no-save.
 """
 
 from __future__ import annotations
@@ -127,6 +128,10 @@ def main() -> int:
     args = ap.parse_args()
     from asyncsgd.memory import keep_freed_memory
     keep_freed_memory()  # as every asyncsgd worker does; applies to the raw client here too
+    # This process is the worker, sharing the machine with the server: one torch thread,
+    # as `asyncsgd worker` takes beside a local server. With two, OpenMP's spinning threads
+    # burnt a core after every parameter copy and starved the shard (40 MiB: 130 ms -> ?).
+    torch.set_num_threads(1)
     rows = []
     shard_counts = [int(s) for s in args.shards.split(",")]
     for size in args.sizes.split(","):
@@ -165,7 +170,31 @@ def main() -> int:
     print(text)
     if not args.no_save:
         save_results("ps_throughput", text, rows)
+        plot(rows, shard_counts, HERE / "results" / "ps_throughput.png")
     return 0
+
+
+def plot(rows: list, shard_counts: list, path: Path) -> None:
+    """Round-trip time against model size: asyncsgd per shard count, raw pyzmq beside it."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=90)
+    sizes = sorted({r["bytes"] for r in rows})
+    for shards in shard_counts:
+        mine = sorted((r["bytes"], r["ps_ms"]) for r in rows if r["shards"] == shards)
+        ax.plot(*zip(*mine), marker="o", label=f"asyncsgd, {shards} shard(s)")
+    for key, label in (("raw_one_frame_ms", "raw pyzmq, one frame"),
+                       ("raw_4mib_frames_ms", "raw pyzmq, 4 MiB frames")):
+        raw = {r["bytes"]: r[key] for r in rows}
+        ax.plot(sizes, [raw[b] for b in sizes], linestyle="--", marker=".", label=label)
+    ax.set(xscale="log", yscale="log", xlabel="model size (bytes of float32 parameters)",
+           ylabel="push + pull round trip (ms)", title="Parameter server vs raw ZeroMQ, 127.0.0.1")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
