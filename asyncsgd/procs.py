@@ -131,15 +131,16 @@ class WorkerGroup:
     def __init__(self, target: Callable, procs: int, args: Sequence[tuple], name: str = "worker",
                  start_method: str = "spawn"):
         self.ctx = context(start_method)
-        parent_pid = os.getpid()
+        self.target, self.parent_pid = target, os.getpid()
         self.name = name
         self._errors = self.ctx.SimpleQueue()
         self._tracebacks: dict = {}
-        self.processes = [
-            self.ctx.Process(target=_child_main, name=f"asyncsgd-{name}-{rank}", daemon=True,
-                             args=(target, rank, self._errors, parent_pid, args[rank]))
-            for rank in range(procs)
-        ]
+        self.processes = [self._process(rank, args[rank]) for rank in range(procs)]
+
+    def _process(self, rank: int, args: tuple):
+        return self.ctx.Process(target=_child_main, name=f"asyncsgd-{self.name}-{rank}",
+                                daemon=True,
+                                args=(self.target, rank, self._errors, self.parent_pid, args))
 
     def start(self) -> None:
         for p in self.processes:
@@ -163,6 +164,21 @@ class WorkerGroup:
             raise WorkerError(rank, f"{self.name} {rank} raised an exception; its traceback:\n"
                                     f"{text.rstrip()}")
         raise WorkerError(rank, f"{self.name} {rank} {describe_exit(proc.exitcode)}")
+
+    def failed(self) -> list:
+        """Ranks whose process exited with an error or was killed."""
+        return [r for r, p in enumerate(self.processes) if p.exitcode not in (None, 0)]
+
+    def restart(self, rank: int, args: tuple) -> str:
+        """Start ``rank`` afresh with ``args`` after it failed; returns how it had ended."""
+        old = self.processes[rank]
+        self._drain_errors()
+        text = self._tracebacks.pop(rank, None)
+        how = describe_exit(old.exitcode) + (f"; its traceback:\n{text.rstrip()}" if text else "")
+        old.join(0)
+        self.processes[rank] = self._process(rank, args)
+        self.processes[rank].start()
+        return how
 
     def alive(self) -> int:
         return sum(p.is_alive() for p in self.processes)

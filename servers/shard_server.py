@@ -10,6 +10,7 @@ atomically every ``checkpoint_every`` seconds and when it stops.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,9 @@ import zmq
 
 from asyncsgd.checkpoint import load_checkpoint, save_checkpoint
 from asyncsgd.memory import keep_freed_memory
-from asyncsgd.protocol import BYE, Message, ProtocolError, decode, error_message
-from asyncsgd.transport import recv, router, send
+from asyncsgd.protocol import BYE, STATS, Message, ProtocolError, decode, error_message
+from asyncsgd.security import Gatekeeper, ServerKeys
+from asyncsgd.transport import frame_limit, recv, router, send
 
 from .shard import ShardConfig, ShardState
 
@@ -41,6 +43,7 @@ class ShardProcessSettings:
     checkpoint_every: float
     resume: bool
     threads: int
+    curve: Optional[ServerKeys] = None
 
 
 def checkpoint_path(directory: str, index: int) -> Path:
@@ -58,7 +61,10 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
         state.load_state_dict(load_checkpoint(path)["shard"])
         log.info("shard %d resumed at version %d", rank, state.version)
     ctx = zmq.Context()
-    sock, endpoint = router(ctx, f"tcp://{settings.bind_host}:{settings.port}")
+    gate = Gatekeeper(ctx, settings.curve)
+    sock, endpoint = router(ctx, f"tcp://{settings.bind_host}:{settings.port}",
+                            curve=settings.curve, max_frame=frame_limit(state.size))
+    gate.watch(sock)
     ready.send(int(endpoint.rsplit(":", 1)[1]))
     ready.close()
     next_checkpoint = time.monotonic() + (settings.checkpoint_every or float("inf"))
@@ -67,7 +73,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
         while not stop[0]:
             if sock.poll(int(TICK_SECONDS * 1000)):
                 for _ in range(BATCH):
-                    _serve_one(sock, state)
+                    _serve_one(sock, state, gate)
                     if not sock.poll(0):
                         break
             now = time.monotonic()
@@ -82,6 +88,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
     finally:
         if path is not None:
             save_checkpoint(path, {"shard": state.state_dict()})
+        gate.close()
         sock.close(0)
         ctx.term()
 
@@ -105,7 +112,7 @@ def _drain(sock: zmq.Socket, state: ShardState) -> None:
             send(sock, error_message(exc.code, str(exc)), peer)
 
 
-def _serve_one(sock: zmq.Socket, state: ShardState) -> None:
+def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper) -> None:
     peer, frames = recv(sock, router_side=True)
     try:
         msg = decode(frames)
@@ -120,4 +127,6 @@ def _serve_one(sock: zmq.Socket, state: ShardState) -> None:
         state.counters["rejected"] += 1
         replies = [(peer, error_message("unexpected", f"{type(exc).__name__}: {exc}", msg))]
     for to, reply in replies:
+        if reply.type == STATS:
+            reply.meta.update(transport=gate.stats(), pid=os.getpid())
         send(sock, reply, to)
