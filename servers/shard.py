@@ -256,6 +256,8 @@ class ShardState:
 
     def _check(self, msg: Message) -> Optional[tuple]:
         """(code, detail) when the push must be refused, checked before anything is applied."""
+        if msg.shard not in (-1, self.cfg.index):  # -1: unaddressed, as in-process callers send
+            return "bad-field", f"a push for shard {msg.shard} reached shard {self.cfg.index}"
         for seg in msg.segments:
             data = seg.data
             if data.dtype != torch.float32 or data.dim() != 1:
