@@ -7,6 +7,7 @@
 - ``tree_fds`` / ``tree_rss``: open file descriptors and resident memory of a
   process and its descendants (the server and its shards).
 - ``observe``: the parameters a shard holds, read like the server's evaluator does.
+- ``FaultProxy``: a ZeroMQ proxy that drops and duplicates pushes and acknowledgements.
 - ``record_figure``: appends a measured figure to $ASYNCSGD_FIGURES (JSON lines)
   so the reliability report shows what the tests measured.
 """
@@ -21,10 +22,12 @@ import struct
 import threading
 import time
 
+import msgpack
 import psutil
 import torch
+import zmq
 
-from asyncsgd.protocol import PARAMS, PULL, Message, encode
+from asyncsgd.protocol import ACK, PARAMS, PULL, PUSH, WELCOME, Message, decode, encode
 
 GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
 
@@ -129,3 +132,108 @@ def observe(server, port: int, size: int) -> torch.Tensor:
     for seg in reply.segments:
         flat[seg.offset:seg.offset + len(seg.data)] = seg.data
     return flat
+
+
+class FaultProxy:
+    """A ZeroMQ proxy between workers and a server that drops and duplicates messages.
+
+    Workers connect to ``address``; the proxy forwards each worker's traffic
+    through a DEALER of its own (the server sees one peer per worker), rewrites
+    the shard ports in the handshake to ports it listens on itself, and drops
+    a share ``drop`` of pushes and of their acknowledgements and sends a share
+    ``dup`` of each twice. Everything else passes untouched.
+    """
+
+    def __init__(self, server_port: int, drop: float, dup: float, seed: int = 0):
+        self.drop, self.dup, self.rng = drop, dup, random.Random(seed)
+        self.counts = {"pushes": 0, "pushes_dropped": 0, "pushes_duplicated": 0,
+                       "acks": 0, "acks_dropped": 0, "acks_duplicated": 0}
+        self.ctx = zmq.Context()
+        self.front = self._listener()
+        self.address = self.front.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.upstream = {self.front: server_port}  # listener -> server port it stands for
+        self.links: dict = {}  # (listener, worker identity) -> dealer to the server
+        self.back: dict = {}  # dealer -> (listener, worker identity)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="fault-proxy")
+        self._thread.start()
+
+    def _listener(self) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind_to_random_port("tcp://127.0.0.1")
+        return sock
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        assert not self._thread.is_alive(), "the fault proxy did not stop"
+        for sock in [*self.upstream, *self.back]:
+            sock.close(0)
+        self.ctx.term()
+
+    def _fault(self, kind: str) -> int:
+        """How many copies to pass on: 0 (dropped), 1 or 2 (duplicated)."""
+        self.counts[kind] += 1
+        roll = self.rng.random()
+        if roll < self.drop:
+            self.counts[kind + "_dropped"] += 1
+            return 0
+        if roll < self.drop + self.dup:
+            self.counts[kind + "_duplicated"] += 1
+            return 2
+        return 1
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for sock in self.upstream:
+            poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            for sock, _ in poller.poll(50):
+                frames = sock.recv_multipart()
+                if sock in self.upstream:
+                    self._from_worker(sock, frames[0], frames[1:], poller)
+                else:
+                    self._from_server(sock, frames, poller)
+
+    def _from_worker(self, listener, identity: bytes, frames: list, poller) -> None:
+        link = self.links.get((listener, identity))
+        if link is None:
+            link = self.ctx.socket(zmq.DEALER)
+            link.setsockopt(zmq.LINGER, 0)
+            link.connect(f"tcp://127.0.0.1:{self.upstream[listener]}")
+            self.links[(listener, identity)] = link
+            self.back[link] = (listener, identity)
+            poller.register(link, zmq.POLLIN)
+        copies = self._fault("pushes") if _kind(frames) == PUSH else 1
+        for _ in range(copies):
+            link.send_multipart(frames)
+
+    def _from_server(self, link, frames: list, poller) -> None:
+        listener, identity = self.back[link]
+        kind = _kind(frames)
+        if kind == WELCOME:
+            msg = decode(frames)
+            for shard in msg.meta["shards"]:
+                shard_listener = self._listener()
+                self.upstream[shard_listener] = shard["port"]
+                poller.register(shard_listener, zmq.POLLIN)
+                shard["port"] = int(shard_listener.getsockopt_string(zmq.LAST_ENDPOINT)
+                                    .rsplit(":", 1)[1])
+            frames = [bytes(f) for f in encode(msg)]
+        copies = self._fault("acks") if kind in (ACK, PARAMS) and listener is not self.front \
+            and _carries_ack(frames) else 1
+        for _ in range(copies):
+            listener.send_multipart([identity, *frames])
+
+
+def _kind(frames: list):
+    try:
+        return msgpack.unpackb(frames[0], raw=False).get("t")
+    except Exception:
+        return None
+
+
+def _carries_ack(frames: list) -> bool:
+    header = msgpack.unpackb(frames[0], raw=False)
+    return header["t"] == ACK or "ack" in header.get("m", {})

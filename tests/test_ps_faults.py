@@ -13,7 +13,9 @@ import zmq
 from asyncsgd.layout import Layout
 from tasks_for_tests import index_counter
 
-from faults import GarbageFlood, observe, oversized_frame, record_figure, tree_fds, tree_rss
+from asyncsgd.protocol import STATS, Message, encode
+from faults import (FaultProxy, GarbageFlood, observe, oversized_frame, record_figure, tree_fds,
+                    tree_rss)
 from test_ps import finish, server, worker  # noqa: F401  (server is a fixture)
 
 ROWS = 2000  # one worker, batch 8: 250 pushes an epoch
@@ -101,3 +103,54 @@ def test_oversized_frames_drop_their_sender_and_nothing_else(server, cli_env):
     assert sum(t["disconnects"] for t in stats["transport"]) >= 3
     record_figure("oversized frames", peers_dropped=3, seconds_to_hang_up=round(max(hung_up), 3),
                   server_rss_growth_mib=round(rss_growth / 2 ** 20, 1), crashes=0)
+
+
+def _client_stats(out: str) -> dict:
+    """Counters from a worker's closing line: '... (retries R, duplicate acks D)'."""
+    inside = out.rsplit("(", 1)[1].rstrip(")\n")
+    return {k.strip().rsplit(" ", 1)[0]: int(k.strip().rsplit(" ", 1)[1])
+            for k in inside.split(",")}
+
+
+def test_drops_and_duplicates_lose_and_double_nothing(server, cli_env):
+    rows, epochs = 400, 3  # two workers, batch 8: 25 pushes an epoch each
+    srv = server("--task", "tasks_for_tests:index_counter", "--samples", rows, "--shards", 2,
+                 "--no-exit-when-done")
+    proxy = FaultProxy(srv.port, drop=0.15, dup=0.15, seed=7)
+    try:
+        started = time.monotonic()
+        procs = [worker(cli_env, proxy.address, r, 2, "--task", "tasks_for_tests:index_counter",
+                        "--samples", rows, "--epochs", epochs, "--heartbeat", 0.05)
+                 for r in range(2)]
+        results = finish(procs)
+        seconds = time.monotonic() - started
+    finally:
+        proxy.close()
+    pushes, client = 0, {"retries": 0, "duplicate acks": 0}
+    for code, out, err in results:
+        assert code == 0, err
+        assert f"{25 * epochs} steps, {25 * epochs} pushes" in out, out
+        pushes += 25 * epochs
+        for key, value in _client_stats(out).items():
+            client[key] += value
+    stats = srv.stats()
+    shard_stats = [srv.request(encode(Message(type=STATS, seq=1)), port=p).meta
+                   for p in stats["shard_ports"]]
+    ranges = Layout.of(index_counter(rows).build_model(0)).shard_ranges(2)
+    params = torch.cat([observe(srv, port, end - start)
+                        for port, (start, end) in zip(stats["shard_ports"], ranges)])
+    assert torch.equal(params, torch.full((rows,), -float(epochs)))  # every push exactly once
+    assert [s["updates"] for s in shard_stats] == [pushes, pushes]
+    suppressed = sum(s["duplicates"] for s in shard_stats)
+    counts = proxy.counts
+    assert counts["pushes_dropped"] > 0 and counts["pushes_duplicated"] > 0, counts
+    assert counts["acks_dropped"] > 0 and counts["acks_duplicated"] > 0, counts
+    # Exact bookkeeping: every push message that reached a shard was applied or suppressed,
+    # and every push beyond the first of each (worker, shard, step) was a worker's retry.
+    delivered = counts["pushes"] - counts["pushes_dropped"] + counts["pushes_duplicated"]
+    assert delivered == 2 * pushes + suppressed, (delivered, suppressed, counts)
+    assert client["retries"] >= counts["pushes"] - 2 * pushes > 0, (client, counts)
+    record_figure("drops and duplicates", steps_pushed=pushes, push_messages=counts.pop("pushes"),
+                  ack_messages=counts.pop("acks"), **counts, worker_retries=client["retries"],
+                  duplicates_suppressed=suppressed, updates_lost=0, updates_doubled=0,
+                  seconds=round(seconds, 1))
