@@ -134,3 +134,76 @@ def test_stopped_worker_is_dropped_then_rejoins_under_sync(server, cli_env):
     record_figure("worker SIGSTOP/SIGCONT (sync)", heartbeat_timeout_s=timeout,
                   detection_latency_s=round(detection, 2), rejoin_s=round(rejoin, 2),
                   stale_pushes_refused=stats["stale"])
+
+
+def _kill_shard(srv, run_dir, port: int, index: int = 0) -> tuple:
+    """SIGKILL shard ``index``; returns (copy of its checkpoint at that moment, kill time)."""
+    pid = shard_stats(srv, port)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    copy = run_dir / f"killed-shard-{index}.pt"
+    shutil.copy(run_dir / f"shard-{index}.pt", copy)  # the dead process writes no more
+    wait_for(lambda: _answers(srv, port) not in (None, pid), 60, "the restarted shard", 0.2)
+    return copy, killed
+
+
+def _answers(srv, port: int):
+    try:
+        return shard_stats(srv, port)["pid"]
+    except TimeoutError:
+        return None
+
+
+def test_shard_sigkill_restarts_from_its_checkpoint_and_counts_lost_updates(server, cli_env):
+    rows, epochs = 4000, 4  # one worker, 500 pushes an epoch
+    srv = server("--task", TASK, "--samples", rows, "--checkpoint-every", 1)
+    port = srv.stats()["shard_ports"][0]
+    run_dir = srv.out
+    trainer = worker(cli_env, srv.address, 0, 1, "--task", TASK, "--samples", rows,
+                     "--epochs", epochs, "--heartbeat", 0.2)
+    wait_for(lambda: (run_dir / "shard-0.pt").exists() and
+             shard_stats(srv, port)["version"] >= 400, 120, "a checkpoint and 400 updates")
+    copy, killed = _kill_shard(srv, run_dir, port)
+    saved = load_checkpoint(copy)["shard"]
+    restored = shard_stats(srv, port)["restored"]
+    assert restored == {"version": saved["version"], "sha256": params_digest(saved["params"])}
+    wait_for(lambda: shard_stats(srv, port)["version"] > saved["version"], 60,
+             "the worker's pushes applied again")
+    reconnect = time.monotonic() - killed
+    (code, out, err), = finish([trainer])
+    assert code == 0, err
+    assert f"{500 * epochs} steps, {500 * epochs} pushes" in out
+    assert "server unavailable" in err and "retrying" in err
+    assert srv.wait()[0] == 0
+    summary = read_json(run_dir / "summary.json")
+    lost = summary["lost_updates"]
+    assert summary["shard_restarts"] == 1
+    weights = load_checkpoint(run_dir / "checkpoint.pt")["model"]["weight.weight"]
+    # Lost = acknowledged pushes whose effect died with the shard: exactly what is missing.
+    assert weights.sum().item() == -BATCH * (500 * epochs - lost)
+    assert summary["updates"] == 500 * epochs - lost
+    assert 0 < lost <= 500 * epochs - saved["version"]
+    record_figure("shard SIGKILL + restart (exact)", checkpoint_version=saved["version"],
+                  lost_updates=lost, lost_updates_expected=lost, restored_bit_for_bit=True,
+                  reconnect_s=round(reconnect, 2))
+
+
+def test_training_reaches_its_target_through_a_shard_crash(server, cli_env):
+    srv = server("--task", "mnist1d-cnn", "--shards", 2, "--workers", 2, "--checkpoint-every", 1,
+                 "--target-accuracy", 0.8, "--max-seconds", 150)
+    ports = srv.stats()["shard_ports"]
+    procs = [worker(cli_env, srv.address, r, 2, "--epochs", 1000, "--heartbeat", 0.2)
+             for r in range(2)]
+    wait_for(lambda: (srv.out / "shard-1.pt").exists() and
+             shard_stats(srv, ports[1])["updates"] >= 100, 120, "a checkpoint and 100 updates")
+    _, killed = _kill_shard(srv, srv.out, ports[1], index=1)
+    for code, out, err in finish(procs, timeout=240):
+        assert code == 0, err
+        assert "the server ended training" in out
+    assert srv.wait()[0] == 0
+    summary = read_json(srv.out / "summary.json")
+    assert summary["stopped_by"] == "target_accuracy" and summary["best_accuracy"] >= 0.8
+    assert summary["shard_restarts"] == 1 and summary["lost_updates"] >= 0
+    record_figure("shard SIGKILL + restart (mnist1d-cnn)", lost_updates=summary["lost_updates"],
+                  best_accuracy=summary["best_accuracy"],
+                  time_to_target_s=summary.get("time_to_target"))
