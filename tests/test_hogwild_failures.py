@@ -102,3 +102,28 @@ def test_parent_sigkill_leaves_no_orphans_or_shm(tmp_path, cli_env, start_method
     while _shm_entries() - shm_before and time.monotonic() < deadline:
         time.sleep(0.2)  # the resource tracker unlinks what the dead parent held
     assert _shm_entries() - shm_before == set()
+
+
+def test_child_killed_by_sigkill_is_reported_clearly(tmp_path, cli_env):
+    shm_before = _shm_entries()
+    out = tmp_path / "run"
+    proc = _start_training(out, cli_env)
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        workers = [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
+        assert len(workers) >= 3
+        workers[0].send_signal(signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, stderr
+    assert "was killed by signal SIGKILL" in stderr and "Traceback" not in stderr, stderr
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"orphans left: {alive}"
+    deadline = time.monotonic() + 10
+    while _shm_entries() - shm_before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _shm_entries() - shm_before == set()
+    assert read_json(out / "summary.json")["status"] == "failed"
