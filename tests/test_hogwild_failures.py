@@ -10,6 +10,7 @@ import pytest
 
 from asyncsgd.tasks import partition_indices
 from conftest import asyncsgd_cmd, read_events, read_json
+from faults import record_figure
 
 
 def _shm_entries():
@@ -113,7 +114,9 @@ def test_child_killed_by_sigkill_is_reported_clearly(tmp_path, cli_env):
         workers = [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
         assert len(workers) >= 3
         workers[0].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
         _, stderr = proc.communicate(timeout=60)
+        stopped_in = time.monotonic() - killed
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -127,3 +130,5 @@ def test_child_killed_by_sigkill_is_reported_clearly(tmp_path, cli_env):
         time.sleep(0.2)
     assert _shm_entries() - shm_before == set()
     assert read_json(out / "summary.json")["status"] == "failed"
+    record_figure("Hogwild child SIGKILL", reported="was killed by signal SIGKILL",
+                  run_stopped_s=round(stopped_in, 1), orphans=0, shm_leaks=0)

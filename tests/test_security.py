@@ -11,6 +11,7 @@ from asyncsgd.layout import Layout
 from asyncsgd.protocol import BYE, HELLO, PUSH, WELCOME, Message, Segment, encode
 from asyncsgd.security import ClientKeys, curve_problem
 from conftest import read_json
+from faults import record_figure
 from tasks_for_tests import index_counter
 from test_ps import Server, finish, free_port, worker
 
@@ -74,6 +75,7 @@ def test_curve_matrix_admits_only_the_right_key(keys, cli_env, tmp_path, run_cli
                                     "--curve-secret", stranger / "clients" / "worker-0.key_secret"],
                                    "refused this worker's key"),
         }
+        refusal_seconds = []
         for case, (flags, fragment) in refused.items():
             started = time.monotonic()
             res = run_cli("worker", "--server", srv.address, *task, "--progress", "off",
@@ -82,7 +84,8 @@ def test_curve_matrix_admits_only_the_right_key(keys, cli_env, tmp_path, run_cli
             assert res.returncode == 2, (case, res.stderr)
             assert len(lines) == 1 and lines[0].startswith("error:") and fragment in lines[0], \
                 (case, res.stderr)
-            assert time.monotonic() - started < 25, case  # refused at once, not timed out
+            refusal_seconds.append(time.monotonic() - started)  # the worker's whole run
+            assert refusal_seconds[-1] < 25, case  # refused at once, not timed out
         # The same peers talking straight to the shard get nothing through.
         for case, curve in {"no key": None,
                             "wrong server key": ClientKeys.load(
@@ -120,6 +123,10 @@ def test_curve_matrix_admits_only_the_right_key(keys, cli_env, tmp_path, run_cli
     assert summary["updates"] == 2 * 12 and summary["refused_connections"] >= 6
     weight = load_checkpoint(tmp_path / "run" / "checkpoint.pt")["model"]["weight.weight"]
     assert torch.equal(weight, torch.full((ROWS, 1), -2.0))  # no intruder's 100 anywhere
+    record_figure("CURVE matrix", refused_workers=3, refused_direct_peers=3,
+                  refused_connections=summary["refused_connections"],
+                  worker_exit_on_refusal_s=round(max(refusal_seconds), 1),
+                  updates_from_refused_peers=0)
 
 
 def _serve_briefly(run_cli, tmp_path, bind, *extra):
