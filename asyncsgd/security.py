@@ -101,6 +101,16 @@ def _read_cert(path: str, flag: str, need_secret: bool) -> tuple:
     return public, secret
 
 
+def _both_or_neither(first: Optional[str], second: Optional[str], why: str) -> bool:
+    """True when both flags of a pair are given (and CURVE is usable), False when neither."""
+    if not first and not second:
+        return False
+    if not (first and second):
+        raise ConfigError(why)
+    require_curve()
+    return True
+
+
 @dataclass(frozen=True)
 class ServerKeys:
     """The server's key pair and the client public keys it admits."""
@@ -112,12 +122,10 @@ class ServerKeys:
     @classmethod
     def load(cls, secret_file: Optional[str], allowed_dir: Optional[str]) -> Optional["ServerKeys"]:
         """Keys from ``--curve-secret`` and ``--allowed-clients``; None when neither is given."""
-        if not secret_file and not allowed_dir:
+        if not _both_or_neither(secret_file, allowed_dir, "--curve-secret and --allowed-clients "
+                                "go together: the server needs its own secret key and the "
+                                "public keys of its workers"):
             return None
-        if not (secret_file and allowed_dir):
-            raise ConfigError("--curve-secret and --allowed-clients go together: the server "
-                              "needs its own secret key and the public keys of its workers")
-        require_curve()
         public, secret = _read_cert(secret_file, "--curve-secret", need_secret=True)
         folder = Path(allowed_dir)
         if not folder.is_dir():
@@ -153,12 +161,10 @@ class ClientKeys:
     @classmethod
     def load(cls, server_key_file: Optional[str], secret_file: Optional[str]) -> Optional["ClientKeys"]:
         """Keys from ``--curve-server-key`` and ``--curve-secret``; None when neither is given."""
-        if not server_key_file and not secret_file:
+        if not _both_or_neither(server_key_file, secret_file, "--curve-server-key and "
+                                "--curve-secret go together: the server's public key and this "
+                                "worker's secret key"):
             return None
-        if not (server_key_file and secret_file):
-            raise ConfigError("--curve-server-key and --curve-secret go together: the server's "
-                              "public key and this worker's secret key")
-        require_curve()
         server_public, _ = _read_cert(server_key_file, "--curve-server-key", need_secret=False)
         public, secret = _read_cert(secret_file, "--curve-secret", need_secret=True)
         return cls(server_public, public, secret)

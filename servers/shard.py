@@ -265,6 +265,11 @@ class ShardState:
             if seg.offset + len(data) > self.size:
                 return "out-of-range", (f"segment [{seg.offset}, {seg.offset + len(data)}) "
                                         f"outside shard {self.cfg.index} of size {self.size}")
+        spans = sorted((s.offset, s.offset + len(s.data)) for s in msg.segments)
+        if any(start == end for start, end in spans) or \
+                any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:])):
+            # Checked here, before any counter moves: the rule would refuse it too, but late.
+            return "bad-descriptor", "segments must be non-empty and must not overlap"
         if self.cfg.reject_nonfinite and not all(_finite(s.data) for s in msg.segments):
             self.counters["nonfinite"] += 1
             return "non-finite", "the gradient holds NaN or Inf values; nothing was applied"
