@@ -11,7 +11,8 @@ from .version import __version__
 _EXPORTS = {
     "HogwildConfig": "config", "TrainConfig": "config",
     "AsyncSGDError": "errors", "CheckpointError": "errors", "ConfigError": "errors",
-    "DataError": "errors", "TaskError": "errors", "WorkerError": "errors",
+    "DataError": "errors", "SecurityError": "errors", "TaskError": "errors",
+    "WorkerError": "errors",
     "RunDir": "rundir", "Split": "tasks", "Task": "tasks", "load_task": "tasks",
 }
 

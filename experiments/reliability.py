@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -83,8 +84,11 @@ def run(keys: list, python: str) -> tuple:
     with tempfile.TemporaryDirectory() as tmp:
         figures_path, junit = Path(tmp) / "figures.jsonl", Path(tmp) / "junit.xml"
         env = dict(os.environ, ASYNCSGD_FIGURES=str(figures_path))
+        # A shell runs background jobs with SIGINT ignored, and children inherit that:
+        # the Ctrl-C tests need it back.
         subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        f"--junitxml={junit}", *nodes], cwd=ROOT, env=env, check=False)
+                        f"--junitxml={junit}", *nodes], cwd=ROOT, env=env, check=False,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         cases = {}
         for case in ET.parse(junit).getroot().iter("testcase"):
             failed = case.find("failure") is not None or case.find("error") is not None

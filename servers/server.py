@@ -243,8 +243,9 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
     ranges = layout.shard_ranges(cfg.shards)
     lr = cfg.lr or task.lr
     torch.set_num_threads(max(1, cfg.threads or 1))
-    if exposed_warning(host, keys):
-        log.warning(exposed_warning(host, keys))
+    warning = exposed_warning(host, keys)
+    if warning:
+        log.warning(warning)
 
     ctx = zmq.Context()
     gate = Gatekeeper(ctx, keys)
