@@ -81,6 +81,26 @@ def _watch_parent(parent_pid: int, pidfd: Optional[int]) -> None:
     os._exit(1)
 
 
+@contextlib.contextmanager
+def _sigint_ignored():
+    """Children started inside ignore SIGINT from their first instruction.
+
+    An ignored signal stays ignored across exec, and Python then installs no
+    KeyboardInterrupt handler: a Ctrl-C while a spawned child still imports
+    torch (seconds, on a loaded machine) can't kill it with a traceback
+    before ``_child_main`` would have ignored SIGINT itself.
+    """
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: children ignore it in _child_main
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _child_main(target: Callable, rank: int, errors: Any, parent_pid: int, args: tuple) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
@@ -143,8 +163,9 @@ class WorkerGroup:
                                 args=(self.target, rank, self._errors, self.parent_pid, args))
 
     def start(self) -> None:
-        for p in self.processes:
-            p.start()
+        with _sigint_ignored():
+            for p in self.processes:
+                p.start()
 
     def _drain_errors(self) -> None:
         while not self._errors.empty():
@@ -177,7 +198,8 @@ class WorkerGroup:
         how = describe_exit(old.exitcode) + (f"; its traceback:\n{text.rstrip()}" if text else "")
         old.join(0)
         self.processes[rank] = self._process(rank, args)
-        self.processes[rank].start()
+        with _sigint_ignored():
+            self.processes[rank].start()
         return how
 
     def alive(self) -> int:
