@@ -12,7 +12,8 @@ _EXPORTS = {
     "HogwildConfig": "config", "TrainConfig": "config",
     "SingleConfig": "config", "DDPConfig": "config",
     "AsyncSGDError": "errors", "CheckpointError": "errors", "ConfigError": "errors",
-    "DataError": "errors", "TaskError": "errors", "WorkerError": "errors",
+    "DataError": "errors", "SecurityError": "errors", "TaskError": "errors",
+    "WorkerError": "errors",
     "RunDir": "rundir", "Split": "tasks", "Task": "tasks", "load_task": "tasks",
 }
 

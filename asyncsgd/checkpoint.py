@@ -3,7 +3,8 @@
 A checkpoint is a dict of tensors and plain values saved by ``torch.save``.
 It is written to a temporary file in the same directory, flushed and fsynced,
 then renamed over the old one, so a crash during a save leaves the previous
-checkpoint intact. It is loaded with ``weights_only=True``, which refuses any
+checkpoint intact. The temporary file's name carries the writer's pid; the
+next save removes those of writers that died mid-save. It is loaded with ``weights_only=True``, which refuses any
 pickle that would construct arbitrary objects (e.g. call ``os.system``).
 """
 
@@ -23,10 +24,26 @@ FORMAT = "asyncsgd-checkpoint"
 VERSION = 1
 
 
+def _sweep_dead_writers(path: Path) -> None:
+    """Remove temporary files that writers killed mid-save left beside ``path``."""
+    for tmp in path.parent.glob(f"{path.name}.*.tmp"):
+        pid = tmp.name[len(path.name) + 1:].split(".", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except PermissionError:  # alive, someone else's
+            pass
+
+
 def save_checkpoint(path: Path, payload: dict) -> None:
     path = Path(path)
     record = {"format": FORMAT, "version": VERSION, **payload}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    _sweep_dead_writers(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.{os.getpid()}.",
+                               suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
             torch.save(record, fh)

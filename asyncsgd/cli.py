@@ -159,12 +159,58 @@ def worker(**params: object) -> None:
               metavar="tcp://HOST:PORT", help="The server's address.")
 @click.option("--timeout", default=5.0, show_default=True, type=click.FloatRange(min=0.1),
               help="Seconds to wait for the answer.")
-def ps_stats(server: str, timeout: float) -> None:
-    """Print a running server's counters as JSON: updates, live workers, staleness."""
+@click.option("--curve-server-key", metavar="FILE", default=None,
+              help="The server's public key, for a server with CURVE on.")
+@click.option("--curve-secret", metavar="FILE", default=None,
+              help="A secret key the server admits (a worker's).")
+def ps_stats(server: str, timeout: float, curve_server_key: Optional[str],
+             curve_secret: Optional[str]) -> None:
+    """Print a running server's counters as JSON: updates, live workers, staleness,
+    refused connections."""
     import json
 
+    from .security import ClientKeys
     from .stats import fetch_stats
-    click.echo(json.dumps(fetch_stats(server, timeout), indent=2, sort_keys=True))
+    keys = ClientKeys.load(curve_server_key, curve_secret)
+    click.echo(json.dumps(fetch_stats(server, timeout, keys), indent=2, sort_keys=True))
+
+
+@cli.command(epilog="Examples:\n\n\b\n"
+             "  asyncsgd keygen keys --clients 4\n"
+             "  asyncsgd keygen keys --name gpu-node-7     # add a worker key later\n"
+             "  asyncsgd ps-server --curve-secret keys/server.key_secret "
+             "--allowed-clients keys/allowed_clients\n"
+             "  asyncsgd worker --curve-server-key keys/server.key "
+             "--curve-secret keys/clients/worker-0.key_secret")
+@click.argument("directory", metavar="DIR", type=click.Path(file_okay=False))
+@click.option("--clients", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Worker key pairs to write, named worker-0, worker-1, ...")
+@click.option("--name", "names", multiple=True, metavar="NAME",
+              help="A worker key pair with this name (repeatable).")
+@click.option("--force", is_flag=True, help="Replace keys that exist (old keys stop working).")
+def keygen(directory: str, clients: int, names: tuple, force: bool) -> None:
+    """Write CURVE keys for an authenticated, encrypted parameter server.
+
+    DIR gets the server's key pair (kept if it exists; --force replaces it) and
+    one key pair per worker: the public halves go to DIR/allowed_clients (the
+    server's --allowed-clients), the secret halves to DIR/clients (each
+    worker's --curve-secret; keep them private, mode 600). Every worker also
+    needs DIR/server.key (--curve-server-key). Keys are pyzmq zmq.auth
+    certificates.
+    """
+    from .security import keygen as write_keys
+    wanted = [f"worker-{i}" for i in range(clients)] + list(names)
+    if not wanted and not force and (Path(directory) / "server.key_secret").exists():
+        raise ConfigError(f"{directory} has a server key already; add workers with --name "
+                          "NAME or --clients N, or replace every key with --force")
+    written = write_keys(directory, wanted, force=force)
+    if written["server"]:
+        click.echo(f"server secret key: {written['server']}  (ps-server --curve-secret)")
+    click.echo(f"server public key: {Path(directory) / 'server.key'}  (worker --curve-server-key)")
+    for path in written["clients"]:
+        click.echo(f"worker secret key: {path}  (worker --curve-secret)")
+    click.echo(f"allowed workers:   {Path(directory) / 'allowed_clients'}  "
+               "(ps-server --allowed-clients)")
 
 
 @cli.command(epilog="Examples:\n\n\b\n"

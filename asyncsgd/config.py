@@ -244,6 +244,18 @@ class ServerConfig(RunConfig):
         False, "Apply gradients holding NaN or Inf (rejected by default).")
     exit_when_done: bool = knob(
         True, "Stop once every worker that joined has left (said bye or went silent).")
+    curve_secret: Optional[str] = knob(
+        None, "The server's secret key (server.key_secret from 'asyncsgd keygen DIR'): turns "
+        "on CURVE authentication and encryption for the front and every shard. Needs "
+        "--allowed-clients.", metavar="FILE", show="off: plain TCP")
+    allowed_clients: Optional[str] = knob(
+        None, "Directory of the workers' public keys (*.key, e.g. DIR/allowed_clients from "
+        "'asyncsgd keygen DIR'); with CURVE only these workers get in.", metavar="DIR",
+        show="none")
+    shard_restarts: int = knob(
+        3, "Restart a crashed shard from its last checkpoint up to this many times: workers "
+        "reconnect on their own, and the updates applied since that checkpoint are lost and "
+        "counted (lost_updates). 0: a crashed shard ends the run.", type=click.IntRange(min=0))
 
     mode = "ps"
 
@@ -296,6 +308,13 @@ class WorkerConfig:
         type=click.FloatRange(min=0.1))
     progress: str = knob("auto", "Progress display (auto, bar, log, off).",
                          type=click.Choice(["auto", "bar", "log", "off"]))
+    curve_server_key: Optional[str] = knob(
+        None, "The server's public key (server.key from 'asyncsgd keygen DIR'): connect with "
+        "CURVE authentication and encryption. Needs --curve-secret.", metavar="FILE",
+        show="off: plain TCP")
+    curve_secret: Optional[str] = knob(
+        None, "This worker's secret key (DIR/clients/NAME.key_secret from 'asyncsgd keygen').",
+        metavar="FILE", show="none")
 
     mode = "worker"
 

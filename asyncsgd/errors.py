@@ -39,3 +39,9 @@ class WorkerError(AsyncSGDError):
     def __init__(self, worker: int, message: str):
         self.worker = worker
         super().__init__(message)
+
+
+class SecurityError(AsyncSGDError):
+    """Authentication is unavailable or failed: CURVE keys, libzmq without CURVE, a refusal."""
+
+    exit_code = 2

@@ -81,6 +81,26 @@ def _watch_parent(parent_pid: int, pidfd: Optional[int]) -> None:
     os._exit(1)
 
 
+@contextlib.contextmanager
+def _sigint_ignored():
+    """Children started inside ignore SIGINT from their first instruction.
+
+    An ignored signal stays ignored across exec, and Python then installs no
+    KeyboardInterrupt handler: a Ctrl-C while a spawned child still imports
+    torch (seconds, on a loaded machine) can't kill it with a traceback
+    before ``_child_main`` would have ignored SIGINT itself.
+    """
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: children ignore it in _child_main
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _child_main(target: Callable, rank: int, errors: Any, parent_pid: int, args: tuple) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
@@ -131,19 +151,21 @@ class WorkerGroup:
     def __init__(self, target: Callable, procs: int, args: Sequence[tuple], name: str = "worker",
                  start_method: str = "spawn"):
         self.ctx = context(start_method)
-        parent_pid = os.getpid()
+        self.target, self.parent_pid = target, os.getpid()
         self.name = name
         self._errors = self.ctx.SimpleQueue()
         self._tracebacks: dict = {}
-        self.processes = [
-            self.ctx.Process(target=_child_main, name=f"asyncsgd-{name}-{rank}", daemon=True,
-                             args=(target, rank, self._errors, parent_pid, args[rank]))
-            for rank in range(procs)
-        ]
+        self.processes = [self._process(rank, args[rank]) for rank in range(procs)]
+
+    def _process(self, rank: int, args: tuple):
+        return self.ctx.Process(target=_child_main, name=f"asyncsgd-{self.name}-{rank}",
+                                daemon=True,
+                                args=(self.target, rank, self._errors, self.parent_pid, args))
 
     def start(self) -> None:
-        for p in self.processes:
-            p.start()
+        with _sigint_ignored():
+            for p in self.processes:
+                p.start()
 
     def _drain_errors(self) -> None:
         while not self._errors.empty():
@@ -169,6 +191,22 @@ class WorkerGroup:
             raise WorkerError(rank, f"{self.name} {rank} raised an exception; its traceback:\n"
                                     f"{text.rstrip()}")
         raise WorkerError(rank, f"{self.name} {rank} {describe_exit(proc.exitcode)}")
+
+    def failed(self) -> list:
+        """Ranks whose process exited with an error or was killed."""
+        return [r for r, p in enumerate(self.processes) if p.exitcode not in (None, 0)]
+
+    def restart(self, rank: int, args: tuple) -> str:
+        """Start ``rank`` afresh with ``args`` after it failed; returns how it had ended."""
+        old = self.processes[rank]
+        self._drain_errors()
+        text = self._tracebacks.pop(rank, None)
+        how = describe_exit(old.exitcode) + (f"; its traceback:\n{text.rstrip()}" if text else "")
+        old.join(0)
+        self.processes[rank] = self._process(rank, args)
+        with _sigint_ignored():
+            self.processes[rank].start()
+        return how
 
     def alive(self) -> int:
         return sum(p.is_alive() for p in self.processes)

@@ -148,11 +148,11 @@ def decode(frames: Sequence[Any]) -> Message:
         raise ProtocolError("bad-header", f"undecodable msgpack: {type(exc).__name__}") from None
     if not isinstance(header, dict):
         raise ProtocolError("bad-header", "header is not a map")
-    if header.get("v") != VERSION:
+    if type(header.get("v")) is not int or header["v"] != VERSION:
         raise ProtocolError("bad-version", f"protocol version {header.get('v')!r}; "
                                            f"this build speaks {VERSION}")
     kind = header.get("t")
-    if kind not in TYPES:
+    if not isinstance(kind, str) or kind not in TYPES:  # a list or map is unhashable
         raise ProtocolError("bad-type", f"unknown message type {kind!r}")
     worker = header.get("w", "")
     if not isinstance(worker, str) or len(worker) > 256:

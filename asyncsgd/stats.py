@@ -9,11 +9,12 @@ from .protocol import ERROR, STATS, Message, decode
 from .transport import dealer, recv, send
 
 
-def fetch_stats(server: str, timeout: float = 5.0) -> dict:
+def fetch_stats(server: str, timeout: float = 5.0, curve=None) -> dict:
+    """The front's counters; ``curve`` (``security.ClientKeys``) for a CURVE server."""
     if not server.startswith("tcp://"):
         raise AsyncSGDError(f"--server {server!r}: use tcp://HOST:PORT")
     ctx = zmq.Context()
-    sock = dealer(ctx, server)
+    sock = dealer(ctx, server, curve=curve)
     try:
         send(sock, Message(type=STATS, seq=1))
         if not sock.poll(int(timeout * 1000)):

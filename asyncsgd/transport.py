@@ -1,17 +1,19 @@
 """ZeroMQ sockets at the edge: configured once, moving frames, never reading them.
 
 Every socket gets finite limits: LINGER 0 (closing never hangs), a maximum
-inbound frame size (a peer sending more is disconnected, see ZMQ_MAXMSGSIZE),
+inbound frame size (a peer sending more is disconnected, see ZMQ_MAXMSGSIZE;
+``frame_limit`` sizes it from the model),
 TCP keepalive, and on ROUTERs ROUTER_MANDATORY, so a reply to a vanished peer
 becomes an error we count instead of a silent drop. High-water marks keep
 their defaults: a small HWM on a ROUTER silently dropped replies under load
-here (see shared/MACHINE-LIMITS.md).
+here (see shared/MACHINE-LIMITS.md). ``curve`` (``asyncsgd.security`` keys)
+turns on CURVE authentication and encryption.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import zmq
 
@@ -23,17 +25,30 @@ MAX_FRAME = FRAME_BYTES + MAX_HEADER_BYTES
 COPY_BELOW = 64 * 1024  # pyzmq: zero-copy costs more than a memcpy for small frames
 
 
-def _common(sock: zmq.Socket) -> None:
+def frame_limit(elements: int) -> int:
+    """The largest frame accepted from a peer exchanging ``elements`` float32 values.
+
+    A legitimate frame is a header or one tensor frame. Headers up to twice their
+    bound still arrive, so a sender that overshoots gets a ``header-too-large``
+    reply; a frame beyond this is no mistake, and libzmq drops its sender
+    without buffering it.
+    """
+    return 2 * MAX_HEADER_BYTES + min(FRAME_BYTES, 4 * elements)
+
+
+def _common(sock: zmq.Socket, curve: Any, max_frame: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
+    if curve is not None:
+        curve.apply(sock)
 
 
-def router(ctx: zmq.Context, bind: str) -> tuple:
+def router(ctx: zmq.Context, bind: str, curve: Any = None, max_frame: int = MAX_FRAME) -> tuple:
     """A bound ROUTER and its actual endpoint (``tcp://host:0`` picks a free port)."""
     sock = ctx.socket(zmq.ROUTER)
-    _common(sock)
+    _common(sock, curve, max_frame)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     try:
         if bind.endswith(":0"):
@@ -48,12 +63,14 @@ def router(ctx: zmq.Context, bind: str) -> tuple:
     return sock, endpoint
 
 
-def dealer(ctx: zmq.Context, connect: str, identity: Optional[bytes] = None) -> zmq.Socket:
+def dealer(ctx: zmq.Context, connect: str, identity: Optional[bytes] = None, curve: Any = None,
+           max_frame: int = MAX_FRAME, connect_now: bool = True) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
-    _common(sock)
+    _common(sock, curve, max_frame)
     if identity:
         sock.setsockopt(zmq.IDENTITY, identity)
-    sock.connect(connect)
+    if connect_now:
+        sock.connect(connect)
     return sock
 
 

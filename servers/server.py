@@ -22,23 +22,23 @@ import torch
 import zmq
 
 from asyncsgd.config import ServerConfig, available_cores
-from asyncsgd.errors import ConfigError, WorkerError
+from asyncsgd.errors import ConfigError
 from asyncsgd.layout import Layout, signature_mismatch
 from asyncsgd.memory import keep_freed_memory
-from asyncsgd.procs import WorkerGroup, context
 from asyncsgd.protocol import (BYE, HEARTBEAT, HELLO, PARAMS, PULL, STATS, WELCOME, Message,
                                ProtocolError, decode, error_message, parts_of)
 from asyncsgd.recorder import Outcome, Recorder, RunResult
+from asyncsgd.security import ClientKeys, Gatekeeper, ServerKeys, exposed_warning
 from asyncsgd.tasks import load_task
-from asyncsgd.transport import dealer, recv, router, send
+from asyncsgd.transport import dealer, frame_limit, recv, router, send
 
 from .shard import ShardConfig, parse_consistency
-from .shard_server import ShardProcessSettings, shard_main
+from .shard_server import ShardProcessSettings
+from .supervisor import ShardSupervisor
 
 log = logging.getLogger(__name__)
 
 POLL_MS = 100
-SHARD_READY_SECONDS = 60
 
 
 def _host_of(bind: str) -> str:
@@ -55,9 +55,11 @@ def merged_staleness(shard_stats: list) -> list:
 class ShardReader:
     """The evaluator's view of the shards: observer pulls, assembled into one flat vector."""
 
-    def __init__(self, ctx: zmq.Context, host: str, shards: list, total: int):
+    def __init__(self, ctx: zmq.Context, host: str, shards: list, total: int,
+                 curve: Optional[ClientKeys] = None):
         connect_host = "127.0.0.1" if host in ("0.0.0.0", "*") else host
-        self.socks = [dealer(ctx, f"tcp://{connect_host}:{s['port']}") for s in shards]
+        self.socks = [dealer(ctx, f"tcp://{connect_host}:{s['port']}", curve=curve,
+                             max_frame=frame_limit(s["end"] - s["start"])) for s in shards]
         self.shards = shards
         self.flat = torch.zeros(total)
         self.seq = 0
@@ -112,6 +114,7 @@ class Front:
         self.left: set = set()
         self.refused = 0
         self.latest_stats: list = []
+        self.gate: Optional[Gatekeeper] = None
 
     def serve(self, timeout_ms: int) -> None:
         if not self.sock.poll(timeout_ms):
@@ -162,8 +165,14 @@ class Front:
             for name, w in s.get("workers", {}).items():
                 workers[name] = w
         staleness = merged_staleness(self.latest_stats)
+        transport = [self.gate.stats()] if self.gate else []
+        transport += [s["transport"] for s in self.latest_stats if "transport" in s]
         return {"task": self.cfg.task, "consistency": self.cfg.consistency,
-                "shards": len(self.shards), "refused_handshakes": self.refused,
+                "shards": len(self.shards), "shard_ports": [s["port"] for s in self.shards],
+                "refused_handshakes": self.refused,
+                "authenticated": self.cfg.curve_secret is not None,
+                "refused_connections": sum(t["refused"] for t in transport),
+                "transport": transport,
                 "joined": sorted(self.joined), "left": sorted(self.left),
                 "live": sorted(w for w, t in self.joined.items()
                                if w not in self.left and now - t < self.cfg.heartbeat_timeout * 3),
@@ -226,6 +235,7 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
     """Run the parameter server until stopped; returns its run directory and summary."""
     parse_consistency(cfg.consistency)
     host = _host_of(cfg.bind)
+    keys = ServerKeys.load(cfg.curve_secret, cfg.allowed_clients)
     keep_freed_memory()
     run = Recorder.open_run(cfg)
     task = load_task(cfg.task, samples=cfg.samples, data_dir=cfg.data_dir,
@@ -237,18 +247,23 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
     ranges = layout.shard_ranges(cfg.shards)
     lr = cfg.lr or task.lr
     torch.set_num_threads(max(1, cfg.threads or 1))
+    warning = exposed_warning(host, keys)
+    if warning:
+        log.warning(warning)
 
     ctx = zmq.Context()
+    gate = Gatekeeper(ctx, keys)
     try:
-        front_sock, endpoint = router(ctx, cfg.bind)
+        front_sock, endpoint = router(ctx, cfg.bind, curve=keys, max_frame=frame_limit(0))
     except zmq.ZMQError as exc:
+        gate.close()
         ctx.term()
         raise ConfigError(f"cannot listen on --bind {cfg.bind}: {exc}; choose another "
                           "port or stop the process using it") from exc
+    gate.watch(front_sock)
     stop = torch.zeros(1, dtype=torch.int64).share_memory_()
-    pipes = [context("spawn").Pipe(duplex=False) for _ in ranges]
-    group = WorkerGroup(shard_main, cfg.shards, name="shard", args=[
-        (ShardProcessSettings(
+    supervisor = ShardSupervisor([
+        ShardProcessSettings(
             config=ShardConfig(
                 index=i, start=start, end=end, rule=cfg.optimizer, lr=lr,
                 hyper=_rule_hyper(cfg), consistency=cfg.consistency,
@@ -258,9 +273,9 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
                 max_grad_norm=cfg.max_grad_norm),
             bind_host=host, port=0, checkpoint_dir=str(run.path),
             checkpoint_every=cfg.checkpoint_every, resume=bool(cfg.resume),
-            threads=max(1, cfg.threads or available_cores() // (cfg.shards + 1))),
-         flat[start:end].clone(), pipes[i][1], stop)
-        for i, (start, end) in enumerate(ranges)])
+            threads=max(1, cfg.threads or available_cores() // (cfg.shards + 1)), curve=keys)
+        for i, (start, end) in enumerate(ranges)],
+        [flat[start:end].clone() for start, end in ranges], stop, cfg.shard_restarts)
     outcome = Outcome("workers_done")
     reader: Optional[ShardReader] = None
     feed = _TrainFeed(recorder)
@@ -269,15 +284,12 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
     summary_extra: dict = {}
     try:
         with outcome.watch():
-            group.start()
-            shards = []
-            for i, ((start, end), (recv_end, _)) in enumerate(zip(ranges, pipes)):
-                if not recv_end.poll(SHARD_READY_SECONDS):
-                    group.check()
-                    raise WorkerError(i, f"shard {i} did not start within {SHARD_READY_SECONDS} s")
-                shards.append({"port": recv_end.recv(), "start": start, "end": end})
-            reader = ShardReader(ctx, host, shards, layout.total)
+            shards = [{"port": port, "start": start, "end": end}
+                      for port, (start, end) in zip(supervisor.start(), ranges)]
+            reader = ShardReader(ctx, host, shards, layout.total,
+                                 keys.as_client() if keys else None)
             front = Front(cfg, front_sock, layout, shards)
+            front.gate = gate
             log.info("serving %s on %s: %d shard(s) on ports %s, %s", task.name, endpoint,
                      len(shards), [s["port"] for s in shards], cfg.consistency)
             recorder.progress.label = f"ps {cfg.consistency}"
@@ -296,9 +308,13 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
             recorder.evaluate(feed.samples, updates=obs["updates"])
             while True:
                 front.serve(POLL_MS)
-                group.check()
+                supervisor.check()
                 if recorder.eval_due():
-                    obs = observe()
+                    try:
+                        obs = observe()
+                    except TimeoutError as exc:  # a shard died meanwhile: restart, evaluate later
+                        log.warning("evaluation skipped: %s", exc)
+                        continue
                     now = recorder.elapsed()
                     rate = (obs["updates"] - updates0) / max(1e-9, now - t_updates0)
                     updates0, t_updates0 = obs["updates"], now
@@ -323,12 +339,15 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
                 "staleness_p99": obs["staleness_p99"], "staleness_hist": obs["staleness_hist"],
                 "shards": cfg.shards, "consistency": cfg.consistency, "optimizer": cfg.optimizer,
                 "lr": lr, "workers_joined": sorted(front.joined),
-                "refused_handshakes": front.refused}
+                "refused_handshakes": front.refused,
+                "refused_connections": front.stats()["refused_connections"],
+                "shard_restarts": supervisor.restarts,
+                "lost_updates": sum(s.get("lost_updates", 0) for s in front.latest_stats)}
     finally:
-        stop[0] = 1
-        group.stop(grace=5.0)
+        supervisor.stop_all(grace=5.0)
         if reader is not None:
             reader.close()
+        gate.close()
         front_sock.close(0)
         ctx.term()
     return recorder.conclude(feed.samples, 0, outcome, **summary_extra)

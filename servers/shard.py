@@ -18,6 +18,7 @@ Consistency:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections import deque
@@ -46,6 +47,11 @@ def _finite(data: torch.Tensor) -> bool:
     """
     return math.isfinite(float(data.sum())) or \
         bool(torch.isfinite(data).all())
+
+
+def params_digest(params: torch.Tensor) -> str:
+    """SHA-256 of the parameters' bytes: proves a restored state equals its checkpoint."""
+    return hashlib.sha256(params.detach().contiguous().view(torch.uint8).numpy()).hexdigest()
 
 
 def parse_consistency(text: str) -> tuple:
@@ -92,6 +98,7 @@ class WorkerRecord:
     applied_seqs: set = field(default_factory=set)
     seq_order: deque = field(default_factory=deque)
     max_seq: int = -1
+    reported_clock: bool = False  # its first push/pull in this shard process was seen
     round_pushed: Optional[int] = None
     held_pull: Optional[Message] = None
     backup: Optional[torch.Tensor] = None
@@ -121,8 +128,11 @@ class ShardState:
         self.round_acks: list = []  # (peer, ack) of pushes summed into the current round
         self.counters = {"updates": 0, "pushes": 0, "duplicates": 0, "rejected": 0,
                          "nonfinite": 0, "too_large": 0, "pulls": 0, "held_pulls": 0,
-                         "dropped_workers": 0, "max_pull_lead": 0}
+                         "dropped_workers": 0, "max_pull_lead": 0, "stale": 0,
+                         "lost_updates": 0}
         self.staleness = [0] * STALENESS_BUCKETS
+        self.restored: Optional[dict] = None  # version and digest of the checkpoint loaded
+        self.lost_before = 0  # updates lost by earlier lives of this shard
         self.train = {}  # worker -> [loss sum, steps, samples] reported with pushes
 
     # ---- requests -------------------------------------------------------------------
@@ -137,6 +147,10 @@ class ShardState:
         if not msg.worker:
             return [(peer, error_message("unknown-worker", "requests need a worker id", msg))]
         record = self._touch(peer, msg, now)
+        if msg.type in (PUSH, PULL) and not record.reported_clock:
+            record.reported_clock = True
+            self._count_lost(record, msg.clock)
+        msg.clock = min(msg.clock, self.version)  # a version from a past life: now is freshest
         if msg.type == HEARTBEAT:
             return [(peer, Message(type=HEARTBEAT, shard=self.cfg.index, seq=msg.seq))]
         if msg.type == BYE:
@@ -179,6 +193,21 @@ class ShardState:
         if self.before_write is not None:
             self.params = self.before_write(self.params)
         return self.params
+
+    def _count_lost(self, record: WorkerRecord, clock: int) -> None:
+        """The first version a worker reports to this shard process is one it saw before.
+
+        Beyond the version this process started at (its checkpoint, or 0), it
+        proves the shard had applied updates that a crash has since lost; the
+        largest such gap over all workers is their number.
+        """
+        start = self.restored["version"] if self.restored else 0
+        lost = self.lost_before + clock - start
+        if lost > self.counters["lost_updates"]:
+            log.warning("shard %d: worker %s saw version %d but this shard restarted at %d: "
+                        "%d acknowledged update(s) lost", self.cfg.index, record.worker, clock,
+                        start, clock - start)
+            self.counters["lost_updates"] = lost
 
     def _live(self) -> list:
         return [w for w in self.workers.values() if w.alive]
@@ -245,6 +274,8 @@ class ShardState:
 
     def _check(self, msg: Message) -> Optional[tuple]:
         """(code, detail) when the push must be refused, checked before anything is applied."""
+        if msg.shard not in (-1, self.cfg.index):  # -1: unaddressed, as in-process callers send
+            return "bad-field", f"a push for shard {msg.shard} reached shard {self.cfg.index}"
         for seg in msg.segments:
             data = seg.data
             if data.dtype != torch.float32 or data.dim() != 1:
@@ -252,6 +283,11 @@ class ShardState:
             if seg.offset + len(data) > self.size:
                 return "out-of-range", (f"segment [{seg.offset}, {seg.offset + len(data)}) "
                                         f"outside shard {self.cfg.index} of size {self.size}")
+        spans = sorted((s.offset, s.offset + len(s.data)) for s in msg.segments)
+        if any(start == end for start, end in spans) or \
+                any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:])):
+            # Checked here, before any counter moves: the rule would refuse it too, but late.
+            return "bad-descriptor", "segments must be non-empty and must not overlap"
         if self.cfg.reject_nonfinite and not all(_finite(s.data) for s in msg.segments):
             self.counters["nonfinite"] += 1
             return "non-finite", "the gradient holds NaN or Inf values; nothing was applied"
@@ -261,8 +297,6 @@ class ShardState:
                 self.counters["too_large"] += 1
                 return "too-large", (f"gradient norm {norm:.4g} on shard {self.cfg.index} "
                                      f"exceeds --max-grad-norm {self.cfg.max_grad_norm}")
-        if msg.clock > self.version:
-            return "bad-field", f"push computed from version {msg.clock} > current {self.version}"
         return None
 
     def _push(self, record: WorkerRecord, msg: Message) -> list:
@@ -323,6 +357,7 @@ class ShardState:
         if staleness > 0 or record.round_pushed == self.version:
             # Computed before the current round began (it was dropped and came back), or a
             # second push in one round: acknowledged, not applied, so it can't skew the mean.
+            self.counters["stale"] += 1
             self._remember(record, msg.seq)
             return [(record.peer, Message(type=ACK, shard=self.cfg.index, seq=msg.seq,
                                           meta={"applied": False, "stale": True}))]
@@ -384,13 +419,18 @@ class ShardState:
                                    "last_seen_s": round(now - w.last_seen, 3)}
                         for w in self.workers.values()},
             "train": {k: list(v) for k, v in self.train.items()},
+            "restored": self.restored,
         }
 
     def state_dict(self) -> dict:
         return {"index": self.cfg.index, "start": self.cfg.start, "end": self.cfg.end,
                 "params": self.params.clone(), "version": self.version,
                 "rule": self.rule.state_dict(), "counters": dict(self.counters),
-                "staleness": torch.tensor(self.staleness)}
+                "staleness": torch.tensor(self.staleness),
+                # Dedupe windows survive a restart: a push applied before the checkpoint
+                # whose ACK died with the process is re-sent, and must not apply twice.
+                "dedupe": {w.worker: [w.incarnation, w.pushes, w.max_seq, list(w.seq_order)]
+                           for w in self.workers.values()}}
 
     def load_state_dict(self, state: dict) -> None:
         if (state.get("start"), state.get("end")) != (self.cfg.start, self.cfg.end):
@@ -401,3 +441,9 @@ class ShardState:
         self.rule.load_state_dict(state["rule"])
         self.counters.update(state.get("counters", {}))
         self.staleness = [int(x) for x in state["staleness"].tolist()]
+        for worker, (incarnation, pushes, max_seq, seqs) in state.get("dedupe", {}).items():
+            self.workers[worker] = WorkerRecord(
+                worker, incarnation, peer=b"", last_seen=0.0, pushes=pushes, alive=False,
+                applied_seqs=set(seqs), seq_order=deque(seqs), max_seq=max_seq)
+        self.lost_before = self.counters["lost_updates"]
+        self.restored = {"version": self.version, "sha256": params_digest(state["params"])}

@@ -10,6 +10,7 @@ atomically every ``checkpoint_every`` seconds and when it stops.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +21,10 @@ import zmq
 
 from asyncsgd.checkpoint import load_checkpoint, save_checkpoint
 from asyncsgd.memory import keep_freed_memory
-from asyncsgd.protocol import (BYE, PARAMS, Message, ProtocolError, decode, error_message,
-                               in_parts)
-from asyncsgd.transport import recv, router, send, send_tracked
+from asyncsgd.protocol import (BYE, PARAMS, STATS, Message, ProtocolError, decode,
+                               error_message, in_parts)
+from asyncsgd.security import Gatekeeper, ServerKeys
+from asyncsgd.transport import frame_limit, recv, router, send, send_tracked
 
 from .inflight import InFlight
 from .shard import ShardConfig, ShardState
@@ -43,6 +45,7 @@ class ShardProcessSettings:
     checkpoint_every: float
     resume: bool
     threads: int
+    curve: Optional[ServerKeys] = None
 
 
 def checkpoint_path(directory: str, index: int) -> Path:
@@ -62,7 +65,10 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
         state.load_state_dict(load_checkpoint(path)["shard"])
         log.info("shard %d resumed at version %d", rank, state.version)
     ctx = zmq.Context()
-    sock, endpoint = router(ctx, f"tcp://{settings.bind_host}:{settings.port}")
+    gate = Gatekeeper(ctx, settings.curve)
+    sock, endpoint = router(ctx, f"tcp://{settings.bind_host}:{settings.port}",
+                            curve=settings.curve, max_frame=frame_limit(state.size))
+    gate.watch(sock)
     ready.send(int(endpoint.rsplit(":", 1)[1]))
     ready.close()
     next_checkpoint = time.monotonic() + (settings.checkpoint_every or float("inf"))
@@ -71,7 +77,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
         while not stop[0]:
             if sock.poll(int(TICK_SECONDS * 1000)):
                 for _ in range(BATCH):
-                    _serve_one(sock, state, inflight)
+                    _serve_one(sock, state, gate, inflight)
                     if not sock.poll(0):
                         break
             now = time.monotonic()
@@ -86,6 +92,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
     finally:
         if path is not None:
             save_checkpoint(path, {"shard": state.state_dict()})
+        gate.close()
         sock.close(0)
         ctx.term()
 
@@ -124,7 +131,8 @@ def _reply(sock: zmq.Socket, state: ShardState, inflight: InFlight, peer: bytes,
     send(sock, reply, peer)
 
 
-def _serve_one(sock: zmq.Socket, state: ShardState, inflight: InFlight) -> None:
+def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
+               inflight: InFlight) -> None:
     peer, frames = recv(sock, router_side=True)
     try:
         msg = decode(frames)
@@ -139,4 +147,6 @@ def _serve_one(sock: zmq.Socket, state: ShardState, inflight: InFlight) -> None:
         state.counters["rejected"] += 1
         replies = [(peer, error_message("unexpected", f"{type(exc).__name__}: {exc}", msg))]
     for to, reply in replies:
+        if reply.type == STATS:
+            reply.meta.update(transport=gate.stats(), pid=os.getpid())
         _reply(sock, state, inflight, to, reply)

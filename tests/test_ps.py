@@ -49,6 +49,8 @@ class Server:
     def request(self, frames, port=None, timeout=5.0):
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if getattr(self, "curve", None) is not None:  # a CURVE server (test_security.py)
+            self.curve.apply(sock)
         sock.connect(f"tcp://127.0.0.1:{port or self.port}")
         try:
             sock.send_multipart(frames)

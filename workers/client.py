@@ -12,7 +12,9 @@ may wait as long as it must. A shard silent for ``3 * heartbeat`` is assumed
 gone: the client says so, reopens its socket and re-sends what is
 outstanding (same sequence numbers, so a push is never applied twice), with
 exponential backoff, and gives up with ``ServerUnavailable`` after
-``server_timeout`` seconds without any answer.
+``server_timeout`` seconds without any answer. A request a live shard leaves
+unanswered for ``3 * heartbeat`` (it or its answer was lost) is re-sent
+likewise, so pushes reach the shard exactly once even through drops.
 """
 
 from __future__ import annotations
@@ -29,9 +31,13 @@ import zmq
 from asyncsgd.errors import AsyncSGDError
 from asyncsgd.protocol import (ACK, BYE, ERROR, HEARTBEAT, HELLO, PARAMS, PULL, PUSH, Message,
                                ProtocolError, decode, parts_of, split)
-from asyncsgd.transport import dealer, recv, send
+from asyncsgd.security import ClientKeys, await_handshake
+from asyncsgd.transport import dealer, frame_limit, recv, send
 
 log = logging.getLogger(__name__)
+
+RESEND_HEARTBEATS = 3  # an unanswered request is re-sent after this many heartbeats
+MAX_BACKOFF = 10.0  # seconds: the longest wait between two retries
 
 
 class ServerUnavailable(AsyncSGDError):
@@ -55,14 +61,22 @@ def new_incarnation() -> int:
 
 class PSClient:
     def __init__(self, server: str, worker: str, signature: dict, *, rank: int, world: int,
-                 heartbeat: float = 1.0, server_timeout: float = 60.0):
+                 heartbeat: float = 1.0, server_timeout: float = 60.0,
+                 curve: Optional[ClientKeys] = None):
         self.server, self.worker = server, worker
         self.incarnation = new_incarnation()
         self.heartbeat, self.server_timeout = heartbeat, server_timeout
+        self.curve = curve
         self.ctx = zmq.Context()
         self.seq = 0
         self.stats = {"retries": 0, "duplicate_acks": 0, "reconnects": 0}
-        self.front = dealer(self.ctx, server)
+        try:  # wrong or missing keys: one clear error now, not retries until the timeout
+            if not await_handshake(self.ctx, server, curve, server_timeout):
+                raise self._unavailable()
+        except AsyncSGDError:
+            self.ctx.term()
+            raise
+        self.front = self._front_socket()
         welcome = self._request_front(Message(type=HELLO, meta={
             "signature": signature, "rank": rank, "world": world,
             "host": socket.gethostname()}))
@@ -70,13 +84,26 @@ class PSClient:
         host = server[6:].rsplit(":", 1)[0]
         self.shard_addrs = [f"tcp://{host}:{s['port']}" for s in welcome.meta["shards"]]
         self.ranges = [(s["start"], s["end"]) for s in welcome.meta["shards"]]
-        self.shards = [dealer(self.ctx, a) for a in self.shard_addrs]
+        self.shards = [self._shard_socket(i) for i in range(len(self.shard_addrs))]
         self.poller = zmq.Poller()
         for sock in self.shards:
             self.poller.register(sock, zmq.POLLIN)
         self.version = 0  # the parameter version the local copy was pulled at (per shard min)
         self.versions = [0] * len(self.shards)
         self._parts_left: dict = {}  # (shard, seq) -> parts of a PARAMS reply still to come
+
+    def _unavailable(self) -> ServerUnavailable:
+        return ServerUnavailable(
+            f"no answer from the server at {self.server} for {self.server_timeout:g} s; "
+            "check the address and that 'asyncsgd ps-server' is running there")
+
+    def _front_socket(self) -> zmq.Socket:
+        return dealer(self.ctx, self.server, curve=self.curve, max_frame=frame_limit(0))
+
+    def _shard_socket(self, i: int) -> zmq.Socket:
+        start, end = self.ranges[i]
+        return dealer(self.ctx, self.shard_addrs[i], curve=self.curve,
+                      max_frame=frame_limit(end - start))
 
     def _msg(self, kind: str, **kw) -> Message:
         self.seq += 1
@@ -100,14 +127,12 @@ class PSClient:
                                             f"{reply.meta.get('error')}")
                     return reply
             if time.monotonic() >= deadline:
-                raise ServerUnavailable(
-                    f"no answer from the server at {self.server} for {self.server_timeout:g} s; "
-                    "check the address and that 'asyncsgd ps-server' is running there")
+                raise self._unavailable()
             log.warning("server %s unavailable, retrying in %.1f s", self.server, backoff)
             self.stats["retries"] += 1
             self.front.close(0)
-            self.front = dealer(self.ctx, self.server)
-            backoff = min(backoff * 2, 10.0)
+            self.front = self._front_socket()
+            backoff = min(backoff * 2, MAX_BACKOFF)
 
     def push_pull(self, grads: Optional[torch.Tensor], params: torch.Tensor,
                   meta: Optional[dict] = None) -> None:
@@ -132,6 +157,7 @@ class PSClient:
         next_beat = time.monotonic() + self.heartbeat
         backoff = self.heartbeat
         silent_since = None
+        resend: dict = {}
         while outstanding:
             events = dict(poller.poll(int(self.heartbeat * 1000)))
             now = time.monotonic()
@@ -146,6 +172,7 @@ class PSClient:
                         break
             if not outstanding:
                 return
+            self._resend_unanswered(outstanding, resend, now)
             waiting = sorted({i for i, _ in outstanding})
             if now >= next_beat:
                 for i in waiting:
@@ -166,7 +193,7 @@ class PSClient:
             for i in dead:
                 poller.unregister(self.shards[i])
                 self.shards[i].close(0)
-                self.shards[i] = dealer(self.ctx, self.shard_addrs[i])
+                self.shards[i] = self._shard_socket(i)
                 poller.register(self.shards[i], zmq.POLLIN)
                 self.stats["reconnects"] += 1
                 for (shard, _), (msg, _owed) in sorted(outstanding.items()):
@@ -174,7 +201,24 @@ class PSClient:
                         send(self.shards[i], msg, copy=True)
                         self.stats["retries"] += 1
                 last_heard[i] = time.monotonic()
-            backoff = min(backoff * 2, 10.0)
+            backoff = min(backoff * 2, MAX_BACKOFF)
+
+    def _resend_unanswered(self, outstanding: dict, resend: dict, now: float) -> None:
+        """Re-send, with backoff, requests a live shard has not answered.
+
+        The request or its answer was lost on the way (a dropped connection, a
+        shard restarted between receiving and answering). The same sequence
+        number makes a re-sent push a duplicate the shard acknowledges without
+        applying it again; a re-sent held pull just stays held.
+        """
+        first = RESEND_HEARTBEATS * self.heartbeat
+        for key, (msg, _owed) in outstanding.items():
+            due, interval = resend.setdefault(key, (now + first, first))
+            if now >= due:
+                send(self.shards[key[0]], msg, copy=True)
+                self.stats["retries"] += 1
+                interval = min(2 * interval, MAX_BACKOFF)
+                resend[key] = (now + interval, interval)
 
     def _handle(self, i: int, reply: Message, outstanding: dict, params: torch.Tensor) -> None:
         key = (i, reply.seq)

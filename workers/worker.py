@@ -27,6 +27,7 @@ from asyncsgd.errors import ConfigError
 from asyncsgd.layout import Layout
 from asyncsgd.memory import keep_freed_memory
 from asyncsgd.progress import Progress
+from asyncsgd.security import ClientKeys
 from asyncsgd.tasks import load_task, partition_indices
 
 from .client import PSClient, ServerFinished
@@ -80,6 +81,7 @@ def run_worker(cfg: WorkerConfig) -> WorkerResult:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
     rank, world = rank_and_world(cfg)
+    keys = ClientKeys.load(cfg.curve_server_key, cfg.curve_secret)
     keep_freed_memory()
     torch.set_num_threads(cfg.threads or threads_per_process(_local_workers()))
     task = load_task(cfg.task, samples=cfg.samples, data_dir=cfg.data_dir,
@@ -88,7 +90,7 @@ def run_worker(cfg: WorkerConfig) -> WorkerResult:
     layout = Layout.of(model)
     client = PSClient(cfg.server, f"{socket.gethostname()}-r{rank}", layout.signature(),
                       rank=rank, world=world, heartbeat=cfg.heartbeat,
-                      server_timeout=cfg.server_timeout)
+                      server_timeout=cfg.server_timeout, curve=keys)
     loop = _Loop(cfg, task, model, layout, client, partition_indices(len(task.train), world,
                                                                       rank, 0), rank)
     try:

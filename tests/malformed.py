@@ -1,0 +1,123 @@
+"""Malformed protocol messages, drawn from a ``random.Random``: hypothesis feeds it seeds
+(tests/test_fuzz.py), the socket soak a fixed one.
+
+``malformed(rng, size)`` starts from a valid PUSH for a shard of ``size``
+elements and breaks it one way: a field of the wrong type or range, a bad
+descriptor (dtype, offset, shape overflow, length mismatch, missing frames),
+NaN/Inf gradients, a wrong shard id, a replay, or a msgpack bomb (deep
+nesting, huge declared lengths, extension types, truncation, random bytes).
+Some mutations happen to stay valid (e.g. another worker id); the oracle
+treats every message by the reply it got, never by what it was meant to be.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import msgpack
+import torch
+
+from asyncsgd.protocol import DTYPES, MAX_HEADER_BYTES, PUSH, Message, Segment, encode
+
+BAD_FIELDS = {
+    "v": [0, 2, None, "1", 1.5, -1],
+    "t": ["launch", "", 7, None, "PUSH", "welcome", "ack", "hello"],
+    "w": [7, None, "x" * 257, "", b"bytes"],
+    "i": [-1, "1", 2.5, 2 ** 64 - 1, True, None],
+    "s": [-5, "7", 2 ** 64 - 1, 1.0, [1]],
+    "c": [-1, 2 ** 63, "0", 10 ** 9, None],
+    "sh": [-2, 2 ** 21, 1, 5, "0", None],
+    "m": [[], "meta", 7, {"loss": float("nan"), "samples": -1}, {1: 2}],
+    "d": ["d", 7, [[0, "float32"]], [None], [[0, "float32", [1]]] * 5000],
+}
+BAD_DTYPES = ["object", "complex64", "", "float", 7, None, "uint8", "bool"]
+BAD_SHAPES = [[-1], [2 ** 40], [2 ** 39] * 8, [1] * 9, "4", [1.5], [None], [[4]]]
+BOMBS = [
+    b"\x91" * 100_000 + b"\x00",                # 100,000 nested arrays
+    b"\x81\xa1m" + b"\x81\xa1x" * 20_000 + b"\x00",  # deeply nested maps
+    b"\xdd\xff\xff\xff\xff",                    # an array claiming 4 G elements
+    b"\xdf\xff\xff\xff\xff",                    # a map claiming 4 G pairs
+    b"\xdb\xff\xff\xff\xff" + b"a" * 10,        # a string claiming 4 GiB
+    b"\xc6\xff\xff\xff\xff",                    # bin claiming 4 GiB
+    msgpack.packb({"v": 1, "t": "push", "m": msgpack.ExtType(5, b"payload")}),
+    b"\x82\xa1v\x01\xa1m\xd7\xff" + b"\x00" * 8,  # a msgpack timestamp (ext type -1)
+    b"\xc1",                                    # the never-used msgpack byte
+    b"",
+]
+
+
+def valid_push(rng: random.Random, size: int, seq: int, shard: int = 0,
+               worker: str = "soak") -> tuple:
+    """A valid push with small integer gradients (exact in float32) and its gradient."""
+    grad = torch.tensor([rng.randint(-3, 3) for _ in range(size)], dtype=torch.float32)
+    cut = rng.randrange(0, size + 1)
+    segments = [Segment(0, grad[:cut]), Segment(cut, grad[cut:])]
+    msg = Message(type=PUSH, worker=worker, incarnation=1, seq=seq, shard=shard,
+                  meta={"loss": 0.5, "samples": 8}, segments=[s for s in segments if len(s.data)])
+    return [bytes(f) for f in encode(msg)], grad
+
+
+def _header(frames: list) -> dict:
+    return msgpack.unpackb(frames[0], raw=False)
+
+
+def _pack(header: dict, frames: list) -> list:
+    return [msgpack.packb(header, use_bin_type=True)] + frames[1:]
+
+
+def malformed(rng: random.Random, size: int, seq: int, shard: int = 0) -> list:
+    """One broken message (a list of frames) for a shard of ``size`` float32 elements."""
+    frames, _ = valid_push(rng, size, seq, shard, worker=rng.choice(["soak", "other", "w3"]))
+    header = _header(frames)
+    kind = rng.randrange(12)
+    if kind == 0:    # a field of the wrong type or range
+        key = rng.choice(sorted(BAD_FIELDS))
+        header[key] = rng.choice(BAD_FIELDS[key])
+    elif kind == 1:  # an unknown dtype
+        header["d"][0][1] = rng.choice(BAD_DTYPES) if header["d"] else None
+    elif kind == 2:  # a shape that overflows or lies
+        if header["d"]:
+            header["d"][0][2] = rng.choice(BAD_SHAPES)
+    elif kind == 3:  # a frame shorter or longer than its descriptor says
+        if len(frames) > 1:
+            frames[1] = frames[1][:-rng.randrange(1, 4)] if rng.random() < 0.5 else \
+                frames[1] + b"\x00" * rng.randrange(1, 9)
+    elif kind == 4:  # frames missing or added
+        frames = frames[:1] if rng.random() < 0.5 else frames + [b"\x00" * 4]
+    elif kind == 5:  # offsets outside the shard, or negative
+        if header["d"]:
+            header["d"][-1][0] = rng.choice([size, size + 10 ** 6, 2 ** 62, -1, 2 ** 64 - 1])
+    elif kind == 6:  # NaN or Inf somewhere in the gradient
+        bad = torch.frombuffer(bytearray(frames[-1]), dtype=torch.float32) if len(frames) > 1 \
+            else None
+        if bad is not None and len(bad):
+            bad[rng.randrange(len(bad))] = rng.choice([float("nan"), float("inf"), -float("inf")])
+            frames[-1] = bytes(bad.numpy().tobytes())
+    elif kind == 7:  # another dtype or a 2-D shape: decodable, but not a gradient here
+        if header["d"]:
+            n = header["d"][0][2][0]
+            dtype = rng.choice(sorted(set(DTYPES) - {"float32"}))
+            itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+            header["d"][0][1:] = ([dtype, [n]] if rng.random() < 0.5 else ["float32", [1, n]])
+            if header["d"][0][1] != "float32":
+                frames[1] = b"\x00" * (n * itemsize)
+    elif kind == 8:  # another shard's id
+        header["sh"] = rng.choice([shard + 1, shard + 7, 2 ** 20])
+    elif kind == 9:  # a msgpack bomb in place of the header
+        return [rng.choice(BOMBS)] + frames[1:]
+    elif kind == 10:  # truncated, bit-flipped or oversized header
+        head = bytearray(frames[0])
+        choice = rng.randrange(3)
+        if choice == 0:
+            head = head[:rng.randrange(len(head))]
+        elif choice == 1:
+            for _ in range(rng.randrange(1, 4)):
+                head[rng.randrange(len(head))] ^= 1 << rng.randrange(8)
+        else:
+            head = b"\x81\xa1m" + b"\xdb" + struct.pack(">I", MAX_HEADER_BYTES + 10) + \
+                b"a" * (MAX_HEADER_BYTES + 10)
+        return [bytes(head)] + frames[1:]
+    else:            # random bytes in every frame
+        return [rng.randbytes(rng.randrange(1, 300)) for _ in range(rng.randrange(1, 4))]
+    return _pack(header, frames)

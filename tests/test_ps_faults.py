@@ -1,0 +1,156 @@
+"""The parameter server under hostile input, with real processes and sockets on 127.0.0.1.
+
+Exact oracle throughout: ``tasks_for_tests:index_counter`` with SGD lr 1 makes
+every row's weight minus the number of times it was trained, so one lost or
+doubled update shows.
+"""
+
+import time
+
+import torch
+import zmq
+
+from asyncsgd.layout import Layout
+from tasks_for_tests import index_counter
+
+from asyncsgd.protocol import STATS, Message, encode
+from faults import (FaultProxy, GarbageFlood, observe, oversized_frame, record_figure, tree_fds,
+                    tree_rss)
+from test_ps import finish, server, worker  # noqa: F401  (server is a fixture)
+
+ROWS = 2000  # one worker, batch 8: 250 pushes an epoch
+TASK = ["--task", "tasks_for_tests:index_counter", "--samples", ROWS]
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_garbage_flood_neither_crashes_nor_stalls_a_good_worker(server, cli_env):
+    srv = server(*TASK, "--shards", 2, "--no-exit-when-done")
+    ports = [srv.port, *srv.stats()["shard_ports"]]
+    fds_before = tree_fds(srv.proc.pid)
+    calm = worker(cli_env, srv.address, 0, 1, *TASK, "--epochs", 1)
+    started = time.monotonic()
+    (code, _, err), = finish([calm])
+    assert code == 0, err
+    calm_seconds = time.monotonic() - started
+
+    with GarbageFlood(ports, clients=6) as flood:
+        good = worker(cli_env, srv.address, 0, 1, *TASK, "--epochs", 2)
+        started = time.monotonic()
+        (code, out, err), = finish([good])
+        flooded_seconds = time.monotonic() - started
+    assert code == 0, err
+    assert "500 steps, 500 pushes" in out
+    assert flood.sent >= 50, flood.sent
+    assert flooded_seconds < 3 * calm_seconds + 30, (calm_seconds, flooded_seconds)
+
+    stats = srv.stats()  # still serving
+    assert srv.proc.poll() is None
+    refused = sum(t["refused"] for t in stats["transport"])
+    assert refused >= flood.sent // 2, (refused, flood.sent)
+    ranges = Layout.of(index_counter(ROWS).build_model(0)).shard_ranges(2)
+    rows = torch.cat([observe(srv, port, end - start)
+                      for port, (start, end) in zip(stats["shard_ports"], ranges)])
+    assert torch.equal(rows, torch.full((ROWS,), -3.0))  # 1 + 2 epochs, nothing else
+    fds = _wait_for(lambda: tree_fds(srv.proc.pid) <= fds_before and tree_fds(srv.proc.pid),
+                    40, f"file descriptors back to {fds_before}")
+    record_figure("garbage flood", connections=flood.sent, refused=refused, crashes=0,
+                  fds_before=fds_before, fds_after=fds,
+                  good_worker_seconds=round(flooded_seconds, 2),
+                  calm_worker_seconds=round(calm_seconds, 2))
+
+
+def test_oversized_frames_drop_their_sender_and_nothing_else(server, cli_env):
+    srv = server(*TASK, "--no-exit-when-done")
+    shard_port = srv.stats()["shard_ports"][0]
+    rss_before = tree_rss(srv.proc.pid)
+    good = worker(cli_env, srv.address, 0, 1, *TASK, "--epochs", 3)
+
+    # A raw peer announcing a 2**62-byte frame is hung up on without a buffer being made.
+    hung_up = [oversized_frame(port) for port in (srv.port, shard_port)]
+    assert max(hung_up) < 5.0, hung_up
+
+    # A real zmq peer sending 64 MiB in one frame is disconnected the same way.
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(f"tcp://127.0.0.1:{shard_port}")
+        sock.send(bytes(64 * 2 ** 20))
+        assert monitor.poll(10_000), "the server kept a peer that sent a 64 MiB frame"
+        sock.disable_monitor()
+        monitor.close()
+        sock.close()
+    finally:
+        ctx.term()
+
+    (code, out, err), = finish([good])
+    assert code == 0, err
+    assert "750 steps, 750 pushes" in out
+    rss_growth = tree_rss(srv.proc.pid) - rss_before
+    assert rss_growth < 48 * 2 ** 20, rss_growth  # never a 64 MiB (let alone 2**62) buffer
+    assert torch.equal(observe(srv, shard_port, ROWS), torch.full((ROWS,), -3.0))
+    stats = srv.stats()
+    assert sum(t["disconnects"] for t in stats["transport"]) >= 3
+    record_figure("oversized frames", peers_dropped=3, seconds_to_hang_up=round(max(hung_up), 3),
+                  server_rss_growth_mib=round(rss_growth / 2 ** 20, 1), crashes=0)
+
+
+def _client_stats(out: str) -> dict:
+    """Counters from a worker's closing line: '... (retries R, duplicate acks D)'."""
+    inside = out.rsplit("(", 1)[1].rstrip(")\n")
+    return {k.strip().rsplit(" ", 1)[0]: int(k.strip().rsplit(" ", 1)[1])
+            for k in inside.split(",")}
+
+
+def test_drops_and_duplicates_lose_and_double_nothing(server, cli_env):
+    rows, epochs = 400, 3  # two workers, batch 8: 25 pushes an epoch each
+    srv = server("--task", "tasks_for_tests:index_counter", "--samples", rows, "--shards", 2,
+                 "--no-exit-when-done")
+    proxy = FaultProxy(srv.port, drop=0.15, dup=0.15, seed=7)
+    try:
+        started = time.monotonic()
+        procs = [worker(cli_env, proxy.address, r, 2, "--task", "tasks_for_tests:index_counter",
+                        "--samples", rows, "--epochs", epochs, "--heartbeat", 0.05)
+                 for r in range(2)]
+        results = finish(procs)
+        seconds = time.monotonic() - started
+    finally:
+        proxy.close()
+    pushes, client = 0, {"retries": 0, "duplicate acks": 0}
+    for code, out, err in results:
+        assert code == 0, err
+        assert f"{25 * epochs} steps, {25 * epochs} pushes" in out, out
+        pushes += 25 * epochs
+        for key, value in _client_stats(out).items():
+            client[key] += value
+    stats = srv.stats()
+    shard_stats = [srv.request(encode(Message(type=STATS, seq=1)), port=p).meta
+                   for p in stats["shard_ports"]]
+    ranges = Layout.of(index_counter(rows).build_model(0)).shard_ranges(2)
+    params = torch.cat([observe(srv, port, end - start)
+                        for port, (start, end) in zip(stats["shard_ports"], ranges)])
+    assert torch.equal(params, torch.full((rows,), -float(epochs)))  # every push exactly once
+    assert [s["updates"] for s in shard_stats] == [pushes, pushes]
+    suppressed = sum(s["duplicates"] for s in shard_stats)
+    counts = proxy.counts
+    assert counts["pushes_dropped"] > 0 and counts["pushes_duplicated"] > 0, counts
+    assert counts["acks_dropped"] > 0 and counts["acks_duplicated"] > 0, counts
+    # Exact bookkeeping: every push message that reached a shard was applied or suppressed,
+    # and every push beyond the first of each (worker, shard, step) was a worker's retry.
+    delivered = counts["pushes"] - counts["pushes_dropped"] + counts["pushes_duplicated"]
+    assert delivered == 2 * pushes + suppressed, (delivered, suppressed, counts)
+    assert client["retries"] >= counts["pushes"] - 2 * pushes > 0, (client, counts)
+    record_figure("drops and duplicates", steps_pushed=pushes, push_messages=counts.pop("pushes"),
+                  ack_messages=counts.pop("acks"), **counts, worker_retries=client["retries"],
+                  duplicates_suppressed=suppressed, updates_lost=0, updates_doubled=0,
+                  seconds=round(seconds, 1))
