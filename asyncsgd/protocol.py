@@ -78,20 +78,28 @@ class Message:
 # Views of the same memory are sent step after step (a worker's gradient buffer, a
 # shard's parameters): getting a tensor's bytes takes five torch calls, so the views
 # of recent contiguous tensors are kept, keyed by address and size. A kept view holds
-# its memory alive, so no other tensor can appear at the same address meanwhile.
+# its memory alive, so no other tensor can appear at the same address meanwhile; the
+# oldest go first beyond a few entries or bytes, so transient tensors pin little.
 _RAW_CACHE: dict = {}
-_RAW_CACHE_SIZE = 256
+_RAW_CACHE_ENTRIES = 64
+_RAW_CACHE_BYTES = 128 * 2 ** 20
+_raw_cached_bytes = 0
 
 
 def _raw(t: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor, without copying when it is contiguous."""
+    global _raw_cached_bytes
     if t.is_contiguous():
         key = (t.data_ptr(), t.numel() * t.element_size())
         view = _RAW_CACHE.get(key)
         if view is None:
-            if len(_RAW_CACHE) >= _RAW_CACHE_SIZE:
-                _RAW_CACHE.pop(next(iter(_RAW_CACHE)))
-            view = _RAW_CACHE[key] = memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+            view = memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+            if key[1] <= FRAME_BYTES:
+                while _RAW_CACHE and (len(_RAW_CACHE) >= _RAW_CACHE_ENTRIES or
+                                      _raw_cached_bytes + key[1] > _RAW_CACHE_BYTES):
+                    _raw_cached_bytes -= _RAW_CACHE.pop(next(iter(_RAW_CACHE))).nbytes
+                _RAW_CACHE[key] = view
+                _raw_cached_bytes += key[1]
         return view
     return memoryview(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
 
