@@ -10,6 +10,12 @@ they would steal each other's cores. Every run gets the same task and data,
 the same seed (repeat r: seed + r, hence the same model initialisation and
 data order), the same batch size per process, plain SGD with the same
 learning rate, and the same budget of training seconds (``--max-seconds``).
+"The same batch per process" holds for single too: it steps on B samples like
+each Hogwild process or PS worker, so every mode computes gradients of the
+same size and only how they are combined differs. DDP with N ranks averages
+N of them into one update (``single --batch-size N*B`` would make the same
+update); Hogwild and the PS apply each one on its own. single runs one
+process with every core's threads, the parallel modes cores // procs each.
 A run still going ``--grace`` seconds past its budget is stopped and marked
 failed. The result is one directory:
 
@@ -394,7 +400,10 @@ def _intro(cfg: CompareConfig, header: dict) -> list:
         f"{task['test_samples']:,} test samples) for a budget of {cfg.budget:g} s, one run "
         f"after another, with plain SGD (lr {task['lr']:g}, batch {task['batch_size']} per "
         f"process), seeds {cfg.seed}..{cfg.seed + cfg.repeats - 1} (same model initialisation "
-        f"and data order in every mode), evaluating every {cfg.eval_every:g} s.",
+        f"and data order in every mode), evaluating every {cfg.eval_every:g} s. single steps "
+        f"on the same batch as each process; ddp averages one per rank into each update "
+        f"(global batch {task['batch_size']} x ranks), Hogwild and the PS apply every "
+        f"process's gradient on its own.",
         "",
         f"Host: {host['hostname']}, {host['cpus']} CPUs, "
         f"{'GPUs: ' + ', '.join(host['gpus']) if host.get('gpus') else 'no GPU'}; "
