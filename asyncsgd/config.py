@@ -350,7 +350,8 @@ class CompareConfig:
         metavar="MODE,...")
     procs: Optional[int] = knob(
         None, "Processes (Hogwild, DDP) or parameter-server workers of every parallel mode; "
-        "each gets CPU cores // procs torch threads. 'single' always runs one process.",
+        "each gets CPU cores // procs torch threads. 'single' runs one process with as "
+        "many threads as each of these (one of them alone).",
         type=click.IntRange(min=1), show="CPU cores")
     budget: float = knob(
         60.0, "Seconds of training each run gets (its --max-seconds; start-up counts, as a "
