@@ -1,6 +1,6 @@
 """Async vs sync: time to accuracy of single, Hogwild, PS async/ssp/sync and DDP on mnist1d-cnn.
 
-    python experiments/async_vs_sync.py                           # 6 modes x 2 repeats x 60 s, ~14 min
+    python experiments/async_vs_sync.py                  # 6 modes x 2 repeats x 60 s, ~13 min
     python experiments/async_vs_sync.py --budget 20 --repeats 1   # a quick look
 
 A thin wrapper around the command that does the work,
