@@ -10,6 +10,16 @@ they would steal each other's cores. Every run gets the same task and data,
 the same seed (repeat r: seed + r, hence the same model initialisation and
 data order), the same batch size per process, plain SGD with the same
 learning rate, and the same budget of training seconds (``--max-seconds``).
+"The same batch per process" holds for single too: it steps on B samples like
+each Hogwild process or PS worker, so every mode computes gradients of the
+same size and only how they are combined differs. DDP with N ranks averages
+N of them into one update (``single --batch-size N*B`` would make the same
+update); Hogwild and the PS apply each one on its own. single also gets the
+torch threads of one parallel process (cores // procs): it is one of the N
+processes alone, so a speed-up over it is what the other N - 1 buy. (More
+intra-op threads do not help a model this small, and on a busy machine they
+collapse: single with 2 threads on 2 shared cores ran 250-2,700 samples/s
+against 10,000-17,000 with 1. ``--mode-args 'single=--threads N'`` overrides.)
 A run still going ``--grace`` seconds past its budget is stopped and marked
 failed. The result is one directory:
 
@@ -157,10 +167,9 @@ class ModeRun:
                 "--optimizer": "sgd", "--lr": c.lr})
         else:
             flags = self._run_flags() + self._train_flags() + _present({"--lr": c.lr})
-            if spec.command == "single":
-                flags += ["--threads", str(available_cores())]
-            else:
-                flags += _present({"--procs": self.procs, "--threads": self.threads})
+            flags += ["--threads", str(self.threads)]
+            if spec.command != "single":
+                flags += ["--procs", str(self.procs)]
                 if spec.command == "ddp":
                     flags += ["--backend", c.ddp_backend]
         return flags + self.extra.get(spec.name, [])
@@ -211,7 +220,7 @@ class ModeRun:
 
     def _processes(self) -> str:
         if self.spec.command == "single":
-            return f"1 process x {available_cores()} threads"
+            return f"1 process x {self.threads} thread(s)"
         return f"{self.procs} processes x {self.threads} thread(s)"
 
     def _run_ps(self) -> Optional[str]:
@@ -394,7 +403,11 @@ def _intro(cfg: CompareConfig, header: dict) -> list:
         f"{task['test_samples']:,} test samples) for a budget of {cfg.budget:g} s, one run "
         f"after another, with plain SGD (lr {task['lr']:g}, batch {task['batch_size']} per "
         f"process), seeds {cfg.seed}..{cfg.seed + cfg.repeats - 1} (same model initialisation "
-        f"and data order in every mode), evaluating every {cfg.eval_every:g} s.",
+        f"and data order in every mode), evaluating every {cfg.eval_every:g} s. single steps "
+        f"on the same batch as each process; ddp averages one per rank into each update "
+        f"(global batch {task['batch_size']} x ranks), Hogwild and the PS apply every "
+        f"process's gradient on its own. Every process, single's too, runs "
+        f"{max(1, available_cores() // (cfg.procs or available_cores()))} torch thread(s).",
         "",
         f"Host: {host['hostname']}, {host['cpus']} CPUs, "
         f"{'GPUs: ' + ', '.join(host['gpus']) if host.get('gpus') else 'no GPU'}; "

@@ -369,7 +369,8 @@ class CompareConfig:
         metavar="MODE,...")
     procs: Optional[int] = knob(
         None, "Processes (Hogwild, DDP) or parameter-server workers of every parallel mode; "
-        "each gets CPU cores // procs torch threads. 'single' always runs one process.",
+        "each gets CPU cores // procs torch threads. 'single' runs one process with as "
+        "many threads as each of these (one of them alone).",
         type=click.IntRange(min=1), show="CPU cores")
     budget: float = knob(
         60.0, "Seconds of training each run gets (its --max-seconds; start-up counts, as a "
@@ -396,8 +397,9 @@ class CompareConfig:
         None, "Where generated data sets are cached.", metavar="DIR",
         show="$ASYNCSGD_CACHE or ~/.cache/asyncsgd")
     batch_size: Optional[int] = knob(
-        None, "Samples per step in each process or worker.", type=click.IntRange(min=1),
-        show="task's default")
+        None, "Samples per step in each process or worker, single's one process included "
+        "(ddp then averages one such batch per rank into each update).",
+        type=click.IntRange(min=1), show="task's default")
     lr: Optional[float] = knob(
         None, "Learning rate of plain SGD in every mode (the parameter server applies it "
         "with its 'sgd' rule).", type=click.FloatRange(min=0, min_open=True),

@@ -2,6 +2,7 @@
 
     python experiments/hogwild_scaling.py                      # both tasks, ~4 minutes
     python experiments/hogwild_scaling.py --tasks mnist1d-cnn --seconds 6 --repeats 1
+    python experiments/hogwild_scaling.py --plot-only          # redraw the PNG from the JSON
 
 Every configuration trains for ``--seconds`` after all its workers are up
 (start-up is excluded: it is reported separately), and the whole grid runs
@@ -11,12 +12,14 @@ measured in this one run. Targets on the 2-core project machine:
 2 processes >= 1.9x one process on mnist1d-cnn, and 8 processes >= 0.9x
 the 2-process figure (no collapse from oversubscription).
 
-Writes ``experiments/results/hogwild_scaling.md`` (and ``.json``) unless --no-save.
+Writes ``experiments/results/hogwild_scaling.md`` (and ``.json``, and the
+figure ``hogwild_scaling.png``: speed-up over one process per task) unless --no-save.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -25,7 +28,9 @@ from pathlib import Path
 
 from asyncsgd.config import HogwildConfig, available_cores
 from asyncsgd.hogwild import train
-from results import save_results  # this script's folder
+from results import RESULTS, save_results  # this script's folder
+
+FIGURE_DPI = 80
 
 
 def measure(task: str, procs: int, lock: bool, seconds: float, start_method: str,
@@ -47,6 +52,44 @@ def label(lock: bool, share: str, procs: int, cores: int) -> str:
     return kind
 
 
+def draw(table: list, cores: int, path: Path) -> None:
+    """One panel per task: samples/s over one lock-free process's, vs processes, lock-free
+    and locked (token ring beyond the cores), lock-free left to the kernel scheduler, and
+    the ideal. One baseline for all lines, so the locked line shows the lock's cost too."""
+    from matplotlib.figure import Figure
+    tasks = list(dict.fromkeys(row["task"] for row in table))
+    fig = Figure(figsize=(4.2 * len(tasks), 3.4), dpi=FIGURE_DPI, layout="constrained")
+    axes = fig.subplots(1, len(tasks), sharey=True, squeeze=False)[0]
+    series = [((False, "auto"), "lock-free", "C0", "-"), ((True, "auto"), "locked", "C1", "-"),
+              ((False, "os"), "lock-free, kernel scheduler", "C0", ":")]
+    for ax, task in zip(axes, tasks):
+        rows = [r for r in table if r["task"] == task]
+        base = next(r["samples_per_second"] for r in rows
+                    if r["procs"] == 1 and not r["lock"] and r["share_cores"] == "auto")
+        procs = sorted({r["procs"] for r in rows})
+        ax.plot(procs, [min(p, cores) for p in procs], color="grey", linestyle="--",
+                linewidth=0.9, label=f"ideal ({cores} cores)")
+        for (lock, share), name, colour, style in series:
+            points = sorted((r["procs"], r["samples_per_second"] / base) for r in rows
+                            if r["lock"] == lock and r["share_cores"] == share)
+            if share == "os":  # beyond the cores only; start it from the shared 'cores' point
+                points = sorted(set(points) | {(r["procs"], r["samples_per_second"] / base)
+                                               for r in rows
+                                               if not r["lock"] and r["share_cores"] == "auto"
+                                               and r["procs"] == cores})
+            if points:
+                ax.plot([p for p, _ in points], [v for _, v in points], color=colour,
+                        linestyle=style, marker="o", markersize=3.5, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(procs, [str(p) for p in procs])
+        ax.set_title(task + (" (sparse)" if "sparse" in task else " (dense)"))
+        ax.set_xlabel("processes")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("samples/s vs 1 lock-free process")
+    axes[-1].legend(fontsize="small", loc="lower right")
+    fig.savefig(path, dpi=FIGURE_DPI)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", default="mnist1d-cnn,sparse-logreg")
@@ -56,7 +99,13 @@ def main() -> int:
     ap.add_argument("--no-lock", action="store_true", help="skip the locked baseline")
     ap.add_argument("--start-method", default="forkserver", choices=["spawn", "forkserver"])
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--plot-only", action="store_true",
+                    help="measure nothing: redraw the figure from the saved JSON")
     args = ap.parse_args()
+    if args.plot_only:
+        draw(json.loads((RESULTS / "hogwild_scaling.json").read_text()), available_cores(),
+             RESULTS / "hogwild_scaling.png")
+        return 0
     tasks = args.tasks.split(",")
     procs_list = [int(p) for p in args.procs.split(",")]
     locks = [False] if args.no_lock else [False, True]
@@ -106,6 +155,7 @@ def main() -> int:
               f"(target >= 1.9x); 8 procs / 2 procs = {cnn[8]['vs_2']:.2f}x (target >= 0.9x)")
     if not args.no_save:
         save_results("hogwild_scaling", text, table)
+        draw(table, cores, RESULTS / "hogwild_scaling.png")
     return 0
 
 

@@ -1,9 +1,10 @@
 """``asyncsgd compare`` and ``asyncsgd plot`` with real runs, processes and files.
 
-One short comparison (hogwild, ps-async, and ps-sync made to fail with a bad
-extra flag) runs once for the module; its tests check the report's table
-against every run's own files, the plots, the failed mode and that nothing
-outlived it.
+One short comparison (single, hogwild, ps-async, ddp, and ps-sync made to
+fail with a bad extra flag) runs once for the module; its tests check the
+report's table, speed-ups over single included, against every run's own
+files, that every mode got the same settings (batch per process, seed,
+budget), the plots, the failed mode and that nothing outlived it.
 """
 
 import os
@@ -17,13 +18,17 @@ import psutil
 import pytest
 
 from asyncsgd.compare import parse_modes
+from asyncsgd.config import available_cores
 from asyncsgd.errors import ConfigError
 from asyncsgd.metrics import MetricsLog, steady_throughput, summarize, train_curve
 from asyncsgd.report import Attempt, Run, mode_rows, parse_table, table_cells
 from asyncsgd.rundir import RunDir
 from conftest import TESTS, asyncsgd_cmd, read_events, read_json
 
-BUDGET, TARGET = 5, 0.3
+# DDP spends 5-10 s of a loaded 2-core machine starting its ranks; the budget must leave it
+# time to train after that.
+BUDGET, TARGET, BATCH = 15, 0.3, 16
+OK_MODES = ["single", "hogwild", "ps-async", "ddp"]
 PNGS = ["accuracy_vs_time.png", "loss_vs_time.png", "loss_vs_samples.png", "throughput.png"]
 
 
@@ -59,8 +64,9 @@ def _run(cache_dir, *args, timeout=300):
 def compared(cache_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("compare") / "cmp"
     res = _run(cache_dir, "compare", "--task", "mnist1d-cnn", "--modes",
-               "hogwild,ps-async,ps-sync", "--procs", 2, "--budget", BUDGET,
-               "--target-accuracy", TARGET, "--eval-every", 0.5, "--grace", 90,
+               ",".join(OK_MODES + ["ps-sync"]), "--procs", 2, "--budget", BUDGET,
+               "--batch-size", BATCH, "--target-accuracy", TARGET, "--eval-every", 0.5,
+               "--grace", 90,
                "--mode-args", "ps-sync=--no-such-flag", "--progress", "log", "--out", out)
     return res, out
 
@@ -69,9 +75,9 @@ def _pct(x):
     return f"{x * 100:.2f}"
 
 
-def expected_row(run_dir, target):
-    """A run's row computed straight from its files, independently of asyncsgd.report."""
-    summary = read_json(Path(run_dir) / "summary.json")
+def _time_and_rate(run_dir, target):
+    """(time to target or None, steady samples/s, first event with progress) from the
+    run's metrics.jsonl alone."""
     events = read_events(run_dir)
     evals = [e for e in events if e["event"] == "eval"]
     ttt = next((e["t"] for e in evals if e["accuracy"] >= target), None)
@@ -79,7 +85,14 @@ def expected_row(run_dir, target):
     assert progress, f"{run_dir} trained on nothing"
     first = progress[0]
     last = max(events, key=lambda e: e["t"])
-    rate = (last["samples"] - first["samples"]) / (last["t"] - first["t"])
+    return ttt, (last["samples"] - first["samples"]) / (last["t"] - first["t"]), first
+
+
+def expected_row(run_dir, target):
+    """A run's row computed straight from its files, independently of asyncsgd.report."""
+    summary = read_json(Path(run_dir) / "summary.json")
+    evals = [e for e in read_events(run_dir) if e["event"] == "eval"]
+    ttt, rate, first = _time_and_rate(run_dir, target)
     p50, p99 = summary.get("staleness_p50"), summary.get("staleness_p99")
     return {
         "final acc. %": _pct(summary["final_accuracy"]),
@@ -96,12 +109,18 @@ def test_compare_reports_what_the_runs_recorded(compared):
     res, out = compared
     assert res.returncode == 1, res.stderr  # one mode failed
     rows = {r["mode"]: r for r in parse_table((out / "report.md").read_text())}
-    assert list(rows) == ["hogwild", "ps-async", "ps-sync"]
-    for mode in ("hogwild", "ps-async"):
+    assert list(rows) == OK_MODES + ["ps-sync"]
+    base_time, base_rate, _ = _time_and_rate(out / "single-r1", TARGET)
+    for mode in OK_MODES:
         expected = expected_row(out / f"{mode}-r1", TARGET)
         assert {k: rows[mode][k] for k in expected} == expected, mode
-        assert rows[mode]["speed-up (samples/s)"] == "—"  # no single baseline ran
-    assert rows["hogwild"]["staleness p50 / p99"] == "—"
+        ttt, rate, _ = _time_and_rate(out / f"{mode}-r1", TARGET)
+        assert rows[mode]["speed-up (samples/s)"] == f"{rate / base_rate:.2f}×", mode
+        assert rows[mode]["speed-up (time)"] == (
+            f"{base_time / ttt:.2f}×" if ttt is not None and base_time is not None else "—")
+    assert rows["single"]["speed-up (samples/s)"] == "1.00×"
+    for mode in ("single", "hogwild", "ddp"):
+        assert rows[mode]["staleness p50 / p99"] == "—"
     # The terminal shows the same table.
     table = [ln for ln in (out / "report.md").read_text().split("\n\n")
              if ln.startswith("| mode ")][0]
@@ -114,20 +133,32 @@ def test_compare_reports_what_the_runs_recorded(compared):
 
 def test_every_mode_ran_alike_and_one_after_another(compared):
     res, out = compared
-    configs = {m: read_json(out / f"{m}-r1" / "config.json") for m in ("hogwild", "ps-async")}
-    assert configs["hogwild"]["mode"] == "hogwild" and configs["ps-async"]["mode"] == "ps"
+    configs = {m: read_json(out / f"{m}-r1" / "config.json") for m in OK_MODES}
+    assert {m: c["mode"] for m, c in configs.items()} == {
+        "single": "single", "hogwild": "hogwild", "ps-async": "ps", "ddp": "ddp"}
     assert configs["ps-async"]["config"]["consistency"] == "async"
     for c in configs.values():
         assert c["config"]["seed"] == 0 and c["config"]["max_seconds"] == BUDGET
         assert c["config"]["task"] == "mnist1d-cnn" and c["task"]["train_samples"] == 4000
+    for m in ("single", "hogwild", "ddp"):  # the same batch in every process
+        assert configs[m]["config"]["batch_size"] == BATCH, m
     assert configs["hogwild"]["config"]["procs"] == 2
+    assert configs["ddp"]["config"]["procs"] == 2
     assert configs["ps-async"]["config"]["workers"] == 2
-    hog, ps = read_events(out / "hogwild-r1"), read_events(out / "ps-async-r1")
-    assert hog[-1]["wall"] < ps[0]["wall"]  # never overlapping
-    for m in ("hogwild", "ps-async"):  # stopped by the budget, a little after it
-        summary = read_json(out / f"{m}-r1" / "summary.json")
-        assert summary["stopped_by"] == "max_seconds"
-        assert BUDGET <= summary["train_seconds"] < BUDGET + 10
+    # single is one of the parallel processes alone: the same cores // 2 threads.
+    for m in ("single", "hogwild", "ddp"):
+        assert configs[m]["config"]["threads"] == max(1, available_cores() // 2), m
+    summaries = {m: read_json(out / f"{m}-r1" / "summary.json") for m in OK_MODES}
+    assert summaries["single"]["batch_size"] == summaries["single"]["global_batch_size"] == BATCH
+    assert summaries["ddp"]["batch_size"] == BATCH
+    assert summaries["ddp"]["global_batch_size"] == 2 * BATCH  # one batch per rank, averaged
+    walls = [(read_events(out / f"{m}-r1")[0]["wall"], read_events(out / f"{m}-r1")[-1]["wall"])
+             for m in OK_MODES]
+    for (_, end), (start, _) in zip(walls, walls[1:]):
+        assert end < start  # one after another, never overlapping
+    for m, summary in summaries.items():  # stopped by the budget, a little after it
+        assert summary["stopped_by"] == "max_seconds", m
+        assert BUDGET <= summary["train_seconds"] < BUDGET + 10, m
     workers = sorted((out / "logs" / "ps-async-r1").glob("worker-*.out"))
     assert len(workers) == 2 and all("the server ended training" in w.read_text()
                                      for w in workers)
@@ -142,8 +173,8 @@ def test_a_failed_mode_is_reported_and_the_others_ran(compared):
     assert "**ps-sync**" in failures and "No such option '--no-such-flag'" in failures
     assert "logs/ps-sync-r1" in failures
     last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: 1 of 3 run(s) failed: ps-sync") and "--no-such-flag" in last
-    assert "[1/3] hogwild" in res.stderr and "[3/3] ps-sync FAILED" in res.stderr
+    assert last.startswith("error: 1 of 5 run(s) failed: ps-sync") and "--no-such-flag" in last
+    assert "[1/5] single" in res.stderr and "[5/5] ps-sync FAILED" in res.stderr
     assert res.leftovers == []
 
 
