@@ -154,6 +154,7 @@ class WorkerGroup:
         self.target, self.parent_pid = target, os.getpid()
         self.name = name
         self._errors = self.ctx.SimpleQueue()
+        self._stopped = False
         self._tracebacks: dict = {}
         self.processes = [self._process(rank, args[rank]) for rank in range(procs)]
 
@@ -168,6 +169,8 @@ class WorkerGroup:
                 p.start()
 
     def _drain_errors(self) -> None:
+        if self._stopped:  # stop() drained the queue one last time and closed it
+            return
         while not self._errors.empty():
             rank, text = self._errors.get()
             self._tracebacks.setdefault(rank, text)
@@ -238,6 +241,7 @@ class WorkerGroup:
             if p.exitcode is not None:
                 p.join(0)
         self._errors.close()
+        self._stopped = True
 
     def wait_all(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
