@@ -2,10 +2,13 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 TESTS = Path(__file__).parent
@@ -47,3 +50,50 @@ def read_events(run_dir):
 def read_json(path):
     with open(path) as fh:
         return json.load(fh)
+
+
+def start_training(cmd, out, env, wait=120):
+    """Start a training command in its own session; return it once it has trained a step."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()
+        if (out / "metrics.jsonl").exists() and any(
+                e["event"] == "train" for e in read_events(out)):
+            return proc
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    pytest.fail("training never started")
+
+
+def signal_group(sig):
+    """An ``act`` for ``stop_tree``: ``sig`` to the whole process group, as a terminal's
+    Ctrl-C reaches it."""
+    return lambda proc, children: os.killpg(proc.pid, sig)
+
+
+def signal_parent(sig):
+    """An ``act`` for ``stop_tree``: ``sig`` to the parent only, as ``kill`` sends it."""
+    return lambda proc, children: proc.send_signal(sig)
+
+
+def stop_tree(proc, act, timeout=60, orphan_wait=10):
+    """Do ``act(proc, descendants)`` to a running process tree (started by
+    ``start_training``) and wait for the parent to exit; the group is SIGKILLed if it does
+    not. Asserts no descendant outlives it. Returns (stdout, stderr, seconds from the act
+    to the exit, descendants)."""
+    children = psutil.Process(proc.pid).children(recursive=True)
+    try:
+        act(proc, children)
+        acted = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=timeout)
+        took = time.monotonic() - acted
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    gone, alive = psutil.wait_procs(children, timeout=orphan_wait)
+    assert not alive, f"orphans left: {alive}"
+    return stdout, stderr, took, children

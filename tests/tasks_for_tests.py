@@ -23,6 +23,14 @@ def total(out, targets, reduction="sum"):
     return out.sum()
 
 
+def _fail_on(index, row: int, hang: bool = False) -> None:
+    """Raise (or hang for an hour first) when the batch holds ``row``; -1: never."""
+    if row >= 0 and bool((index == row).any()):
+        if hang:
+            time.sleep(3600)
+        raise ValueError(f"boom at row {row}")
+
+
 class RowWeights(nn.Module):
     def __init__(self, rows: int, fail_row: int = -1):
         super().__init__()
@@ -31,8 +39,7 @@ class RowWeights(nn.Module):
         self.fail_row = fail_row
 
     def forward(self, index):
-        if self.fail_row >= 0 and bool((index == self.fail_row).any()):
-            raise ValueError(f"boom at row {self.fail_row}")
+        _fail_on(index, self.fail_row)
         return self.weight(index.view(-1, 1))
 
 
@@ -80,10 +87,7 @@ class DenseRows(nn.Module):
         self.fail_row, self.hang = fail_row, hang
 
     def forward(self, index):
-        if self.fail_row >= 0 and bool((index == self.fail_row).any()):
-            if self.hang:
-                time.sleep(3600)
-            raise ValueError(f"boom at row {self.fail_row}")
+        _fail_on(index, self.fail_row, self.hang)
         return self.weight[index.view(-1)].view(-1, 1)
 
 

@@ -1,18 +1,17 @@
 """`asyncsgd ddp` and `single` failing: a raising rank, Ctrl-C, SIGTERM, torchrun, bad flags."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 import torch
 
 from asyncsgd.tasks import partition_indices
-from conftest import asyncsgd_cmd, read_events, read_json
+from conftest import (asyncsgd_cmd, read_json, signal_group, signal_parent, start_training,
+                      stop_tree)
 from test_cli import _one_line_error
 
 ROWS = 1000
@@ -67,48 +66,16 @@ def test_single_raising_saves_the_run_and_reports(tmp_path, run_cli):
     assert read_json(out / "summary.json")["status"] == "failed"
 
 
-def _start(cmd, out, env):
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        assert proc.poll() is None, proc.communicate()
-        if (out / "metrics.jsonl").exists() and any(
-                e["event"] == "train" for e in read_events(out)):
-            return proc
-    os.killpg(proc.pid, signal.SIGKILL)
-    pytest.fail("training never started")
-
-
-def _stop_and_check(proc, sig, group: bool):
-    children = psutil.Process(proc.pid).children(recursive=True)
-    try:
-        if group:  # a terminal's Ctrl-C reaches the whole process group
-            os.killpg(proc.pid, sig)
-        else:
-            proc.send_signal(sig)
-        stopped = time.monotonic()
-        stdout, stderr = proc.communicate(timeout=60)
-        took = time.monotonic() - stopped
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    gone, alive = psutil.wait_procs(children, timeout=10)
-    assert not alive, f"orphans left: {alive}"
-    return stdout, stderr, took, len(children)
-
-
 @pytest.mark.parametrize("sig, group", [(signal.SIGINT, True), (signal.SIGTERM, False)])
 def test_signal_stops_every_rank_saves_and_resumes(tmp_path, cli_env, sig, group):
     out = tmp_path / "run"
-    proc = _start(asyncsgd_cmd("ddp", "--task", "tasks_for_tests:dense_rows", "--procs", 2,
-                               "--threads", 1, "--epochs", 1_000_000, "--progress", "off",
-                               "--dist-timeout", 60, "--out", out), out, cli_env)
-    stdout, stderr, took, children = _stop_and_check(proc, sig, group)
+    proc = start_training(asyncsgd_cmd("ddp", "--task", "tasks_for_tests:dense_rows",
+                                       "--procs", 2, "--threads", 1, "--epochs", 1_000_000,
+                                       "--progress", "off", "--dist-timeout", 60, "--out", out),
+                          out, cli_env)
+    _, stderr, took, children = stop_tree(proc, (signal_group if group else signal_parent)(sig))
     assert proc.returncode == 130, stderr
-    assert children >= 2
+    assert len(children) >= 2
     assert took < 30
     assert "Traceback" not in stderr
     assert f"--resume {out}" in stderr
@@ -120,10 +87,10 @@ def test_signal_stops_every_rank_saves_and_resumes(tmp_path, cli_env, sig, group
 
 def test_single_ctrl_c_saves_the_run(tmp_path, cli_env):
     out = tmp_path / "run"
-    proc = _start(asyncsgd_cmd("single", "--task", "tasks_for_tests:dense_rows", "--threads", 1,
-                               "--epochs", 1_000_000, "--progress", "off", "--out", out),
-                  out, cli_env)
-    _, stderr, took, _ = _stop_and_check(proc, signal.SIGINT, group=True)
+    proc = start_training(asyncsgd_cmd("single", "--task", "tasks_for_tests:dense_rows",
+                                       "--threads", 1, "--epochs", 1_000_000, "--progress", "off",
+                                       "--out", out), out, cli_env)
+    _, stderr, took, _ = stop_tree(proc, signal_group(signal.SIGINT))
     assert proc.returncode == 130 and took < 15, stderr
     assert "Traceback" not in stderr
     summary = read_json(out / "summary.json")
@@ -137,9 +104,9 @@ def test_sigterm_under_torchrun_stops_every_rank_and_saves(tmp_path, cli_env):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "asyncsgd", "ddp", "--task", "tasks_for_tests:dense_rows", "--threads", "1",
            "--epochs", "1000000", "--progress", "off", "--dist-timeout", "60", "--out", str(out)]
-    proc = _start(cmd, out, cli_env)
-    _, stderr, took, children = _stop_and_check(proc, signal.SIGTERM, group=False)
-    assert children >= 2 and took < 45, stderr
+    proc = start_training(cmd, out, cli_env)
+    _, stderr, took, children = stop_tree(proc, signal_parent(signal.SIGTERM))
+    assert len(children) >= 2 and took < 45, stderr
     summary = read_json(out / "summary.json")  # torchrun passed SIGTERM on; rank 0 saved
     assert summary["status"] == "interrupted", stderr
     assert (out / "checkpoint.pt").exists()

@@ -2,7 +2,6 @@
 
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -10,7 +9,8 @@ import psutil
 import pytest
 
 from asyncsgd.tasks import partition_indices
-from conftest import asyncsgd_cmd, read_events, read_json
+from conftest import (asyncsgd_cmd, read_json, signal_group, signal_parent, start_training,
+                      stop_tree)
 from faults import record_figure
 
 
@@ -37,20 +37,8 @@ def test_raising_worker_surfaces_its_traceback(tmp_path, run_cli):
 
 
 def _start_training(out, cli_env, *extra):
-    proc = subprocess.Popen(
-        asyncsgd_cmd("hogwild", "--procs", 3, "--epochs", 100000, "--out", out,
-                     "--progress", "off", *extra),
-        env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        assert proc.poll() is None, proc.communicate()
-        if (out / "metrics.jsonl").exists() and any(
-                e["event"] == "train" for e in read_events(out)):
-            return proc
-    proc.kill()
-    pytest.fail("training never started")
+    return start_training(asyncsgd_cmd("hogwild", "--procs", 3, "--epochs", 100000, "--out", out,
+                                       "--progress", "off", *extra), out, cli_env)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -58,26 +46,12 @@ def test_signal_stops_every_child_without_leaks(tmp_path, cli_env, sig):
     shm_before = _shm_entries()
     out = tmp_path / "run"
     proc = _start_training(out, cli_env, "--eval-every", 0.5)
-    children = []
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert len(children) >= 3
-        if sig == signal.SIGINT:  # a terminal's Ctrl-C reaches the whole process group
-            os.killpg(proc.pid, sig)
-        else:
-            proc.send_signal(sig)
-        stopped = time.monotonic()
-        _, stderr = proc.communicate(timeout=30)
-        took = time.monotonic() - stopped
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    act = signal_group(sig) if sig == signal.SIGINT else signal_parent(sig)
+    _, stderr, took, children = stop_tree(proc, act, timeout=30, orphan_wait=5)
+    assert len(children) >= 3
     assert proc.returncode == 130, stderr
     assert took < 15
     assert "Traceback" not in stderr
-    gone, alive = psutil.wait_procs(children, timeout=5)
-    assert not alive, f"orphans left: {alive}"
     _assert_no_shm_leak(shm_before)
     summary = read_json(out / "summary.json")
     assert summary["status"] == "interrupted" and summary["samples"] > 0
@@ -131,22 +105,15 @@ def test_child_killed_by_sigkill_is_reported_clearly(tmp_path, cli_env):
     shm_before = _shm_entries()
     out = tmp_path / "run"
     proc = _start_training(out, cli_env)
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
+
+    def kill_a_worker(proc, children):
         workers = [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
         assert len(workers) >= 3
         workers[0].send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        _, stderr = proc.communicate(timeout=60)
-        stopped_in = time.monotonic() - killed
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+
+    _, stderr, stopped_in, _ = stop_tree(proc, kill_a_worker)
     assert proc.returncode == 1, stderr
     assert "was killed by signal SIGKILL" in stderr and "Traceback" not in stderr, stderr
-    gone, alive = psutil.wait_procs(children, timeout=10)
-    assert not alive, f"orphans left: {alive}"
     _assert_no_shm_leak(shm_before)
     assert read_json(out / "summary.json")["status"] == "failed"
     record_figure("Hogwild child SIGKILL", reported="was killed by signal SIGKILL",
