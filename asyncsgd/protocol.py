@@ -218,6 +218,12 @@ def in_parts(msg: Message) -> list:
             for j, seg in enumerate(msg.segments)]
 
 
+def copy_into(msg: Message, flat: torch.Tensor, start: int = 0) -> None:
+    """Copy ``msg``'s segments into ``flat``, each at ``start`` + its offset."""
+    for seg in msg.segments:
+        flat[start + seg.offset:start + seg.offset + len(seg.data)].copy_(seg.data)
+
+
 def parts_of(msg: Message) -> tuple:
     """``(part, parts)`` of a message sent in parts; ``(0, 1)`` for a whole one."""
     part, parts = msg.meta.get("part", 0), msg.meta.get("parts", 1)

@@ -74,17 +74,10 @@ def dealer(ctx: zmq.Context, connect: str, identity: Optional[bytes] = None, cur
     return sock
 
 
-def send(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None, copy: bool = True) -> bool:
-    """Send ``msg`` (to ``peer`` on a ROUTER). False if the peer is gone or not keeping up.
-
-    ``copy=False`` sends tensor frames without copying: only for buffers that stay
-    unchanged until the peer has answered (a worker's gradients until the ACK).
-    """
-    frames = encode(msg)
-    parts: Sequence = ([peer] if peer is not None else []) + frames
-    zero_copy = not copy and any(len(f) >= COPY_BELOW for f in frames[1:])
+def _send_parts(sock: zmq.Socket, parts: Sequence, copy: bool) -> bool:
+    """True when libzmq took the message; False if the peer is gone or not keeping up."""
     try:
-        sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=not zero_copy)
+        sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=copy)
         return True
     except zmq.Again:
         log.warning("send queue full for a peer; reply dropped (the peer will retry)")
@@ -95,6 +88,17 @@ def send(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None, copy: boo
     return False
 
 
+def send(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None, copy: bool = True) -> bool:
+    """Send ``msg`` (to ``peer`` on a ROUTER). False if the peer is gone or not keeping up.
+
+    ``copy=False`` sends tensor frames without copying: only for buffers that stay
+    unchanged until the peer has answered (a worker's gradients until the ACK).
+    """
+    frames = encode(msg)
+    zero_copy = not copy and any(len(f) >= COPY_BELOW for f in frames[1:])
+    return _send_parts(sock, ([peer] if peer is not None else []) + frames, copy=not zero_copy)
+
+
 def send_tracked(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None
                  ) -> Optional[zmq.MessageTracker]:
     """Send ``msg`` with its large tensor frames uncopied; the tracker says when libzmq is
@@ -103,18 +107,10 @@ def send_tracked(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None
     large = [zmq.Frame(f, copy=False, track=True) if len(f) >= COPY_BELOW else f
              for f in frames[1:]]
     tracked = [f for f in large if isinstance(f, zmq.Frame)]
-    parts: list = ([peer] if peer is not None else []) + [frames[0]] + large
-    try:
-        sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
-    except zmq.Again:
-        log.warning("send queue full for a peer; reply dropped (the peer will retry)")
+    parts = ([peer] if peer is not None else []) + [frames[0]] + large
+    if not _send_parts(sock, parts, copy=False) or not tracked:
         return None
-    except zmq.ZMQError as exc:
-        if exc.errno != zmq.EHOSTUNREACH:
-            raise
-        log.info("peer disconnected before its reply could be sent")
-        return None
-    return zmq.MessageTracker(*tracked) if tracked else None
+    return zmq.MessageTracker(*tracked)
 
 
 def recv(sock: zmq.Socket, router_side: bool) -> tuple:

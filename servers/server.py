@@ -26,7 +26,7 @@ from asyncsgd.errors import ConfigError
 from asyncsgd.layout import Layout, signature_mismatch
 from asyncsgd.memory import keep_freed_memory
 from asyncsgd.protocol import (BYE, HEARTBEAT, HELLO, PARAMS, PULL, STATS, WELCOME, Message,
-                               ProtocolError, decode, error_message, parts_of)
+                               ProtocolError, copy_into, decode, error_message, parts_of)
 from asyncsgd.recorder import Outcome, Recorder, RunResult
 from asyncsgd.security import ClientKeys, Gatekeeper, ServerKeys, exposed_warning
 from asyncsgd.tasks import load_task
@@ -71,14 +71,13 @@ class ShardReader:
             send(sock, Message(type=PULL, seq=self.seq, meta={"observer": True}))
         versions = {}
         for i in range(len(self.socks)):
-            left = None
-            while left is None or left:
+            start = self.shards[i]["start"]
+            received, parts = 0, 1
+            while received < parts:  # a large reply comes as several parts
                 msg = self._reply(i, PARAMS, timeout)
-                start = self.shards[i]["start"]
-                for seg in msg.segments:
-                    self.flat[start + seg.offset:start + seg.offset + len(seg.data)].copy_(
-                        seg.data)
-                left = (parts_of(msg)[1] if left is None else left) - 1
+                parts = parts_of(msg)[1]
+                copy_into(msg, self.flat, start)
+                received += 1
             versions[i] = msg.meta.get("version", 0)
         return versions
 

@@ -27,7 +27,8 @@ import psutil
 import torch
 import zmq
 
-from asyncsgd.protocol import ACK, PARAMS, PULL, PUSH, WELCOME, Message, decode, encode
+from asyncsgd.protocol import (ACK, PARAMS, PULL, PUSH, WELCOME, Message, copy_into, decode,
+                               encode)
 
 GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
 
@@ -129,8 +130,7 @@ def observe(server, port: int, size: int) -> torch.Tensor:
     reply = server.request(encode(Message(type=PULL, seq=1, meta={"observer": True})), port=port)
     assert reply.type == PARAMS, reply
     flat = torch.empty(size)
-    for seg in reply.segments:
-        flat[seg.offset:seg.offset + len(seg.data)] = seg.data
+    copy_into(reply, flat)
     return flat
 
 

@@ -30,7 +30,7 @@ import zmq
 
 from asyncsgd.errors import AsyncSGDError
 from asyncsgd.protocol import (ACK, BYE, ERROR, HEARTBEAT, HELLO, PARAMS, PULL, PUSH, Message,
-                               ProtocolError, decode, parts_of, split)
+                               ProtocolError, copy_into, decode, parts_of, split)
 from asyncsgd.security import ClientKeys, await_handshake
 from asyncsgd.transport import dealer, frame_limit, recv, send
 
@@ -153,6 +153,7 @@ class PSClient:
 
     def _await(self, outstanding: dict, params: torch.Tensor) -> None:
         poller = self.poller
+        self._parts_left.clear()  # what an earlier, abandoned call left behind
         last_heard = [time.monotonic()] * len(self.shards)
         next_beat = time.monotonic() + self.heartbeat
         backoff = self.heartbeat
@@ -236,9 +237,7 @@ class PSClient:
                 self.stats["duplicate_acks"] += 1
         if reply.type == PARAMS:
             _, parts = parts_of(reply)
-            start = self.ranges[i][0]
-            for seg in reply.segments:
-                params[start + seg.offset:start + seg.offset + len(seg.data)].copy_(seg.data)
+            copy_into(reply, params, self.ranges[i][0])
             self.versions[i] = reply.meta.get("version", reply.clock)
             left = self._parts_left.pop(key, parts) - 1
             if left > 0:
