@@ -137,6 +137,11 @@ def _int(header: dict, key: str, lo: int = 0, hi: int = 2 ** 63 - 1) -> int:
     return value
 
 
+_UNPACK_LIMITS = dict(raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True,
+                      max_str_len=MAX_HEADER_BYTES, max_bin_len=0,
+                      max_array_len=MAX_SEGMENTS * 3, max_map_len=MAX_META_ITEMS, max_ext_len=0)
+
+
 def decode(frames: Sequence[Any]) -> Message:
     """Parse and check a received message; every failure is a ``ProtocolError``."""
     if not frames:
@@ -146,10 +151,7 @@ def decode(frames: Sequence[Any]) -> Message:
         raise ProtocolError("header-too-large",
                             f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        header = msgpack.unpackb(
-            head, raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True,
-            max_str_len=MAX_HEADER_BYTES, max_bin_len=0, max_array_len=MAX_SEGMENTS * 3,
-            max_map_len=MAX_META_ITEMS, max_ext_len=0)
+        header = msgpack.unpackb(head, **_UNPACK_LIMITS)
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack raises several types (and ValueError on depth)
@@ -198,16 +200,19 @@ def _segment(desc: Any, buf: memoryview) -> Segment:
     if numel * itemsize != len(buf):
         raise ProtocolError("length-mismatch", f"descriptor {shape} of {dtype_name} needs "
                                                f"{numel * itemsize} bytes, frame has {len(buf)}")
-    data = torch.frombuffer(buf, dtype=dtype) if numel else torch.empty(0, dtype=dtype)
-    return Segment(offset, data.view(shape))
+    if not numel:
+        return Segment(offset, torch.empty(shape, dtype=dtype))
+    data = torch.frombuffer(buf, dtype=dtype)  # 1-D already: view() costs as much again
+    return Segment(offset, data if len(shape) == 1 else data.view(shape))
 
 
 def in_parts(msg: Message) -> list:
     """``msg`` as one message per segment, ``meta`` part j of ``parts`` on each (an
     ``ack`` in ``meta`` rides on part 0 only).
 
-    A large PARAMS reply goes out this way so that the receiver copies each part
-    while the next is still on the wire, instead of waiting for the whole.
+    Large PARAMS replies and pushes go out this way so that the receiver handles
+    each part (a worker copies it, a shard checks it) while the next is still on
+    the wire, instead of waiting for the whole.
     """
     parts = len(msg.segments)
     rest = {k: v for k, v in msg.meta.items() if k != "ack"}  # acknowledged once, by part 0
@@ -221,7 +226,8 @@ def in_parts(msg: Message) -> list:
 def copy_into(msg: Message, flat: torch.Tensor, start: int = 0) -> None:
     """Copy ``msg``'s segments into ``flat``, each at ``start`` + its offset."""
     for seg in msg.segments:
-        flat[start + seg.offset:start + seg.offset + len(seg.data)].copy_(seg.data)
+        at = start + seg.offset
+        flat[at:at + seg.data.shape[0]].copy_(seg.data)
 
 
 def parts_of(msg: Message) -> tuple:

@@ -29,9 +29,10 @@ import torch
 
 from asyncsgd.errors import ConfigError
 from asyncsgd.protocol import (ACK, BYE, ERROR, HEARTBEAT, PARAMS, PULL, PUSH, STATS, Message,
-                               error_message, split)
+                               ProtocolError, error_message, split)
 
 from .rules import dc_asgd, make_rule, staleness_scale
+from .streams import PushStreams
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,9 @@ class ShardState:
         self.restored: Optional[dict] = None  # version and digest of the checkpoint loaded
         self.lost_before = 0  # updates lost by earlier lives of this shard
         self.train = {}  # worker -> [loss sum, steps, samples] reported with pushes
+        # Pushes in parts: each part is checked (ranges, NaN/Inf, not the norm) on arrival.
+        self.streams = PushStreams(lambda part: self._check(part, norm=False),
+                                   max_open=max(16, 2 * cfg.expected_workers))
 
     # ---- requests -------------------------------------------------------------------
 
@@ -159,10 +163,22 @@ class ShardState:
             return replies + self._release()
         if msg.type == PULL:
             return self._pull(record, msg)
+        checked = False  # whether the gradient is known to be finite (checked part by part)
+        if msg.type == PUSH and "parts" in msg.meta:
+            try:
+                whole, problem = self.streams.add(msg, now)
+            except ProtocolError as exc:
+                whole, problem = None, (exc.code, str(exc))
+            if problem:
+                self.counters["rejected"] += 1
+                return [(peer, error_message(*problem, msg))]
+            if whole is None:
+                return []
+            msg, checked = whole, self.cfg.reject_nonfinite
         if msg.type == PUSH and msg.meta.get("pull") is True:
-            return self._push_then_pull(record, msg)
+            return self._push_then_pull(record, msg, checked)
         if msg.type == PUSH:
-            return self._push(record, msg)
+            return self._push(record, msg, checked)
         return [(peer, error_message("bad-type", f"a shard does not serve {msg.type!r}", msg))]
 
     def _touch(self, peer: bytes, msg: Message, now: float) -> WorkerRecord:
@@ -228,6 +244,8 @@ class ShardState:
         return record.round_pushed is None or self.version > record.round_pushed
 
     def _pull(self, record: WorkerRecord, msg: Message) -> list:
+        if self.mode == "async":  # nothing is ever held
+            return [(record.peer, self._params_reply(record, msg))]
         if self._pull_allowed(record):
             return [(record.peer, self._params_reply(record, msg))] + self._release()
         record.held_pull = msg
@@ -272,26 +290,33 @@ class ShardState:
         while len(record.seq_order) > self.cfg.dedupe_window:
             record.applied_seqs.discard(record.seq_order.popleft())
 
-    def _check(self, msg: Message) -> Optional[tuple]:
-        """(code, detail) when the push must be refused, checked before anything is applied."""
+    def _check(self, msg: Message, finite: bool = True, norm: bool = True) -> Optional[tuple]:
+        """(code, detail) when the push must be refused, checked before anything is applied.
+
+        ``finite`` False skips the NaN/Inf scan of a push whose parts passed it on
+        arrival; ``norm`` False skips the gradient-norm bound (a part alone has none).
+        """
         if msg.shard not in (-1, self.cfg.index):  # -1: unaddressed, as in-process callers send
             return "bad-field", f"a push for shard {msg.shard} reached shard {self.cfg.index}"
+        # Checked here, before anything is applied: the rule's apply() trusts these.
+        spans = []
         for seg in msg.segments:
             data = seg.data
-            if data.dtype != torch.float32 or data.dim() != 1:
-                return "bad-descriptor", "gradients are 1-D float32 segments"
-            if seg.offset + len(data) > self.size:
-                return "out-of-range", (f"segment [{seg.offset}, {seg.offset + len(data)}) "
+            if data.dtype != torch.float32 or data.dim() != 1 or not data.shape[0]:
+                return "bad-descriptor", "gradients are non-empty 1-D float32 segments"
+            end = seg.offset + data.shape[0]
+            if end > self.size:
+                return "out-of-range", (f"segment [{seg.offset}, {end}) "
                                         f"outside shard {self.cfg.index} of size {self.size}")
-        spans = sorted((s.offset, s.offset + len(s.data)) for s in msg.segments)
-        if any(start == end for start, end in spans) or \
-                any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:])):
-            # Checked here, before any counter moves: the rule would refuse it too, but late.
-            return "bad-descriptor", "segments must be non-empty and must not overlap"
-        if self.cfg.reject_nonfinite and not all(_finite(s.data) for s in msg.segments):
+            spans.append((seg.offset, end))
+        if len(spans) > 1:
+            spans.sort()
+            if any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:])):
+                return "bad-descriptor", "segments must not overlap"
+        if finite and self.cfg.reject_nonfinite and not all(_finite(s.data) for s in msg.segments):
             self.counters["nonfinite"] += 1
             return "non-finite", "the gradient holds NaN or Inf values; nothing was applied"
-        if self.cfg.max_grad_norm is not None:
+        if norm and self.cfg.max_grad_norm is not None:
             norm = math.sqrt(sum(float(s.data.double().pow(2).sum()) for s in msg.segments))
             if norm > self.cfg.max_grad_norm:
                 self.counters["too_large"] += 1
@@ -299,13 +324,13 @@ class ShardState:
                                      f"exceeds --max-grad-norm {self.cfg.max_grad_norm}")
         return None
 
-    def _push(self, record: WorkerRecord, msg: Message) -> list:
+    def _push(self, record: WorkerRecord, msg: Message, checked: bool = False) -> list:
         peer = record.peer
         if self._duplicate(record, msg.seq):
             self.counters["duplicates"] += 1
             return [(peer, Message(type=ACK, shard=self.cfg.index, seq=msg.seq,
                                    meta={"applied": False, "duplicate": True}))]
-        problem = self._check(msg)
+        problem = self._check(msg, finite=not checked)
         if problem:
             self.counters["rejected"] += 1
             return [(peer, error_message(*problem, msg))]
@@ -317,7 +342,7 @@ class ShardState:
             return self._accumulate(record, msg, staleness)
         segments = self._compensated(record, msg)
         scale = staleness_scale(staleness) if self.cfg.staleness_lr else 1.0
-        self.rule.step(self._writable(), segments, lr_scale=scale)
+        self.rule.apply(self._writable(), segments, lr_scale=scale)  # checked above
         self.version += 1
         self.counters["updates"] += 1
         self._remember(record, msg.seq)
@@ -326,14 +351,14 @@ class ShardState:
                       meta={"applied": True, "staleness": staleness})
         return [(peer, ack)] + (self._release() if self.mode == "ssp" else [])
 
-    def _push_then_pull(self, record: WorkerRecord, msg: Message) -> list:
+    def _push_then_pull(self, record: WorkerRecord, msg: Message, checked: bool = False) -> list:
         """A push that also asks for the parameters: one request, and one reply when it can.
 
         When the acknowledgement and the parameters go out together, the ACK's
         fields ride in the PARAMS reply (``meta["ack"]``), halving the messages of
         a step. Under sync both wait for the round, and go out as two replies.
         """
-        replies = self._push(record, msg)
+        replies = self._push(record, msg, checked)
         if any(r.type == ERROR for _, r in replies):
             return replies
         pulled = self._pull(record, msg)
@@ -378,7 +403,7 @@ class ShardState:
         contributors = len(self.round_acks)
         if self.cfg.sync_reduce == "mean" and contributors > 1:
             self.round_sum.div_(contributors)
-        self.rule.step(self._writable(), [(0, self.round_sum)])
+        self.rule.apply(self._writable(), [(0, self.round_sum)])
         self.round_sum.zero_()
         self.version += 1
         self.counters["updates"] += 1
@@ -399,6 +424,7 @@ class ShardState:
 
     def tick(self, now: float) -> list:
         """Drop workers silent for longer than the heartbeat timeout; release what that frees."""
+        self.streams.expire(now, self.cfg.heartbeat_timeout)
         dropped = False
         for record in self._live():
             if now - record.last_seen > self.cfg.heartbeat_timeout:

@@ -24,7 +24,7 @@ from asyncsgd.memory import keep_freed_memory
 from asyncsgd.protocol import (BYE, PARAMS, STATS, Message, ProtocolError, decode,
                                error_message, in_parts)
 from asyncsgd.security import Gatekeeper, ServerKeys
-from asyncsgd.transport import frame_limit, recv, router, send, send_tracked
+from asyncsgd.transport import COPY_BELOW, frame_limit, recv, router, send, send_tracked
 
 from .inflight import InFlight
 from .shard import ShardConfig, ShardState
@@ -121,7 +121,8 @@ def _reply(sock: zmq.Socket, state: ShardState, inflight: InFlight, peer: bytes,
     """Parameters go out without copying when ``inflight`` allows it, a message per frame
     (so the worker copies one while the next is on the wire); the rest as usual."""
     params = state.params
-    if (reply.type == PARAMS and reply.segments and inflight.zero_copy(params)
+    if (reply.type == PARAMS and state.size * 4 >= COPY_BELOW and reply.segments
+            and inflight.zero_copy(params)
             and all(seg.data._base is params for seg in reply.segments)):
         for part in in_parts(reply) if len(reply.segments) > 1 else [reply]:
             tracker = send_tracked(sock, part, peer)

@@ -30,7 +30,7 @@ import zmq
 
 from asyncsgd.errors import AsyncSGDError
 from asyncsgd.protocol import (ACK, BYE, ERROR, HEARTBEAT, HELLO, PARAMS, PULL, PUSH, Message,
-                               ProtocolError, copy_into, decode, parts_of, split)
+                               ProtocolError, copy_into, decode, in_parts, parts_of, split)
 from asyncsgd.security import ClientKeys, await_handshake
 from asyncsgd.transport import dealer, frame_limit, recv, send
 
@@ -91,6 +91,7 @@ class PSClient:
         self.version = 0  # the parameter version the local copy was pulled at (per shard min)
         self.versions = [0] * len(self.shards)
         self._parts_left: dict = {}  # (shard, seq) -> parts of a PARAMS reply still to come
+        self._grads, self._grads_key, self._grad_segments = None, None, []
 
     def _unavailable(self) -> ServerUnavailable:
         return ServerUnavailable(
@@ -139,17 +140,33 @@ class PSClient:
         """Push ``grads`` (flat, or None for a pull only) and pull into ``params`` (flat)."""
         # One request per shard: a push that also asks for the parameters (or a pull).
         outstanding = {}  # (shard, seq) -> [message, replies still owed]; re-sent after reconnects
-        for i, (start, end) in enumerate(self.ranges):
-            if grads is not None:
+        segments = self._segments_of(grads) if grads is not None else None
+        for i in range(len(self.ranges)):
+            if segments is not None:
                 msg = self._msg(PUSH, clock=self.versions[i], shard=i,
-                                meta={**(meta or {}), "pull": True},
-                                segments=split(grads[start:end]))
+                                meta={**(meta or {}), "pull": True}, segments=segments[i])
                 outstanding[(i, msg.seq)] = [msg, {ACK, PARAMS}]
             else:
                 msg = self._msg(PULL, clock=self.versions[i], shard=i)
                 outstanding[(i, msg.seq)] = [msg, {PARAMS}]
-            send(self.shards[i], msg, copy=grads is None)
+            self._send(i, msg, copy=grads is None)
         self._await(outstanding, params)
+
+    def _send(self, i: int, msg: Message, copy: bool = True) -> None:
+        """A push of more than one frame goes in parts, so the shard checks each on arrival."""
+        if msg.type == PUSH and len(msg.segments) > 1:
+            for part in in_parts(msg):
+                send(self.shards[i], part, copy=copy)
+        else:
+            send(self.shards[i], msg, copy=copy)
+
+    def _segments_of(self, grads: torch.Tensor) -> list:
+        """Each shard's frames of ``grads``; made once for the buffer a worker pushes every step."""
+        key = (grads.data_ptr(), grads.shape, grads.stride())
+        if self._grads_key != key or self._grads is not grads:
+            self._grads, self._grads_key = grads, key
+            self._grad_segments = [split(grads[start:end]) for start, end in self.ranges]
+        return self._grad_segments
 
     def _await(self, outstanding: dict, params: torch.Tensor) -> None:
         poller = self.poller
@@ -199,7 +216,7 @@ class PSClient:
                 self.stats["reconnects"] += 1
                 for (shard, _), (msg, _owed) in sorted(outstanding.items()):
                     if shard == i:
-                        send(self.shards[i], msg, copy=True)
+                        self._send(i, msg)
                         self.stats["retries"] += 1
                 last_heard[i] = time.monotonic()
             backoff = min(backoff * 2, MAX_BACKOFF)
@@ -216,7 +233,7 @@ class PSClient:
         for key, (msg, _owed) in outstanding.items():
             due, interval = resend.setdefault(key, (now + first, first))
             if now >= due:
-                send(self.shards[key[0]], msg, copy=True)
+                self._send(key[0], msg)
                 self.stats["retries"] += 1
                 interval = min(2 * interval, MAX_BACKOFF)
                 resend[key] = (now + interval, interval)

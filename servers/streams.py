@@ -1,0 +1,96 @@
+"""Pushes that arrive in parts, collected per worker and checked part by part.
+
+A push of more than one frame comes as ``parts`` messages (PROTOCOL.md,
+"Parts"), so a shard checks part j (ranges, NaN and Inf) while part j + 1 is
+still on the wire, instead of reading the whole gradient once the last byte
+is in. Nothing is applied before every part has arrived and passed: a push is
+still applied whole or not at all. The parts' tensors stay views of the
+received frames (no copy).
+
+Bounds, so that a peer that starts pushes and never finishes them pins little:
+one open push per worker (a new part 0 replaces an unfinished one, as a worker
+re-sending after a reconnect does), at most ``max_open`` open pushes (the
+oldest goes first), and ``expire`` drops those older than a timeout. After a
+part fails, the remaining parts of that push are dropped without a reply, so
+its worker gets one error for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from asyncsgd.protocol import Message, parts_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Open:
+    seq: int
+    incarnation: int
+    parts: int
+    first: Message  # part 0: its clock, shard and meta stand for the whole push
+    started: float
+    segments: list = field(default_factory=list)
+    received: int = 0  # parts taken so far: the next must be this one
+    failed: bool = False
+
+
+class PushStreams:
+    def __init__(self, check_part: Callable[[Message], Optional[tuple]], max_open: int = 64):
+        self.check_part = check_part  # (code, detail) when a part must be refused
+        self.max_open = max_open
+        self.open: dict = {}  # worker -> _Open, oldest first
+
+    def add(self, msg: Message, now: float) -> tuple:
+        """Take one part: ``(whole push or None, (code, detail) to answer or None)``.
+
+        Raises ``ProtocolError`` for part numbers that are not numbers.
+        """
+        part, parts = parts_of(msg)
+        stream = self.open.get(msg.worker)
+        if part == 0:
+            if stream is not None:
+                log.info("worker %s started push %d before finishing push %d; dropped that one",
+                         msg.worker, msg.seq, stream.seq)
+                del self.open[msg.worker]
+            while len(self.open) >= self.max_open:
+                del self.open[next(iter(self.open))]
+            stream = self.open[msg.worker] = _Open(msg.seq, msg.incarnation, parts, msg, now)
+        elif (stream is None or (stream.seq, stream.incarnation, stream.parts) !=
+              (msg.seq, msg.incarnation, parts) or part != stream.received):
+            return None, ("bad-field", f"part {part} of {parts} of push {msg.seq} does not follow "
+                                       "the parts before it; re-send the push from part 0")
+        if stream.failed:
+            part_problem = None
+        elif len(msg.segments) != 1:
+            part_problem = ("bad-field", f"part {part} of a push holds {len(msg.segments)} "
+                                         "tensor frames; a part holds one")
+        else:
+            part_problem = self.check_part(msg)
+        stream.received += 1
+        last = stream.received == parts
+        if stream.failed or part_problem:
+            stream.failed = True
+            stream.segments = []  # the frames go back now, not at the last part
+            if last:
+                del self.open[msg.worker]
+            return None, part_problem
+        stream.segments.append(msg.segments[0])
+        if not last:
+            return None, None
+        del self.open[msg.worker]
+        first = stream.first
+        meta = {k: v for k, v in first.meta.items() if k not in ("part", "parts")}
+        return Message(type=first.type, worker=first.worker, incarnation=first.incarnation,
+                       seq=first.seq, clock=first.clock, shard=first.shard, meta=meta,
+                       segments=stream.segments), None
+
+    def expire(self, now: float, timeout: float) -> int:
+        """Drop open pushes started more than ``timeout`` seconds ago; how many went."""
+        old = [w for w, s in self.open.items() if now - s.started > timeout]
+        for worker in old:
+            del self.open[worker]
+        return len(old)
