@@ -9,7 +9,9 @@ this process acts as one worker: every round trip pushes the whole gradient
 and pulls the whole parameter vector through ``workers.client.PSClient``
 (msgpack headers, 4 MiB frames, one request per shard, the shards applying
 plain SGD). In the same loop ``experiments/raw_zmq.py`` measures raw pyzmq
-DEALER/ROUTER round trips of the same bytes (one frame, and 4 MiB frames);
+DEALER/ROUTER round trips of the same bytes (one frame, and 4 MiB frames),
+and ``experiments/ps_floor.py`` the floor: raw pyzmq plus only the work no
+parameter server can skip (NaN/Inf check, SGD, headers, the worker's copy);
 each is repeated ``--repeats`` times, interleaved, and the medians compared,
 because this machine drifts by 2x within minutes.
 
@@ -36,6 +38,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from ps_floor import measure_floor  # noqa: E402
 from raw_zmq import measure_raw  # noqa: E402
 from results import save_results  # noqa: E402
 
@@ -136,36 +139,43 @@ def main() -> int:
     shard_counts = [int(s) for s in args.shards.split(",")]
     for size in args.sizes.split(","):
         nbytes = SIZES[size]
-        runs: dict = {"one": [], "framed": [], **{k: [] for k in shard_counts}}
+        runs: dict = {"one": [], "framed": [], "floor": [], **{k: [] for k in shard_counts}}
         for _ in range(args.repeats):  # interleaved, so drift hits raw and asyncsgd alike
             runs["one"].append(measure_raw(nbytes, None, args.seconds)["ms_per_round_trip"])
             runs["framed"].append(
                 measure_raw(nbytes, 4 * 2 ** 20, args.seconds)["ms_per_round_trip"])
+            runs["floor"].append(measure_floor(nbytes, args.seconds)["ms_per_round_trip"])
             for shards in shard_counts:
                 runs[shards].append(measure_ps(nbytes, shards, args.seconds)["ms_per_round_trip"])
         one, framed = statistics.median(runs["one"]), statistics.median(runs["framed"])
+        floor = statistics.median(runs["floor"])
         best_raw = min(one, framed)
         for shards in shard_counts:
             ps_ms = statistics.median(runs[shards])
             row = {"size": size, "bytes": nbytes, "shards": shards, "ps_ms": ps_ms,
                    "ps_gbps": 2 * nbytes / (ps_ms / 1000) / 1e9,
                    "ps_round_trips_per_s": 1000 / ps_ms, "raw_one_frame_ms": one,
-                   "raw_4mib_frames_ms": framed, "vs_best_raw": best_raw / ps_ms,
-                   "overhead_us": (ps_ms - best_raw) * 1000, "runs_ms": runs[shards]}
+                   "raw_4mib_frames_ms": framed, "floor_ms": floor,
+                   "vs_best_raw": best_raw / ps_ms, "vs_floor": floor / ps_ms,
+                   "overhead_us": (ps_ms - best_raw) * 1000,
+                   "floor_overhead_us": (floor - best_raw) * 1000, "runs_ms": runs[shards]}
             rows.append(row)
             print(f"  {size:6s} shards={shards}: asyncsgd {ps_ms:.3f} ms, raw "
-                  f"{one:.3f} / {framed:.3f} ms", file=sys.stderr)
+                  f"{one:.3f} / {framed:.3f} ms, floor {floor:.3f} ms", file=sys.stderr)
     lines = [f"Push + pull of the whole model, one worker, 127.0.0.1 ({time.strftime('%Y-%m-%d %H:%M')}); "
              f"median of {args.repeats} interleaved runs of {args.seconds:g} s; raw pyzmq in the "
-             "same loop.", "",
+             "same loop. Floor: raw pyzmq plus only the work no server can skip "
+             "(experiments/ps_floor.py).", "",
              "| model | shards | asyncsgd ms | round trips/s | GB/s | raw 1 frame ms | "
-             "raw 4 MiB frames ms | best raw / asyncsgd | overhead µs |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "raw 4 MiB frames ms | floor ms | best raw / asyncsgd | floor / asyncsgd | "
+             "overhead µs (floor's) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['size']} | {r['shards']} | {r['ps_ms']:.3f} | "
                      f"{r['ps_round_trips_per_s']:,.0f} | {r['ps_gbps']:.2f} | "
                      f"{r['raw_one_frame_ms']:.3f} | {r['raw_4mib_frames_ms']:.3f} | "
-                     f"{r['vs_best_raw']:.2f}x | {r['overhead_us']:,.0f} |")
+                     f"{r['floor_ms']:.3f} | {r['vs_best_raw']:.2f}x | {r['vs_floor']:.2f}x | "
+                     f"{r['overhead_us']:,.0f} ({r['floor_overhead_us']:,.0f}) |")
     text = "\n".join(lines)
     print(text)
     if not args.no_save:
@@ -185,7 +195,8 @@ def plot(rows: list, shard_counts: list, path: Path) -> None:
         mine = sorted((r["bytes"], r["ps_ms"]) for r in rows if r["shards"] == shards)
         ax.plot(*zip(*mine), marker="o", label=f"asyncsgd, {shards} shard(s)")
     for key, label in (("raw_one_frame_ms", "raw pyzmq, one frame"),
-                       ("raw_4mib_frames_ms", "raw pyzmq, 4 MiB frames")):
+                       ("raw_4mib_frames_ms", "raw pyzmq, 4 MiB frames"),
+                       ("floor_ms", "floor: raw + the work no server can skip")):
         raw = {r["bytes"]: r[key] for r in rows}
         ax.plot(sizes, [raw[b] for b in sizes], linestyle="--", marker=".", label=label)
     ax.set(xscale="log", yscale="log", xlabel="model size (bytes of float32 parameters)",

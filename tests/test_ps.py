@@ -306,3 +306,19 @@ def test_push_every_with_dc_asgd_and_staleness_lr_trains(server, cli_env):
     summary = read_json(srv.out / "summary.json")
     assert summary["updates"] == 2 * 48
     assert summary["final_accuracy"] > 0.2  # chance is 0.1
+
+
+@pytest.mark.parametrize("consistency", ["async", "ssp:2", "sync"])
+def test_two_workers_and_two_shards_reach_85_percent_on_mnist1d_cnn(server, cli_env, consistency):
+    """The issue's bar: 85% test accuracy within 5 minutes on this machine, in every mode."""
+    srv = server("--task", "mnist1d-cnn", "--shards", 2, "--workers", 2,
+                 "--consistency", consistency, "--target-accuracy", 0.85, "--max-seconds", 300)
+    procs = [worker(cli_env, srv.address, r, 2, "--task", "mnist1d-cnn", "--epochs", 1000)
+             for r in range(2)]
+    for code, out, err in finish(procs, timeout=360):
+        assert code == 0, err
+        assert "the server ended training" in out
+    assert srv.wait()[0] == 0
+    summary = read_json(srv.out / "summary.json")
+    assert summary["stopped_by"] == "target_accuracy", summary
+    assert summary["best_accuracy"] >= 0.85 and summary["time_to_target"] <= 300
