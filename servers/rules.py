@@ -183,12 +183,24 @@ class UpdateRule(abc.ABC):
         must not require grad. A segment covering the whole tensor is applied to
         ``params`` itself (slicing costs a few microseconds per push).
         """
-        lr = self.lr * lr_scale
-        self.steps += 1
-        size = self.size
+        lr = self.begin(lr_scale)
         for offset, grad in segments:
-            n = grad.shape[0]
-            self._apply(params if n == size else params[offset: offset + n], grad, offset, lr)
+            self.apply_one(params, offset, grad, lr)
+
+    def begin(self, lr_scale: float = 1.0) -> float:
+        """Count one optimizer step (one push) and return its learning rate.
+
+        ``apply`` is ``begin`` and then ``apply_one`` per segment; a shard that
+        sends each part of its reply as soon as that part is updated calls them
+        itself.
+        """
+        self.steps += 1
+        return self.lr * lr_scale
+
+    def apply_one(self, params: torch.Tensor, offset: int, grad: torch.Tensor, lr: float) -> None:
+        """Apply one checked segment of the current step (see ``begin``)."""
+        n = grad.shape[0]
+        self._apply(params if n == self.size else params[offset: offset + n], grad, offset, lr)
 
     def state_dict(self) -> dict:
         """A snapshot (cloned tensors) of everything needed to continue: only tensors, ints,

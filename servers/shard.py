@@ -120,6 +120,12 @@ class ShardState:
         # called before every write, it returns a tensor equal to ``params`` that no
         # send in flight still reads (``params`` itself, or a copy of it).
         self.before_write: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        # Set by the shard process: an async push that asks for the parameters back is
+        # applied segment by segment while its reply goes out part by part
+        # (``apply_pending``), so updating part j + 1 overlaps sending part j. Every
+        # request, tick and snapshot first finishes what is pending.
+        self.defer_apply = False
+        self._pending: Optional[tuple] = None  # (params, segments last-first, lr)
         self._segments_of: Optional[torch.Tensor] = None
         self._segments: list = []
         self.rule = make_rule(cfg.rule, self.size, cfg.lr, **cfg.hyper)
@@ -142,6 +148,7 @@ class ShardState:
     # ---- requests -------------------------------------------------------------------
 
     def handle(self, peer: bytes, msg: Message, now: float) -> list:
+        self.apply_pending()
         if msg.type == STATS:
             return [(peer, Message(type=STATS, shard=self.cfg.index, seq=msg.seq,
                                    meta=self.stats(now)))]
@@ -342,7 +349,15 @@ class ShardState:
             return self._accumulate(record, msg, staleness)
         segments = self._compensated(record, msg)
         scale = staleness_scale(staleness) if self.cfg.staleness_lr else 1.0
-        self.rule.apply(self._writable(), segments, lr_scale=scale)  # checked above
+        params = self._writable()
+        if (self.defer_apply and self.mode == "async" and self.cfg.dc_lambda is None
+                and msg.meta.get("pull") is True):
+            # DC-ASGD keeps a copy of what is pulled, and ssp may answer other workers
+            # at once: both need the update made now. Segments were checked above.
+            self._pending = (params, sorted(segments, key=lambda s: -s[0]),
+                             self.rule.begin(scale))
+        else:
+            self.rule.apply(params, segments, lr_scale=scale)  # checked above
         self.version += 1
         self.counters["updates"] += 1
         self._remember(record, msg.seq)
@@ -370,6 +385,17 @@ class ShardState:
             params[0].meta["ack"] = own[0][1].meta
             del replies[own[0][0]]
         return replies + pulled
+
+    def apply_pending(self, until: Optional[int] = None) -> None:
+        """Finish the deferred update: the segments that start before ``until`` (all by default)."""
+        if self._pending is None:
+            return
+        params, segments, lr = self._pending
+        while segments and (until is None or segments[-1][0] < until):
+            offset, grad = segments.pop()
+            self.rule.apply_one(params, offset, grad, lr)
+        if not segments:
+            self._pending = None
 
     def _compensated(self, record: WorkerRecord, msg: Message) -> list:
         if self.cfg.dc_lambda is None or record.backup is None:
@@ -424,6 +450,7 @@ class ShardState:
 
     def tick(self, now: float) -> list:
         """Drop workers silent for longer than the heartbeat timeout; release what that frees."""
+        self.apply_pending()
         self.streams.expire(now, self.cfg.heartbeat_timeout)
         dropped = False
         for record in self._live():
@@ -437,6 +464,7 @@ class ShardState:
         return self._release() if dropped else []
 
     def stats(self, now: float) -> dict:
+        self.apply_pending()
         return {
             "shard": self.cfg.index, "version": self.version, "size": self.size,
             "consistency": self.cfg.consistency, **self.counters,
@@ -449,6 +477,7 @@ class ShardState:
         }
 
     def state_dict(self) -> dict:
+        self.apply_pending()
         return {"index": self.cfg.index, "start": self.cfg.start, "end": self.cfg.end,
                 "params": self.params.clone(), "version": self.version,
                 "rule": self.rule.state_dict(), "counters": dict(self.counters),
@@ -462,6 +491,7 @@ class ShardState:
         if (state.get("start"), state.get("end")) != (self.cfg.start, self.cfg.end):
             raise ConfigError(f"checkpoint of shard range [{state.get('start')}, "
                               f"{state.get('end')}) does not fit [{self.cfg.start}, {self.cfg.end})")
+        self.apply_pending()
         self._writable().copy_(state["params"])
         self.version = int(state["version"])
         self.rule.load_state_dict(state["rule"])

@@ -60,6 +60,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
     state = ShardState(settings.config, initial)
     inflight = InFlight()
     state.before_write = inflight.writable
+    state.defer_apply = True  # _reply applies each part of an update just before sending it
     path = checkpoint_path(settings.checkpoint_dir, rank) if settings.checkpoint_dir else None
     if settings.resume and path is not None and path.exists():
         state.load_state_dict(load_checkpoint(path)["shard"])
@@ -119,16 +120,19 @@ def _drain(sock: zmq.Socket, state: ShardState) -> None:
 def _reply(sock: zmq.Socket, state: ShardState, inflight: InFlight, peer: bytes,
            reply: Message) -> None:
     """Parameters go out without copying when ``inflight`` allows it, a message per frame
-    (so the worker copies one while the next is on the wire); the rest as usual."""
+    (so the worker copies one while the next is on the wire), each as soon as the
+    update still pending on it is applied; the rest once the update is complete."""
     params = state.params
     if (reply.type == PARAMS and state.size * 4 >= COPY_BELOW and reply.segments
             and inflight.zero_copy(params)
             and all(seg.data._base is params for seg in reply.segments)):
         for part in in_parts(reply) if len(reply.segments) > 1 else [reply]:
+            state.apply_pending(until=max(s.offset + s.data.shape[0] for s in part.segments))
             tracker = send_tracked(sock, part, peer)
             if tracker is not None:
                 inflight.sent(params, tracker)
         return
+    state.apply_pending()
     send(sock, reply, peer)
 
 

@@ -119,3 +119,27 @@ def test_large_pushes_in_parts_through_a_real_server_are_exact(server):
     shards = [srv.request(encode(Message(type=STATS, seq=1)), port=port).meta
               for port in srv.stats()["shard_ports"]]
     assert [s["pushes"] for s in shards] == [4, 3] and [s["nonfinite"] for s in shards] == [0, 1]
+
+
+def test_a_deferred_update_goes_part_by_part_and_equals_the_immediate_one():
+    """The shard process applies part j of an update just before sending part j of the
+    reply; the result is bit for bit the update applied at once (Adam: one step a push)."""
+    now, later = _state(rule="adam"), _state(rule="adam")
+    later.defer_apply = True
+    start = later.params.clone()
+    for seq in (1, 2):
+        grad = torch.randn(SIZE)
+        whole = Message(type=PUSH, worker="w", incarnation=1, seq=seq, clock=seq - 1, shard=0,
+                        meta={"pull": True}, segments=split(grad, frame_bytes=16))
+        (_, expected), = now.handle(b"a", whole, 0.0)
+        (_, reply), = later.handle(b"a", whole, 0.0)
+        assert reply.type == PARAMS and reply.meta == expected.meta
+        if seq == 1:
+            assert torch.equal(later.params, start), "nothing is applied before it is sent"
+            later.apply_pending(until=4)
+            assert torch.equal(later.params[:4], now.params[:4])
+            assert torch.equal(later.params[4:], start[4:])
+    later.tick(0.0)
+    assert torch.equal(later.params, now.params) and later.rule.steps == now.rule.steps == 2
+    for key, value in now.rule.state.items():
+        assert torch.equal(later.rule.state[key], value)
