@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Optional
 
 import torch
@@ -114,6 +115,9 @@ class Front:
         self.refused = 0
         self.latest_stats: list = []
         self.gate: Optional[Gatekeeper] = None
+        # Distinct for every start of the server: a worker that re-does its handshake
+        # learns from it whether the server restarted (and its shards may have moved).
+        self.instance = uuid.uuid4().hex
 
     def serve(self, timeout_ms: int) -> None:
         if not self.sock.poll(timeout_ms):
@@ -140,12 +144,13 @@ class Front:
                                      f"{self.cfg.task}: {problem}", msg)
             self.joined[msg.worker] = now
             self.left.discard(msg.worker)
-            log.info("worker %s joined (rank %s of %s)", msg.worker, msg.meta.get("rank"),
+            log.info("worker %s %s (rank %s of %s)", msg.worker,
+                     "rejoined" if msg.meta.get("rejoin") else "joined", msg.meta.get("rank"),
                      msg.meta.get("world"))
             return Message(type=WELCOME, seq=msg.seq, meta={
                 "shards": self.shards, "consistency": self.cfg.consistency,
                 "heartbeat_timeout": self.cfg.heartbeat_timeout, "total": self.layout.total,
-                "task": self.cfg.task})
+                "task": self.cfg.task, "instance": self.instance})
         if msg.type == HEARTBEAT:
             if msg.worker in self.joined:
                 self.joined[msg.worker] = now

@@ -4,7 +4,9 @@ The loop receives frames, decodes them (a malformed message gets an ERROR
 reply and changes nothing), lets the state object decide, and sends its
 replies. It never crashes on input: anything the state raises is logged and
 answered as an error. It checkpoints its slice and optimizer state
-atomically every ``checkpoint_every`` seconds and when it stops.
+atomically every ``checkpoint_every`` seconds and when it stops, with the
+port it listens on: a shard of a resumed server listens there again when the
+port is free, so running workers find it where it was.
 """
 
 from __future__ import annotations
@@ -62,15 +64,17 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
     state.before_write = inflight.writable
     state.defer_apply = True  # _reply applies each part of an update just before sending it
     path = checkpoint_path(settings.checkpoint_dir, rank) if settings.checkpoint_dir else None
+    saved: dict = {}
     if settings.resume and path is not None and path.exists():
-        state.load_state_dict(load_checkpoint(path)["shard"])
+        saved = load_checkpoint(path)
+        state.load_state_dict(saved["shard"])
         log.info("shard %d resumed at version %d", rank, state.version)
     ctx = zmq.Context()
     gate = Gatekeeper(ctx, settings.curve)
-    sock, endpoint = router(ctx, f"tcp://{settings.bind_host}:{settings.port}",
-                            curve=settings.curve, max_frame=frame_limit(state.size))
+    sock, endpoint = _listen(ctx, settings, state.size, saved.get("port"))
     gate.watch(sock)
-    ready.send(int(endpoint.rsplit(":", 1)[1]))
+    port = int(endpoint.rsplit(":", 1)[1])
+    ready.send(port)
     ready.close()
     next_checkpoint = time.monotonic() + (settings.checkpoint_every or float("inf"))
     next_tick = 0.0
@@ -87,15 +91,34 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
                 for peer, reply in state.tick(now):
                     _reply(sock, state, inflight, peer, reply)
             if path is not None and now >= next_checkpoint:
-                save_checkpoint(path, {"shard": state.state_dict()})
+                save_checkpoint(path, {"shard": state.state_dict(), "port": port})
                 next_checkpoint = now + settings.checkpoint_every
         _drain(sock, state)
     finally:
         if path is not None:
-            save_checkpoint(path, {"shard": state.state_dict()})
+            save_checkpoint(path, {"shard": state.state_dict(), "port": port})
         gate.close()
         sock.close(0)
         ctx.term()
+
+
+def _listen(ctx: zmq.Context, settings: ShardProcessSettings, size: int,
+            former: Optional[int]) -> tuple:
+    """The shard's ROUTER and endpoint: on ``settings.port`` when set (a restart by the
+    supervisor, whose workers know that port), else on the ``former`` port its checkpoint
+    recorded when that is free, else on any free port."""
+    def listen(port: int) -> tuple:
+        return router(ctx, f"tcp://{settings.bind_host}:{port}", curve=settings.curve,
+                      max_frame=frame_limit(size))
+
+    if not settings.port and former:
+        try:
+            return listen(former)
+        except zmq.ZMQError as exc:
+            log.warning("shard %d: its former port %d is taken (%s); listening on another, "
+                        "which workers learn when they rejoin", settings.config.index, former,
+                        exc.strerror)
+    return listen(settings.port)
 
 
 def _drain(sock: zmq.Socket, state: ShardState) -> None:
@@ -122,6 +145,8 @@ def _reply(sock: zmq.Socket, state: ShardState, inflight: InFlight, peer: bytes,
     """Parameters go out without copying when ``inflight`` allows it, a message per frame
     (so the worker copies one while the next is on the wire), each as soon as the
     update still pending on it is applied; the rest once the update is complete."""
+    if reply.shard < 0:  # errors too name the shard: a worker can tell another shard's answer
+        reply.shard = state.cfg.index
     params = state.params
     if (reply.type == PARAMS and state.size * 4 >= COPY_BELOW and reply.segments
             and inflight.zero_copy(params)

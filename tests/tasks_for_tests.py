@@ -8,6 +8,8 @@ everywhere proves the partitions are disjoint and cover the data.
 
 dense_counter: one shared scalar whose gradient is the batch size; with lr = 1
 its final value is exactly -(samples processed) unless an update was lost.
+dense_pair: two such scalars, one per shard with --shards 2, so each shard's
+lost updates show in its own value.
 """
 
 import functools
@@ -43,13 +45,16 @@ class RowWeights(nn.Module):
         return self.weight(index.view(-1, 1))
 
 
-class Scalar(nn.Module):
-    def __init__(self):
+class Scalars(nn.Module):
+    """``width`` shared weights; the output is their sum, so each one's gradient is the
+    batch size."""
+
+    def __init__(self, width: int = 1):
         super().__init__()
-        self.w = nn.Parameter(torch.zeros(1))
+        self.w = nn.Parameter(torch.zeros(width))
 
     def forward(self, x):
-        return self.w.expand(len(x), 1)
+        return self.w.sum().expand(len(x), 1)
 
 
 def _rows_task(name, model_fn, samples):
@@ -71,7 +76,11 @@ def failing(samples=None):
 
 
 def dense_counter(samples=None):
-    return _rows_task("dense-counter", Scalar, samples or 2000)
+    return _rows_task("dense-counter", Scalars, samples or 2000)
+
+
+def dense_pair(samples=None):
+    return _rows_task("dense-pair", functools.partial(Scalars, 2), samples or 2000)
 
 
 def not_a_task():

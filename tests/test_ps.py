@@ -25,8 +25,10 @@ def free_port():
 
 
 class Server:
-    def __init__(self, cli_env, out, *args):
-        self.port = free_port()
+    def __init__(self, cli_env, out, *args, port=None, own_group=False):
+        """``port``: the front's (a free one by default); ``own_group``: the server and its
+        shards in a process group of their own, which a test may kill whole."""
+        self.port = port or free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.out = out
         where = [] if "--resume" in args else ["--out", out]
@@ -34,7 +36,7 @@ class Server:
             asyncsgd_cmd("ps-server", "--bind", self.address, *where, "--progress", "off",
                          "--eval-every", 0.5, *args),
             env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            stdin=subprocess.DEVNULL)
+            stdin=subprocess.DEVNULL, start_new_session=own_group)
         self.ctx = zmq.Context()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

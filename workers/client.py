@@ -15,6 +15,15 @@ exponential backoff, and gives up with ``ServerUnavailable`` after
 ``server_timeout`` seconds without any answer. A request a live shard leaves
 unanswered for ``3 * heartbeat`` (it or its answer was lost) is re-sent
 likewise, so pushes reach the shard exactly once even through drops.
+
+Rejoin: while shards are silent the client also says ``hello`` to the front
+again, with its worker id and incarnation unchanged. The same server answers
+as before; a server restarted with ``--resume`` answers with a new
+``instance`` and maybe new shard ports. The client then moves to those ports
+and re-sends what is outstanding under the same sequence numbers, which the
+shards' restored dedupe windows recognise: pushes still apply exactly once.
+A server that comes back with other shard ranges serves another model or
+shard count: ``ServerChanged``.
 """
 
 from __future__ import annotations
@@ -29,8 +38,9 @@ import torch
 import zmq
 
 from asyncsgd.errors import AsyncSGDError
-from asyncsgd.protocol import (ACK, BYE, ERROR, HEARTBEAT, HELLO, PARAMS, PULL, PUSH, Message,
-                               ProtocolError, copy_into, decode, in_parts, parts_of, split)
+from asyncsgd.protocol import (ACK, BYE, ERROR, HEARTBEAT, HELLO, PARAMS, PULL, PUSH, WELCOME,
+                               Message, ProtocolError, copy_into, decode, in_parts, parts_of,
+                               split)
 from asyncsgd.security import ClientKeys, await_handshake
 from asyncsgd.transport import dealer, frame_limit, recv, send
 
@@ -42,6 +52,12 @@ MAX_BACKOFF = 10.0  # seconds: the longest wait between two retries
 
 class ServerUnavailable(AsyncSGDError):
     """The server did not answer for longer than --server-timeout."""
+
+
+class ServerChanged(AsyncSGDError):
+    """The server came back with another shard layout than the one this worker joined."""
+
+    exit_code = 2
 
 
 class ServerFinished(Exception):
@@ -69,7 +85,7 @@ class PSClient:
         self.curve = curve
         self.ctx = zmq.Context()
         self.seq = 0
-        self.stats = {"retries": 0, "duplicate_acks": 0, "reconnects": 0}
+        self.stats = {"retries": 0, "duplicate_acks": 0, "reconnects": 0, "rejoins": 0}
         try:  # wrong or missing keys: one clear error now, not retries until the timeout
             if not await_handshake(self.ctx, server, curve, server_timeout):
                 raise self._unavailable()
@@ -77,16 +93,14 @@ class PSClient:
             self.ctx.term()
             raise
         self.front = self._front_socket()
-        welcome = self._request_front(Message(type=HELLO, meta={
-            "signature": signature, "rank": rank, "world": world,
-            "host": socket.gethostname()}))
+        self.hello = {"signature": signature, "rank": rank, "world": world,
+                      "host": socket.gethostname()}
+        welcome = self._request_front(Message(type=HELLO, meta=self.hello))
         self.info = welcome.meta
-        host = server[6:].rsplit(":", 1)[0]
-        self.shard_addrs = [f"tcp://{host}:{s['port']}" for s in welcome.meta["shards"]]
-        self.ranges = [(s["start"], s["end"]) for s in welcome.meta["shards"]]
+        self.shard_addrs, self.ranges = self._layout(welcome.meta)
         self.shards = [self._shard_socket(i) for i in range(len(self.shard_addrs))]
         self.poller = zmq.Poller()
-        for sock in self.shards:
+        for sock in [self.front, *self.shards]:
             self.poller.register(sock, zmq.POLLIN)
         self.version = 0  # the parameter version the local copy was pulled at (per shard min)
         self.versions = [0] * len(self.shards)
@@ -97,6 +111,12 @@ class PSClient:
         return ServerUnavailable(
             f"no answer from the server at {self.server} for {self.server_timeout:g} s; "
             "check the address and that 'asyncsgd ps-server' is running there")
+
+    def _layout(self, welcome: dict) -> tuple:
+        """(shard addresses, shard ranges) a WELCOME announces."""
+        host = self.server[6:].rsplit(":", 1)[0]
+        return ([f"tcp://{host}:{s['port']}" for s in welcome["shards"]],
+                [(s["start"], s["end"]) for s in welcome["shards"]])
 
     def _front_socket(self) -> zmq.Socket:
         return dealer(self.ctx, self.server, curve=self.curve, max_frame=frame_limit(0))
@@ -171,21 +191,29 @@ class PSClient:
     def _await(self, outstanding: dict, params: torch.Tensor) -> None:
         poller = self.poller
         self._parts_left.clear()  # what an earlier, abandoned call left behind
-        last_heard = [time.monotonic()] * len(self.shards)
-        next_beat = time.monotonic() + self.heartbeat
-        backoff = self.heartbeat
-        silent_since = None
+        start = time.monotonic()
+        # A shard's last answer: reopening its socket is no answer, so the silence that
+        # --server-timeout bounds runs on across retries.
+        last_heard = [start] * len(self.shards)
+        next_beat = start + self.heartbeat
+        retry_at, backoff = start, self.heartbeat  # the next retry of silent shards, its wait
         resend: dict = {}
         while outstanding:
             events = dict(poller.poll(int(self.heartbeat * 1000)))
             now = time.monotonic()
+            if self.front in events and self._front_replies(outstanding):
+                last_heard = [now] * len(self.shards)  # a restarted server's shards listen
+                retry_at, backoff = now, self.heartbeat
             for i, sock in enumerate(self.shards):
                 if sock not in events:
                     continue
                 while True:
                     reply = decode(recv(sock, router_side=False)[1])
-                    last_heard[i] = now
-                    self._handle(i, reply, outstanding, params)
+                    # Another shard of a restarted server may listen on this port now:
+                    # its answers are no sign of life of shard i.
+                    if reply.shard in (-1, i):
+                        last_heard[i] = now
+                        self._handle(i, reply, outstanding, params)
                     if not outstanding or not sock.poll(0):
                         break
             if not outstanding:
@@ -196,30 +224,93 @@ class PSClient:
                 for i in waiting:
                     send(self.shards[i], self._msg(HEARTBEAT, shard=i))
                 next_beat = now + self.heartbeat
-            dead = [i for i in waiting if now - last_heard[i] > 3 * self.heartbeat + backoff]
+            dead = [i for i in waiting if now - last_heard[i] > 3 * self.heartbeat]
             if not dead:
-                silent_since, backoff = None, self.heartbeat
+                backoff = self.heartbeat
                 continue
-            silent_since = silent_since or min(last_heard[i] for i in dead)
-            if now - silent_since > self.server_timeout:
+            silent = now - min(last_heard[i] for i in dead)
+            if silent > self.server_timeout:
                 raise ServerUnavailable(
                     f"shard(s) {dead} of {self.server} silent for {self.server_timeout:g} s; "
                     "giving up (raise --server-timeout to wait longer)")
+            if now < retry_at:
+                continue
             log.warning("server unavailable (shard(s) %s silent), retrying in %.1f s",
                         dead, backoff)
-            time.sleep(backoff)
+            self._hello_again()
+            if self._front_answers_within(min(backoff, self.server_timeout - silent),
+                                          outstanding):
+                last_heard = [time.monotonic()] * len(self.shards)
+                retry_at, backoff = time.monotonic(), self.heartbeat
+                continue
             for i in dead:
-                poller.unregister(self.shards[i])
-                self.shards[i].close(0)
-                self.shards[i] = self._shard_socket(i)
-                poller.register(self.shards[i], zmq.POLLIN)
-                self.stats["reconnects"] += 1
-                for (shard, _), (msg, _owed) in sorted(outstanding.items()):
-                    if shard == i:
-                        self._send(i, msg)
-                        self.stats["retries"] += 1
-                last_heard[i] = time.monotonic()
+                self._reopen(i, outstanding)
+            retry_at = time.monotonic() + 3 * self.heartbeat  # time for a fresh link to answer
             backoff = min(backoff * 2, MAX_BACKOFF)
+
+    def _reopen(self, i: int, outstanding: dict) -> None:
+        """A fresh socket to shard ``i``'s current address; its outstanding requests re-sent."""
+        self.poller.unregister(self.shards[i])
+        self.shards[i].close(0)
+        self.shards[i] = self._shard_socket(i)
+        self.poller.register(self.shards[i], zmq.POLLIN)
+        self.stats["reconnects"] += 1
+        for key in [k for k in self._parts_left if k[0] == i]:
+            del self._parts_left[key]  # a reply cut off between its parts comes again whole
+        for (shard, _), (msg, _owed) in sorted(outstanding.items()):
+            if shard == i:
+                self._send(i, msg)
+                self.stats["retries"] += 1
+
+    def _hello_again(self) -> None:
+        """Re-do the handshake on a fresh socket: a server restarted meanwhile answers with
+        where its shards listen now. Same worker id and incarnation, so the shards'
+        restored dedupe windows still recognise this worker's pushes."""
+        self.poller.unregister(self.front)
+        self.front.close(0)
+        self.front = self._front_socket()
+        self.poller.register(self.front, zmq.POLLIN)
+        send(self.front, self._msg(HELLO, meta={**self.hello, "rejoin": True}))
+
+    def _front_answers_within(self, seconds: float, outstanding: dict) -> bool:
+        """Wait ``seconds`` (the backoff); True as soon as a restarted server welcomed us."""
+        until = time.monotonic() + seconds
+        while (left := until - time.monotonic()) > 0:
+            if self.front.poll(int(left * 1000) + 1) and self._front_replies(outstanding):
+                return True
+        return False
+
+    def _front_replies(self, outstanding: dict) -> bool:
+        """Read the front's answers to rejoin hellos; True when one came from a restarted
+        server (a new ``instance``) and this client moved to its shards."""
+        rejoined = False
+        while self.front.poll(0):
+            reply = decode(recv(self.front, router_side=False)[1])
+            if reply.type == ERROR:
+                raise ServerRefused(f"the server at {self.server} refused this worker's rejoin: "
+                                    f"{reply.meta.get('error')}")
+            if reply.type == WELCOME and reply.meta.get("instance") != self.info.get("instance"):
+                self._rejoin(reply.meta, outstanding)
+                rejoined = True
+        return rejoined
+
+    def _rejoin(self, welcome: dict, outstanding: dict) -> None:
+        """Move to the shards a restarted server announces; re-send what is outstanding."""
+        addrs, ranges = self._layout(welcome)
+        if ranges != self.ranges:
+            raise ServerChanged(
+                f"the server at {self.server} restarted with shard ranges {ranges}, but this "
+                f"worker joined it with {self.ranges}: it now runs another --shards or model; "
+                "start the worker again to join it afresh")
+        ports = [s["port"] for s in welcome["shards"]]
+        before = [s["port"] for s in self.info["shards"]]
+        self.info, self.shard_addrs = welcome, addrs
+        for i in range(len(self.shards)):  # even on an unchanged port: the old link is dead
+            self._reopen(i, outstanding)
+        self.stats["rejoins"] += 1
+        log.warning("rejoined the restarted server at %s: shards on ports %s%s; re-sent %d "
+                    "unanswered request(s)", self.server, ports,
+                    "" if ports == before else f" (were {before})", len(outstanding))
 
     def _resend_unanswered(self, outstanding: dict, resend: dict, now: float) -> None:
         """Re-send, with backoff, requests a live shard has not answered.

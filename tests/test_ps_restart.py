@@ -1,0 +1,137 @@
+"""A parameter server killed whole (SIGKILL to its process group) while workers train, then
+started again with --resume on the same address: the workers rejoin it and finish. Not
+started again: they give up after --server-timeout, backing off meanwhile.
+
+``tasks_for_tests:dense_pair`` over two shards, SGD lr 1: each shard owns one weight, and
+every push it applies subtracts the batch size (8). Its final weight is exactly
+-8 x (pushes - its lost updates): the acknowledged updates its restored checkpoint
+missed, which the resumed shard reports.
+"""
+
+import shutil
+import signal
+import socket
+import time
+
+import psutil
+import pytest
+
+from asyncsgd.checkpoint import load_checkpoint
+from conftest import read_json, signal_group, stop_tree
+from faults import record_figure
+from test_ps import Server, finish, worker
+from test_ps_kills import shard_stats, wait_for
+
+TASK = "tasks_for_tests:dense_pair"
+ROWS, EPOCHS, BATCH = 2000, 12, 8
+PUSHES = ROWS // 2 // BATCH * EPOCHS  # per worker: two workers, a half of the rows each
+
+
+def occupy(ports: list) -> list:
+    """Listening sockets on ``ports``, as if another program took them meanwhile."""
+    socks = []
+    for port in ports:
+        sock = socket.socket()
+        # The killed shards' connections may linger in TIME_WAIT; a listener still can't.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+        socks.append(sock)
+    return socks
+
+
+@pytest.mark.parametrize("ports", ["free", "taken"])
+def test_workers_rejoin_a_server_killed_whole_and_resumed(cli_env, tmp_path, ports):
+    out = tmp_path / "run"
+    first = Server(cli_env, out, "--task", TASK, "--samples", ROWS, "--shards", 2,
+                   "--workers", 2, "--checkpoint-every", 0.5, own_group=True)
+    resumed, blockers, procs = None, [], []
+    try:
+        old_ports = first.stats()["shard_ports"]
+        procs = [worker(cli_env, first.address, r, 2, "--task", TASK, "--samples", ROWS,
+                        "--epochs", EPOCHS, "--heartbeat", 0.2) for r in range(2)]
+
+        def both_trained():  # each worker past its handshake and 100 pushes
+            train = shard_stats(first, old_ports[1]).get("train", {})
+            return len(train) == 2 and min(steps for _, steps, _ in train.values()) >= 100
+
+        wait_for(lambda: all((out / f"shard-{i}.pt").exists() for i in range(2)) and
+                 (out / "checkpoint.pt").exists() and both_trained(),
+                 120, "checkpoints and 100 pushes of each worker")
+        stop_tree(first.proc, signal_group(signal.SIGKILL))  # asserts no shard outlives it
+        killed = [load_checkpoint(shutil.copy(out / f"shard-{i}.pt", tmp_path / f"killed-{i}.pt"))
+                  ["shard"]["version"] for i in range(2)]
+        assert all(p.poll() is None for p in procs)  # still waiting for their server
+        if ports == "taken":
+            blockers = occupy(old_ports)
+        resumed = Server(cli_env, out, "--resume", out, port=first.port, own_group=True)
+        new_ports = resumed.stats()["shard_ports"]
+        restored = [shard_stats(resumed, p)["restored"]["version"] for p in new_ports]
+        shards = psutil.Process(resumed.proc.pid).children(recursive=True)
+        results = finish(procs, timeout=120)
+        code, _, err = resumed.wait()
+        assert code == 0, err
+        gone, alive = psutil.wait_procs(shards, timeout=10)
+        assert not alive, f"orphans left: {alive}"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for sock in blockers:
+            sock.close()
+        for srv in (first, resumed):
+            if srv is not None:
+                srv.close()
+
+    for code, out_text, err_text in results:
+        assert code == 0, err_text
+        assert f"{PUSHES} steps, {PUSHES} pushes" in out_text, out_text
+        assert err_text.count("rejoined the restarted server") == 1, err_text
+        assert "Traceback" not in err_text
+    assert restored == killed  # each shard came back from the checkpoint it had at the kill
+    if ports == "free":
+        assert new_ports == old_ports  # the resumed shards listen where they did
+    else:
+        assert all(a != b for a, b in zip(new_ports, old_ports))
+        assert all(f"(were {old_ports})" in err_text for _, _, err_text in results)
+
+    summary = read_json(out / "summary.json")
+    weights = load_checkpoint(out / "checkpoint.pt")["model"]["w"]
+    lost = [load_checkpoint(out / f"shard-{i}.pt")["shard"]["counters"]["lost_updates"]
+            for i in range(2)]
+    assert summary["lost_updates"] == sum(lost)
+    assert summary["updates"] == 2 * (2 * PUSHES) - sum(lost)
+    for i in range(2):
+        # Every push applied once: none twice through the re-sends, none lost unreported.
+        assert weights[i].item() == -BATCH * (2 * PUSHES - lost[i]), (i, lost)
+        assert 0 <= lost[i] <= 2 * PUSHES - killed[i]
+    record_figure(f"whole server SIGKILL + --resume (shard ports {ports})",
+                  lost_updates=lost, checkpoint_versions=killed)
+
+
+def test_worker_gives_up_on_a_server_killed_for_good(cli_env, tmp_path):
+    srv = Server(cli_env, tmp_path / "run", "--task", TASK, "--samples", ROWS, "--shards", 2,
+                 own_group=True)
+    proc = None
+    try:
+        ports = srv.stats()["shard_ports"]
+        proc = worker(cli_env, srv.address, 0, 1, "--task", TASK, "--samples", ROWS,
+                      "--epochs", 1000, "--heartbeat", 0.2, "--server-timeout", 4)
+        wait_for(lambda: shard_stats(srv, ports[0])["version"] >= 50, 60, "50 updates")
+        killed = time.monotonic()
+        stop_tree(srv.proc, signal_group(signal.SIGKILL))
+        (code, _, err), = finish([proc], timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        srv.close()
+    assert code == 1, err
+    *earlier, last = err.strip().splitlines()
+    assert last.startswith("error: shard(s) [") and "silent for 4 s; giving up" in last, err
+    waits = [float(line.split("retrying in ")[1].split(" s")[0]) for line in earlier
+             if line.startswith("workers.client: server unavailable")]
+    assert waits[:2] == [0.2, 0.4] and waits == sorted(waits), waits  # exponential backoff
+    assert 3.9 <= took < 10, took  # the silence began at the kill
