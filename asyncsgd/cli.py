@@ -10,6 +10,7 @@ code 2 for bad usage and 1 otherwise; Ctrl-C exits 130 after saving the run.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -23,6 +24,8 @@ from .errors import AsyncSGDError, ConfigError
 from .version import __version__
 
 INTERRUPTED = 130
+
+log = logging.getLogger(__name__)
 
 
 def _configure_logging(verbose: int) -> None:
@@ -49,7 +52,13 @@ def _build_config(cls, ctx: click.Context):
         raise ConfigError("--out cannot be combined with --resume: a resumed run "
                           "continues in its own directory")
     saved = RunDir.open(resume).read_config().get("config", {})
-    merged = {**saved, **{k: params[k] for k in explicit}, "resume": resume, "out": None}
+    known = {f.name for f in dataclasses.fields(cls)}
+    retired = sorted(set(saved) - known)
+    if retired:  # settings this mode no longer has (single's --start-method, which it never used)
+        log.warning("ignoring saved setting(s) %s: %s no longer has them",
+                    ", ".join(retired), ctx.command.name)
+    merged = {**{k: v for k, v in saved.items() if k in known},
+              **{k: params[k] for k in explicit}, "resume": resume, "out": None}
     return config_from_dict(cls, merged)
 
 

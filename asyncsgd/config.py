@@ -125,12 +125,15 @@ class TrainConfig(RunConfig):
     epochs: int = knob(
         20, "Passes over the training data (each process passes over its own partition).",
         type=click.IntRange(min=1))
-    start_method: str = knob(
+    mode = "train"
+
+
+def _start_method() -> Any:
+    """The knob of the modes that start processes of their own (hogwild, ddp; not single)."""
+    return knob(
         "spawn", "How worker processes start: spawn (a fresh interpreter each) or forkserver "
         "(one fresh server imports torch once and forks each worker: much faster start-up "
         "with many processes).", type=click.Choice(["spawn", "forkserver"]))
-
-    mode = "train"
 
 
 @dataclass
@@ -140,6 +143,7 @@ class HogwildConfig(TrainConfig):
     procs: Optional[int] = knob(
         None, "Training processes sharing one model.", type=click.IntRange(min=1),
         show="CPU cores")
+    start_method: str = _start_method()
     lock: bool = knob(
         False, "Take one shared lock around every update: the locked baseline "
         "that shows what lock-free Hogwild buys.")
@@ -342,6 +346,7 @@ class DDPConfig(SingleConfig):
         None, "Processes (ranks) to spawn on this host, one per GPU with --device cuda. "
         "Under torchrun, WORLD_SIZE decides and this must be left out or match it.",
         type=click.IntRange(min=1), show="GPUs with --device cuda, else CPU cores")
+    start_method: str = _start_method()
     backend: str = knob(
         "auto", "Collective backend: nccl (CUDA tensors, one process per GPU) or gloo (CPU). "
         "auto picks nccl with --device cuda when there are at least as many GPUs as "

@@ -9,6 +9,7 @@ Without the all-reduce rank 0's checkpoint would hold -k on its own rows and 0
 elsewhere; with summed instead of averaged gradients, -k everywhere.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -52,8 +53,14 @@ def test_single_is_plain_sgd_exactly_and_resumes(tmp_path, run_cli):
     summary, _ = _check_run_dir(out, "single", 1)
     assert summary["samples"] == 1500 and summary["stopped_by"] == "epochs"
 
+    # A run directory of an earlier version saved single's --start-method, which it never
+    # used and no longer has: the resume says so and goes on.
+    saved = json.loads((out / "config.json").read_text())
+    saved["config"]["start_method"] = "spawn"
+    (out / "config.json").write_text(json.dumps(saved))
     res = run_cli("single", "--resume", out, "--epochs", 5, "--progress", "off")
     assert res.returncode == 0, res.stderr
+    assert "ignoring saved setting(s) start_method" in res.stderr
     assert _counts(_weights(out)) == {-5.0: 500}  # two more epochs on the checkpoint
     assert read_json(out / "summary.json")["samples"] == 2500
     assert [e["event"] for e in read_events(out)].count("resume") == 1
