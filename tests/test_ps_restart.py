@@ -21,6 +21,7 @@ from conftest import read_json, signal_group, stop_tree
 from faults import record_figure
 from test_ps import Server, finish, worker
 from test_ps_kills import shard_stats, wait_for
+from test_security import CurveServer
 
 TASK = "tasks_for_tests:dense_pair"
 ROWS, EPOCHS, BATCH = 2000, 12, 8
@@ -40,16 +41,35 @@ def occupy(ports: list) -> list:
     return socks
 
 
-@pytest.mark.parametrize("ports", ["free", "taken"])
-def test_workers_rejoin_a_server_killed_whole_and_resumed(cli_env, tmp_path, ports):
+def _keys(run_cli, tmp_path):
+    res = run_cli("keygen", tmp_path / "keys", "--clients", 2, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return tmp_path / "keys"
+
+
+@pytest.mark.parametrize("ports,curve", [("free", False), ("taken", False), ("free", True)])
+def test_workers_rejoin_a_server_killed_whole_and_resumed(cli_env, run_cli, tmp_path, ports,
+                                                          curve):
+    """With CURVE on, the fresh front and shard sockets of a rejoin carry the keys too."""
     out = tmp_path / "run"
-    first = Server(cli_env, out, "--task", TASK, "--samples", ROWS, "--shards", 2,
-                   "--workers", 2, "--checkpoint-every", 0.5, own_group=True)
+    keys = _keys(run_cli, tmp_path) if curve else None
+
+    def start(*args, **kw):
+        return CurveServer(cli_env, out, keys, *args, **kw) if curve else \
+            Server(cli_env, out, *args, **kw)
+
+    def worker_keys(rank):
+        return ["--curve-server-key", keys / "server.key", "--curve-secret",
+                keys / "clients" / f"worker-{rank}.key_secret"] if curve else []
+
+    first = start("--task", TASK, "--samples", ROWS, "--shards", 2, "--workers", 2,
+                  "--checkpoint-every", 0.5, own_group=True)
     resumed, blockers, procs = None, [], []
     try:
         old_ports = first.stats()["shard_ports"]
         procs = [worker(cli_env, first.address, r, 2, "--task", TASK, "--samples", ROWS,
-                        "--epochs", EPOCHS, "--heartbeat", 0.2) for r in range(2)]
+                        "--epochs", EPOCHS, "--heartbeat", 0.2, *worker_keys(r))
+                 for r in range(2)]
 
         def both_trained():  # each worker past its handshake and 100 pushes
             train = shard_stats(first, old_ports[1]).get("train", {})
@@ -64,8 +84,9 @@ def test_workers_rejoin_a_server_killed_whole_and_resumed(cli_env, tmp_path, por
         assert all(p.poll() is None for p in procs)  # still waiting for their server
         if ports == "taken":
             blockers = occupy(old_ports)
-        resumed = Server(cli_env, out, "--resume", out, port=first.port, own_group=True)
-        new_ports = resumed.stats()["shard_ports"]
+        resumed = start("--resume", out, port=first.port, own_group=True)
+        front = resumed.stats()
+        new_ports = front["shard_ports"]
         restored = [shard_stats(resumed, p)["restored"]["version"] for p in new_ports]
         shards = psutil.Process(resumed.proc.pid).children(recursive=True)
         results = finish(procs, timeout=120)
@@ -90,6 +111,7 @@ def test_workers_rejoin_a_server_killed_whole_and_resumed(cli_env, tmp_path, por
         assert err_text.count("rejoined the restarted server") == 1, err_text
         assert "Traceback" not in err_text
     assert restored == killed  # each shard came back from the checkpoint it had at the kill
+    assert front["authenticated"] is curve
     if ports == "free":
         assert new_ports == old_ports  # the resumed shards listen where they did
     else:
@@ -106,7 +128,8 @@ def test_workers_rejoin_a_server_killed_whole_and_resumed(cli_env, tmp_path, por
         # Every push applied once: none twice through the re-sends, none lost unreported.
         assert weights[i].item() == -BATCH * (2 * PUSHES - lost[i]), (i, lost)
         assert 0 <= lost[i] <= 2 * PUSHES - killed[i]
-    record_figure(f"whole server SIGKILL + --resume (shard ports {ports})",
+    record_figure(f"whole server SIGKILL + --resume (shard ports {ports}"
+                  f"{', CURVE' if curve else ''})",
                   lost_updates=lost, checkpoint_versions=killed)
 
 

@@ -21,10 +21,10 @@ ROWS = 96  # one worker, batch 8: 12 pushes an epoch
 class CurveServer(Server):
     """A ps-server with CURVE on; the test's own requests use worker-0's key."""
 
-    def __init__(self, cli_env, out, keys, *args):
+    def __init__(self, cli_env, out, keys, *args, **kw):
         self.curve = ClientKeys.load(keys / "server.key", keys / "clients" / "worker-0.key_secret")
         super().__init__(cli_env, out, "--curve-secret", keys / "server.key_secret",
-                         "--allowed-clients", keys / "allowed_clients", *args)
+                         "--allowed-clients", keys / "allowed_clients", *args, **kw)
 
 
 @pytest.fixture
