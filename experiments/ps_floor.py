@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing
 import statistics
 import sys
 import time
@@ -33,18 +32,24 @@ import msgpack
 import torch
 import zmq
 
-from raw_zmq import SERVER_START_TIMEOUT_S, WARMUP_ROUND_TRIPS, stop_process
+from raw_zmq import SIZES, WARMUP_ROUND_TRIPS, measure_raw, time_against_server
 
 FRAME = 4 * 2 ** 20
 LR = 1e-6
 
 
+def _socket(ctx: zmq.Context, kind: int, timeout_ms: int) -> zmq.Socket:
+    """A socket that never hangs on close and gives up on a silent peer."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    return sock
+
+
 def _serve(conn, nbytes: int) -> None:
     torch.set_num_threads(1)
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 60_000)
+    sock = _socket(ctx, zmq.ROUTER, 60_000)
     try:
         conn.send(sock.bind_to_random_port("tcp://127.0.0.1"))
         conn.close()
@@ -74,9 +79,7 @@ def _serve(conn, nbytes: int) -> None:
 def _round_trips(port: int, nbytes: int, seconds: float) -> list:
     torch.set_num_threads(1)
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock = _socket(ctx, zmq.DEALER, 10_000)
     try:
         sock.connect(f"tcp://127.0.0.1:{port}")
         grads = torch.full((nbytes // 4,), 1e-3)
@@ -116,21 +119,8 @@ def _round_trips(port: int, nbytes: int, seconds: float) -> list:
 
 def measure_floor(nbytes: int, seconds: float = 2.0) -> dict:
     """Median round trip of the minimal parameter server for ``nbytes`` of float32."""
-    spawn = multiprocessing.get_context("spawn")
-    reader, writer = spawn.Pipe(duplex=False)
-    server = spawn.Process(target=_serve, args=(writer, nbytes), name="ps-floor", daemon=True)
-    server.start()
-    writer.close()
-    try:
-        if not reader.poll(SERVER_START_TIMEOUT_S):
-            raise RuntimeError("floor server sent no port")
-        durations = _round_trips(reader.recv(), nbytes, seconds)
-        server.join(10)
-        if server.exitcode != 0:
-            raise RuntimeError(f"floor server ended badly (exit code {server.exitcode})")
-    finally:
-        stop_process(server)
-        reader.close()
+    durations = time_against_server(_serve, (nbytes,), "ps-floor server",
+                                    lambda port: _round_trips(port, nbytes, seconds))
     median = statistics.median(durations)
     return {"nbytes": nbytes, "ms_per_round_trip": median * 1e3, "round_trips": len(durations),
             "gbps": 2 * nbytes / median / 1e9}
@@ -140,9 +130,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=2.0)
     args = ap.parse_args()
-    from raw_zmq import measure_raw
-    for label, nbytes in (("20 KB", 20_000), ("1 MB", 1_000_000), ("10 MB", 10_000_000),
-                          ("40 MiB", 40 * 2 ** 20)):
+    for label, nbytes in SIZES:
         raw = measure_raw(nbytes, FRAME, args.seconds)["ms_per_round_trip"]
         floor = measure_floor(nbytes, args.seconds)["ms_per_round_trip"]
         print(f"{label:>6}: raw pyzmq (4 MiB frames) {raw:8.3f} ms   floor {floor:8.3f} ms   "

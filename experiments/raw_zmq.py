@@ -208,6 +208,38 @@ def stop_process(process: multiprocessing.process.BaseProcess) -> None:
         process.join()
 
 
+def time_against_server(serve, args: tuple, name: str, client) -> list:
+    """Run ``serve(port_writer, *args)`` in a spawned process and ``client(port)`` here.
+
+    The server reports its port through the pipe and must exit 0 once the
+    client has said goodbye; returns what ``client`` returns. Raises
+    RuntimeError if the server sends no port, dies first or ends badly, and
+    never leaves it running.
+    """
+    spawn = multiprocessing.get_context("spawn")
+    port_reader, port_writer = spawn.Pipe(duplex=False)
+    server = spawn.Process(target=serve, name=name, args=(port_writer, *args), daemon=True)
+    server.start()
+    port_writer.close()  # so that the reader sees EOF if the server dies before sending its port
+    try:
+        if not port_reader.poll(SERVER_START_TIMEOUT_S):
+            raise RuntimeError(f"{name} sent no port within {SERVER_START_TIMEOUT_S:g} s")
+        try:
+            port = port_reader.recv()
+        except EOFError:
+            server.join(SERVER_EXIT_TIMEOUT_S)
+            raise RuntimeError(f"{name} exited before binding "
+                               f"(exit code {server.exitcode})") from None
+        result = client(port)
+        server.join(SERVER_EXIT_TIMEOUT_S)
+        if server.exitcode != 0:
+            raise RuntimeError(f"{name} ended badly (exit code {server.exitcode})")
+        return result
+    finally:
+        stop_process(server)
+        port_reader.close()
+
+
 def measure_raw(nbytes: int, frame_bytes: int | None, seconds: float = 2.0,
                 mode: str = "frames") -> dict:
     """Median push+pull round trip of ``nbytes`` each way between a DEALER and a ROUTER process.
@@ -226,28 +258,9 @@ def measure_raw(nbytes: int, frame_bytes: int | None, seconds: float = 2.0,
         raise ValueError(f"mode {mode!r} is not available with pyzmq {zmq.__version__}; "
                          f"choose from {MODES}")
 
-    spawn = multiprocessing.get_context("spawn")
-    port_reader, port_writer = spawn.Pipe(duplex=False)
-    server = spawn.Process(target=serve_round_trips, name="raw-zmq-server",
-                           args=(port_writer, nbytes, frame_bytes, mode), daemon=True)
-    server.start()
-    port_writer.close()  # so that the reader sees EOF if the server dies before sending its port
-    try:
-        if not port_reader.poll(SERVER_START_TIMEOUT_S):
-            raise RuntimeError(f"raw zmq server sent no port within {SERVER_START_TIMEOUT_S:g} s")
-        try:
-            port = port_reader.recv()
-        except EOFError:
-            server.join(SERVER_EXIT_TIMEOUT_S)
-            raise RuntimeError(f"raw zmq server exited before binding "
-                               f"(exit code {server.exitcode})") from None
-        durations = time_round_trips(port, nbytes, frame_bytes, seconds, mode)
-        server.join(SERVER_EXIT_TIMEOUT_S)
-        if server.exitcode != 0:
-            raise RuntimeError(f"raw zmq server ended badly (exit code {server.exitcode})")
-    finally:
-        stop_process(server)
-        port_reader.close()
+    durations = time_against_server(
+        serve_round_trips, (nbytes, frame_bytes, mode), "raw-zmq-server",
+        lambda port: time_round_trips(port, nbytes, frame_bytes, seconds, mode))
 
     median_s = statistics.median(durations)
     return {"nbytes": nbytes, "frame_bytes": frame_bytes, "mode": mode,
