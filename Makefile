@@ -1,6 +1,6 @@
 # Two entry points, both idempotent and fast on a second call:
 #   make run    set up .venv and train mnist1d-cnn with 8 Hogwild processes
-#   make test   set up .venv and run the whole test suite
+#   make test   set up .venv, lint (ruff) and run the whole test suite
 # On a machine without an NVIDIA GPU the CPU build of torch is installed
 # (a plain `pip install torch` would pull a multi-GB CUDA build).
 
@@ -10,7 +10,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.asyncsgd-installed
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: setup run test bench clean
+.PHONY: setup run lint test bench clean
 
 setup: $(STAMP)
 
@@ -25,7 +25,10 @@ $(STAMP): setup.cfg pyproject.toml
 run: setup
 	$(BIN)/asyncsgd hogwild --task mnist1d-cnn --procs 8 --epochs 60
 
-test: setup
+lint: setup
+	$(BIN)/ruff check .
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 bench: setup

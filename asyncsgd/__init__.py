@@ -2,6 +2,12 @@
 
 The names below are re-exported lazily, so ``asyncsgd --help`` and option
 errors answer at once instead of first importing torch.
+
+Where things live: ``core`` (tasks, data, models), ``wire`` (the parameter
+server's protocol, transport and security), ``run`` (run directory, metrics,
+checkpoints, owned processes), ``modes`` (Hogwild, single, DDP), ``analysis``
+(compare, reports, plots); the parameter server itself is in the ``servers``
+and ``workers`` packages beside this one.
 """
 
 import importlib
@@ -10,11 +16,13 @@ from .version import __version__
 
 _EXPORTS = {
     "HogwildConfig": "config", "TrainConfig": "config",
-    "SingleConfig": "config", "DDPConfig": "config",
+    "SingleConfig": "config", "DDPConfig": "config", "ServerConfig": "config",
+    "WorkerConfig": "config", "CompareConfig": "config",
     "AsyncSGDError": "errors", "CheckpointError": "errors", "ConfigError": "errors",
     "DataError": "errors", "SecurityError": "errors", "TaskError": "errors",
     "WorkerError": "errors",
-    "RunDir": "rundir", "Split": "tasks", "Task": "tasks", "load_task": "tasks",
+    "RunDir": "run.rundir", "RunResult": "run.recorder",
+    "Split": "core.tasks", "Task": "core.tasks", "load_task": "core.tasks",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -46,7 +46,7 @@ def _build_config(cls, ctx: click.Context):
     resume = params.get("resume")
     if not resume:
         return cls(**params)
-    from .rundir import RunDir
+    from .run.rundir import RunDir
     explicit = _explicit(ctx)
     if "out" in explicit:
         raise ConfigError("--out cannot be combined with --resume: a resumed run "
@@ -92,7 +92,7 @@ def cli(verbose: int) -> None:
 @cli.command()
 def tasks() -> None:
     """List the built-in tasks with their default learning rate and batch size."""
-    from .tasks import BUILTIN_TASKS
+    from .core.tasks import BUILTIN_TASKS
     for name, factory in BUILTIN_TASKS.items():
         click.echo(f"{name:14s} {(factory.__doc__ or '').strip().splitlines()[0]}")
     click.echo("\nyour own: --task package.module:function returning an asyncsgd.Task "
@@ -111,7 +111,7 @@ def hogwild(ctx: click.Context, **_: object) -> None:
     optimizer; the parent evaluates the shared model every --eval-every seconds
     without pausing them. --lock gives the locked baseline.
     """
-    from . import hogwild as hogwild_mode
+    from .modes import hogwild as hogwild_mode
     cfg = _build_config(HogwildConfig, ctx)
     result = hogwild_mode.train(cfg, argv=sys.argv)
     _report(result.summary)
@@ -178,8 +178,8 @@ def ps_stats(server: str, timeout: float, curve_server_key: Optional[str],
     refused connections."""
     import json
 
-    from .security import ClientKeys
-    from .stats import fetch_stats
+    from .wire.security import ClientKeys
+    from .wire.stats import fetch_stats
     keys = ClientKeys.load(curve_server_key, curve_secret)
     click.echo(json.dumps(fetch_stats(server, timeout, keys), indent=2, sort_keys=True))
 
@@ -207,7 +207,7 @@ def keygen(directory: str, clients: int, names: tuple, force: bool) -> None:
     needs DIR/server.key (--curve-server-key). Keys are pyzmq zmq.auth
     certificates.
     """
-    from .security import keygen as write_keys
+    from .wire.security import keygen as write_keys
     wanted = [f"worker-{i}" for i in range(clients)] + list(names)
     if not wanted and not force and (Path(directory) / "server.key_secret").exists():
         raise ConfigError(f"{directory} has a server key already; add workers with --name "
@@ -215,7 +215,8 @@ def keygen(directory: str, clients: int, names: tuple, force: bool) -> None:
     written = write_keys(directory, wanted, force=force)
     if written["server"]:
         click.echo(f"server secret key: {written['server']}  (ps-server --curve-secret)")
-    click.echo(f"server public key: {Path(directory) / 'server.key'}  (worker --curve-server-key)")
+    click.echo(f"server public key: {Path(directory) / 'server.key'}  "
+               "(worker --curve-server-key)")
     for path in written["clients"]:
         click.echo(f"worker secret key: {path}  (worker --curve-secret)")
     click.echo(f"allowed workers:   {Path(directory) / 'allowed_clients'}  "
@@ -224,7 +225,7 @@ def keygen(directory: str, clients: int, names: tuple, force: bool) -> None:
 
 @cli.command(epilog="Examples:\n\n\b\n"
              "  asyncsgd single --task mnist1d-cnn --epochs 20\n"
-             "  asyncsgd single --batch-size 64        # the update of ddp --procs 2 --batch-size 32\n"
+             "  asyncsgd single --batch-size 64     # the update of ddp --procs 2 --batch-size 32\n"
              "  asyncsgd single --device cuda --amp bf16\n"
              "  asyncsgd single --resume runs/20260101-120000-single --epochs 40")
 @click_options(SingleConfig)
@@ -235,7 +236,7 @@ def single(ctx: click.Context, **_: object) -> None:
     Same task, data order, SGD and run directory as the parallel modes, with
     every core's threads (--threads) in one process.
     """
-    from . import single as single_mode
+    from .modes import single as single_mode
     _finish(ctx, "single", single_mode.train(_build_config(SingleConfig, ctx), argv=sys.argv))
 
 
@@ -256,7 +257,7 @@ def ddp(ctx: click.Context, **_: object) -> None:
     update of 'single --batch-size N*B'. Rank 0 evaluates every --eval-every
     seconds between steps, and all ranks stop together.
     """
-    from . import ddp as ddp_mode
+    from .modes import ddp as ddp_mode
     result = ddp_mode.train(_build_config(DDPConfig, ctx), argv=sys.argv)
     if result is not None:  # None: a rank other than 0 under torchrun; rank 0 reports
         _finish(ctx, "ddp", result)
@@ -285,7 +286,7 @@ def compare(**params: object) -> None:
     (table and plots), results.json, PNGs, and every run's directory and logs.
     Exits 1 when any run failed.
     """
-    from .compare import compare as run_compare
+    from .analysis.compare import compare as run_compare
     result = run_compare(CompareConfig(**params), argv=sys.argv)
     click.echo(result.table)
     click.echo(f"report: {result.out / 'report.md'}")
@@ -306,7 +307,7 @@ def plot(run_dirs: tuple, **params: object) -> None:
     Writes the compare plots (test accuracy and training loss vs time, loss vs
     samples, throughput) and report.md into --out, and prints the table.
     """
-    from .report import report_runs
+    from .analysis.publish import report_runs
     cfg = PlotConfig(**params)
     out = Path(cfg.out)
     click.echo(report_runs(list(run_dirs), out, cfg.target_accuracy))

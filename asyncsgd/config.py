@@ -4,12 +4,14 @@ Each field is a *knob*: its default, its help text and, where useful, the
 click type that validates it. ``click_options(HogwildConfig)`` turns the
 fields into ``--kebab-case`` options, so a setting is documented exactly once
 and ``--help`` always shows every option with its default.
+
+Read top to bottom: ``knob`` (how a setting is declared), the settings of each
+command, then the helpers that turn them into click options and back.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -33,23 +35,12 @@ def knob(default: Any, help: str, *, type: Any = None, show: Optional[str] = Non
     return field(default=default, metadata=meta)
 
 
-def available_cores() -> int:
-    """CPU cores this process may run on (respects taskset/cgroup affinity)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def threads_per_process(procs: int, override: int = 0) -> int:
-    """Torch threads for each of ``procs`` processes: cores // procs, at least 1.
-
-    Without this every process starts one thread per core and N processes on
-    C cores run N*C threads: Hogwild then collapses from oversubscription.
-    """
-    if override > 0:
-        return override
-    return max(1, available_cores() // max(1, procs))
+def _start_method() -> Any:
+    """The knob of the modes that start processes of their own (hogwild, ddp; not single)."""
+    return knob(
+        "spawn", "How worker processes start: spawn (a fresh interpreter each) or forkserver "
+        "(one fresh server imports torch once and forks each worker: much faster start-up "
+        "with many processes).", type=click.Choice(["spawn", "forkserver"]))
 
 
 @dataclass
@@ -110,7 +101,7 @@ class RunConfig:
 
 @dataclass
 class TrainConfig(RunConfig):
-    """Settings of the modes that run the SGD loop themselves (Hogwild, later DDP, single)."""
+    """Settings of the modes that run the SGD loop themselves (Hogwild, single, DDP)."""
 
     batch_size: Optional[int] = knob(
         None, "Samples per step in each process.", type=click.IntRange(min=1),
@@ -126,14 +117,6 @@ class TrainConfig(RunConfig):
         20, "Passes over the training data (each process passes over its own partition).",
         type=click.IntRange(min=1))
     mode = "train"
-
-
-def _start_method() -> Any:
-    """The knob of the modes that start processes of their own (hogwild, ddp; not single)."""
-    return knob(
-        "spawn", "How worker processes start: spawn (a fresh interpreter each) or forkserver "
-        "(one fresh server imports torch once and forks each worker: much faster start-up "
-        "with many processes).", type=click.Choice(["spawn", "forkserver"]))
 
 
 @dataclass
@@ -160,51 +143,38 @@ class HogwildConfig(TrainConfig):
     mode = "hogwild"
 
 
-def config_from_dict(cls, data: dict):
-    """Build ``cls`` from a dict, naming unknown keys instead of failing obscurely."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(f"unknown setting(s) {', '.join(unknown)} for {cls.__name__}; "
-                          f"known: {', '.join(sorted(names))}")
-    return cls(**data)
+@dataclass
+class SingleConfig(TrainConfig):
+    """Settings of ``asyncsgd single``: plain SGD in one process, the reference baseline."""
+
+    amp: str = knob(
+        "off", "Mixed precision: bf16 or fp16 autocast (fp16 adds a gradient scaler). "
+        "fp16 needs --device cuda; bf16 also runs on CPUs (fast only where they have "
+        "bf16 instructions).", type=click.Choice(["off", "bf16", "fp16"]))
+
+    mode = "single"
 
 
-def identity_fields(cls) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("identity")]
+@dataclass
+class DDPConfig(SingleConfig):
+    """Settings of ``asyncsgd ddp``: synchronous data-parallel SGD (DistributedDataParallel)."""
 
+    procs: Optional[int] = knob(
+        None, "Processes (ranks) to spawn on this host, one per GPU with --device cuda. "
+        "Under torchrun, WORLD_SIZE decides and this must be left out or match it.",
+        type=click.IntRange(min=1), show="GPUs with --device cuda, else CPU cores")
+    start_method: str = _start_method()
+    backend: str = knob(
+        "auto", "Collective backend: nccl (CUDA tensors, one process per GPU) or gloo (CPU). "
+        "auto picks nccl with --device cuda when there are at least as many GPUs as "
+        "processes on this host, else gloo.", type=click.Choice(["auto", "nccl", "gloo"]))
+    dist_timeout: float = knob(
+        300.0, "Seconds a rank waits in a collective (or to join the group) before it "
+        "gives up with an error, so a hung rank cannot hang the others forever. Must "
+        "exceed the longest pause of rank 0 (evaluation, checkpoint).",
+        type=click.FloatRange(min=1))
 
-def click_options(cls):
-    """Decorator adding one click option per field of the dataclass ``cls``."""
-
-    def decorate(func):
-        for f in reversed(dataclasses.fields(cls)):
-            meta = f.metadata
-            flag = "--" + f.name.replace("_", "-")
-            kwargs = dict(help=meta.get("help", ""), show_default=True,
-                          default=f.default)
-            if f.type in (bool, "bool"):
-                if f.default:  # a flag that is on by default needs a way to turn it off
-                    flag = f"{flag}/--no-{flag[2:]}"
-                kwargs["is_flag"] = True
-            elif meta.get("type") is not None:
-                kwargs["type"] = meta["type"]
-            elif f.type in (int, "int"):
-                kwargs["type"] = int
-            elif f.type in (float, "float"):
-                kwargs["type"] = float
-            if meta.get("show"):
-                kwargs["show_default"] = meta["show"]
-            elif f.default is None:
-                kwargs["show_default"] = "none"
-            if meta.get("metavar"):
-                kwargs["metavar"] = meta["metavar"]
-            if meta.get("multiple"):
-                kwargs["multiple"] = True
-            func = click.option(flag, f.name, **kwargs)(func)
-        return func
-
-    return decorate
+    mode = "ddp"
 
 
 @dataclass
@@ -326,38 +296,7 @@ class WorkerConfig:
         return dataclasses.asdict(self)
 
 
-@dataclass
-class SingleConfig(TrainConfig):
-    """Settings of ``asyncsgd single``: plain SGD in one process, the reference baseline."""
-
-    amp: str = knob(
-        "off", "Mixed precision: bf16 or fp16 autocast (fp16 adds a gradient scaler). "
-        "fp16 needs --device cuda; bf16 also runs on CPUs (fast only where they have "
-        "bf16 instructions).", type=click.Choice(["off", "bf16", "fp16"]))
-
-    mode = "single"
-
-
-@dataclass
-class DDPConfig(SingleConfig):
-    """Settings of ``asyncsgd ddp``: synchronous data-parallel SGD (DistributedDataParallel)."""
-
-    procs: Optional[int] = knob(
-        None, "Processes (ranks) to spawn on this host, one per GPU with --device cuda. "
-        "Under torchrun, WORLD_SIZE decides and this must be left out or match it.",
-        type=click.IntRange(min=1), show="GPUs with --device cuda, else CPU cores")
-    start_method: str = _start_method()
-    backend: str = knob(
-        "auto", "Collective backend: nccl (CUDA tensors, one process per GPU) or gloo (CPU). "
-        "auto picks nccl with --device cuda when there are at least as many GPUs as "
-        "processes on this host, else gloo.", type=click.Choice(["auto", "nccl", "gloo"]))
-    dist_timeout: float = knob(
-        300.0, "Seconds a rank waits in a collective (or to join the group) before it "
-        "gives up with an error, so a hung rank cannot hang the others forever. Must "
-        "exceed the longest pause of rank 0 (evaluation, checkpoint).",
-        type=click.FloatRange(min=1))
-
-    mode = "ddp"
+# The modes 'asyncsgd compare' runs by default, in this order.
 COMPARE_MODES = "single,hogwild,ps-async,ps-ssp,ps-sync,ddp"
 
 
@@ -444,3 +383,50 @@ class PlotConfig:
     target_accuracy: Optional[float] = knob(
         None, "Draw this test accuracy and time each run's first crossing of it.",
         type=click.FloatRange(0, 1), show="none")
+
+
+def config_from_dict(cls, data: dict):
+    """Build ``cls`` from a dict, naming unknown keys instead of failing obscurely."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)} for {cls.__name__}; "
+                          f"known: {', '.join(sorted(names))}")
+    return cls(**data)
+
+
+def identity_fields(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.metadata.get("identity")]
+
+
+def click_options(cls):
+    """Decorator adding one click option per field of the dataclass ``cls``."""
+
+    def decorate(func):
+        for f in reversed(dataclasses.fields(cls)):
+            meta = f.metadata
+            flag = "--" + f.name.replace("_", "-")
+            kwargs = dict(help=meta.get("help", ""), show_default=True,
+                          default=f.default)
+            if f.type in (bool, "bool"):
+                if f.default:  # a flag that is on by default needs a way to turn it off
+                    flag = f"{flag}/--no-{flag[2:]}"
+                kwargs["is_flag"] = True
+            elif meta.get("type") is not None:
+                kwargs["type"] = meta["type"]
+            elif f.type in (int, "int"):
+                kwargs["type"] = int
+            elif f.type in (float, "float"):
+                kwargs["type"] = float
+            if meta.get("show"):
+                kwargs["show_default"] = meta["show"]
+            elif f.default is None:
+                kwargs["show_default"] = "none"
+            if meta.get("metavar"):
+                kwargs["metavar"] = meta["metavar"]
+            if meta.get("multiple"):
+                kwargs["multiple"] = True
+            func = click.option(flag, f.name, **kwargs)(func)
+        return func
+
+    return decorate

@@ -25,9 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-from asyncsgd.compare import compare
+from asyncsgd.analysis.compare import compare
+from asyncsgd.analysis.plots import PLOTS
 from asyncsgd.config import COMPARE_MODES, CompareConfig
-from asyncsgd.report import PLOTS
 from results import RESULTS  # this script's folder
 
 NAME = "async_vs_sync"

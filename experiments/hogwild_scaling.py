@@ -26,8 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from asyncsgd.config import HogwildConfig, available_cores
-from asyncsgd.hogwild import train
+from asyncsgd.config import HogwildConfig
+from asyncsgd.modes.hogwild import train
+from asyncsgd.run.process_group import available_cores
 from results import RESULTS, save_results  # this script's folder
 
 FIGURE_DPI = 80
@@ -142,7 +143,8 @@ def main() -> int:
                 vs2 = rate / base[2] if base.get(2) else float("nan")
                 start = statistics.median(m["startup"] for m in ms)
                 kind = label(lk, share, p, cores)
-                lines.append(f"| {t} | {kind} | {p} | {rate:,.0f} | {vs1:.2f}x | {vs2:.2f}x | {start:.1f} |")
+                lines.append(f"| {t} | {kind} | {p} | {rate:,.0f} | {vs1:.2f}x | {vs2:.2f}x "
+                             f"| {start:.1f} |")
                 table.append({"task": t, "lock": lk, "share_cores": share, "procs": p,
                               "samples_per_second": rate, "vs_1": vs1, "vs_2": vs2,
                               "startup_seconds": start})

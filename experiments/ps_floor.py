@@ -1,4 +1,5 @@
-"""The floor under any parameter server on pyzmq here: raw round trips plus the work no server can skip.
+"""The floor under any parameter server on pyzmq here: raw round trips plus the work no
+server can skip.
 
     python experiments/ps_floor.py                 # 20 KB, 1 MB, 10 MB, 40 MiB; ~30 s
     python experiments/ps_floor.py --seconds 0.5
@@ -15,8 +16,8 @@ answers each frame as it arrives (so both directions are on the wire at
 once), and the worker copies each answer as it comes. It keeps no
 bookkeeping, no dedupe, no staleness, no liveness, and it is not
 all-or-nothing (a bad frame late in a push would leave the earlier ones
-applied), so no correct server can beat it: it bounds what the targets of
-issue 3 can ask of asyncsgd on a machine. ``ps_throughput.py`` runs it beside
+applied), so no correct server can beat it: it bounds what any speed target
+can ask of asyncsgd on a machine. ``ps_throughput.py`` runs it beside
 raw pyzmq and asyncsgd in the same loop.
 """
 

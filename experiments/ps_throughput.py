@@ -47,7 +47,7 @@ SIZES = {"20KB": 20_000, "1MB": 1_000_000, "10MB": 10_000_000, "40MiB": 40 * 2 *
 
 def flat_task(samples=None):
     """A model of exactly ``samples`` bytes of float32 parameters (one flat tensor)."""
-    from asyncsgd.tasks import Split, Task
+    from asyncsgd.core.tasks import Split, Task
     numel = (samples or 20_000) // 4
     x = torch.zeros(4, 1)
     return Task(name=f"flat-{numel}", model_fn=functools.partial(FlatModel, numel),
@@ -71,7 +71,7 @@ def free_port() -> int:
 
 
 def measure_ps(nbytes: int, shards: int, seconds: float) -> dict:
-    from asyncsgd.layout import Layout
+    from asyncsgd.wire.layout import Layout
     port = free_port()
     env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,7 +129,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
-    from asyncsgd.memory import keep_freed_memory
+    from asyncsgd.wire.memory import keep_freed_memory
     keep_freed_memory()  # as every asyncsgd worker does; applies to the raw client here too
     # This process is the worker, sharing the machine with the server: one torch thread,
     # as `asyncsgd worker` takes beside a local server. With two, OpenMP's spinning threads
@@ -162,7 +162,8 @@ def main() -> int:
             rows.append(row)
             print(f"  {size:6s} shards={shards}: asyncsgd {ps_ms:.3f} ms, raw "
                   f"{one:.3f} / {framed:.3f} ms, floor {floor:.3f} ms", file=sys.stderr)
-    lines = [f"Push + pull of the whole model, one worker, 127.0.0.1 ({time.strftime('%Y-%m-%d %H:%M')}); "
+    lines = [f"Push + pull of the whole model, one worker, 127.0.0.1 "
+             f"({time.strftime('%Y-%m-%d %H:%M')}); "
              f"median of {args.repeats} interleaved runs of {args.seconds:g} s; raw pyzmq in the "
              "same loop. Floor: raw pyzmq plus only the work no server can skip "
              "(experiments/ps_floor.py).", "",

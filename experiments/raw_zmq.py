@@ -68,7 +68,8 @@ SERVER_FILL = 0x22
 
 
 def frame_views(buffer: np.ndarray, frame_bytes: int | None) -> list[memoryview]:
-    """Split ``buffer`` into consecutive views of at most ``frame_bytes`` bytes (one view if None)."""
+    """Split ``buffer`` into consecutive views of at most ``frame_bytes`` bytes (one view if
+    None)."""
     view = memoryview(buffer).cast("B")
     if frame_bytes is None:
         return [view]
@@ -143,7 +144,8 @@ def push_pull_frames(sock: zmq.Socket, push_views: Sequence[memoryview], nbytes:
     return reply
 
 
-def push_pull_into(sock: zmq.Socket, push_views: Sequence[memoryview], pull_view: memoryview) -> list:
+def push_pull_into(sock: zmq.Socket, push_views: Sequence[memoryview],
+                   pull_view: memoryview) -> list:
     """One round trip receiving the reply into ``pull_view``; returns [pull_view]."""
     sock.send_multipart(push_views, copy=False)
     received = receive_into(sock, pull_view)
@@ -154,7 +156,8 @@ def push_pull_into(sock: zmq.Socket, push_views: Sequence[memoryview], pull_view
 
 def time_round_trips(port: int, nbytes: int, frame_bytes: int | None, seconds: float,
                      mode: str) -> list[float]:
-    """Connect to the server, time round trips for ``seconds``, say goodbye; returns durations in s."""
+    """Connect to the server, time round trips for ``seconds``, say goodbye; returns durations
+    in s."""
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     # A dead server must make the caller fail, not hang: finite timeouts,

@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE))
 
 from results import RESULTS  # noqa: E402
 
-# (key, promise of the reliability issue, pytest node ids that prove it)
+# (key, reliability promise, pytest node ids that prove it)
 SCENARIOS = [
     ("curve", "1. CURVE: right key in; wrong server key, unknown key, no key refused; "
               "nothing from them applied",

@@ -32,10 +32,11 @@ import sys
 import time
 from pathlib import Path
 
-from asyncsgd.compare import compare
-from asyncsgd.config import CompareConfig, available_cores
-from asyncsgd.metrics import eval_curve
-from asyncsgd.report import Attempt, Run, mode_rows, render_table
+from asyncsgd.analysis.compare import compare
+from asyncsgd.analysis.report import Attempt, Run, mode_rows, render_table
+from asyncsgd.config import CompareConfig
+from asyncsgd.run.metrics import eval_curve
+from asyncsgd.run.process_group import available_cores
 from results import RESULTS, save_results  # this script's folder
 
 VARIANTS = {"plain": "", "staleness-lr": "--staleness-lr", "dc-asgd": "--dc-asgd {lam:g}"}
@@ -159,7 +160,7 @@ def main() -> int:
     ap.add_argument("--target", type=float, default=0.85,
                     help="accuracy whose first crossing is timed and counted in samples")
     ap.add_argument("--eval-every", type=float, default=1.0)
-    ap.add_argument("--ylim", type=float, default=40.0, help="lowest accuracy % plotted")
+    ap.add_argument("--ylim", type=float, default=40.0, help="lowest accuracy %% plotted")
     ap.add_argument("--runs", default=None, help="directory for the run directories")
     ap.add_argument("--progress", default="log", choices=["log", "off"])
     ap.add_argument("--no-save", action="store_true", help="print the tables only")

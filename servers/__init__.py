@@ -1,1 +1,2 @@
-"""Parameter-server shards (built on the asyncsgd core; see the parameter-server issue)."""
+"""The parameter server: its front, shard processes, their rules and update rules (built on
+the asyncsgd core; ``server.serve`` starts one)."""

@@ -12,7 +12,7 @@ Design:
   networking and hands each decoded push to ``UpdateRule.step``; keeping the
   arithmetic here makes it testable against ``torch.optim`` in isolation, and
   avoids ``torch.optim``'s ``torch._dynamo`` import (seconds of CPU per
-  process on a small machine, see ``asyncsgd/optim.py``).
+  process on a small machine, see ``asyncsgd/modes/optim.py``).
 * Each rule reproduces the arithmetic of the matching ``torch.optim``
   single-tensor implementation op for op (same in-place ops, same scalar
   expressions), so results agree with PyTorch to the last bit, not just
@@ -147,7 +147,8 @@ class UpdateRule(abc.ABC):
             if grad.dtype != _DTYPE:
                 raise ValueError(f"segment {i}: grad must be float32, got {grad.dtype}")
             if grad.device != params.device:
-                raise ValueError(f"segment {i}: grad is on {grad.device}, params on {params.device}")
+                raise ValueError(f"segment {i}: grad is on {grad.device}, "
+                                 f"params on {params.device}")
             n = grad.numel()
             # An empty segment is rejected: no real push sends one, so it means a bug upstream.
             if n == 0 or not 0 <= offset < self.size or offset + n > self.size:
@@ -429,9 +430,11 @@ def staleness_scale(staleness: int) -> float:
     return 1.0 / max(1, staleness)
 
 
-def dc_asgd(grad: torch.Tensor, params: torch.Tensor, backup: torch.Tensor, lam: float) -> torch.Tensor:
-    """Delay-compensated gradient (Zheng et al. 2017, DC-ASGD): g + lam * g * g * (params - backup),
-    where backup is the parameter values the worker pulled. Returns a new tensor; never writes grad."""
+def dc_asgd(grad: torch.Tensor, params: torch.Tensor, backup: torch.Tensor,
+            lam: float) -> torch.Tensor:
+    """Delay-compensated gradient (Zheng et al. 2017, DC-ASGD):
+    g + lam * g * g * (params - backup), where backup is the parameter values the worker
+    pulled. Returns a new tensor; never writes grad."""
     if not (isinstance(grad, torch.Tensor) and isinstance(params, torch.Tensor)
             and isinstance(backup, torch.Tensor)):
         raise ValueError("grad, params and backup must be tensors")

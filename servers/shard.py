@@ -1,10 +1,16 @@
-"""One shard's state and update logic, as a plain object: no sockets, no processes.
+"""One shard's rules, as a plain object: no sockets, no processes.
 
 ``ShardState.handle(peer, message, now)`` takes a decoded request and returns
 the replies to send, each addressed to a peer (a deferred pull may be answered
 when *another* worker's push completes a round). ``tick(now)`` drops workers
-that went silent, which can release held pulls. The transport
-(``servers/shard_server.py``) only moves frames in and out.
+that went silent, which can release held pulls. The parameters and their
+update rule are a ``store`` (``servers/store.py``); the shard process
+(``servers/shard_process.py``) moves messages in and out.
+
+Read top to bottom, the class follows a request: who sent it (membership,
+incarnations, lost updates), pulls and when they are held, pushes (exactly
+once, checks, staleness, DC-ASGD), sync rounds, liveness, then stats and
+checkpoints.
 
 Consistency:
   async   a push is applied on arrival; pulls are served at once.
@@ -23,15 +29,16 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from asyncsgd.errors import ConfigError
-from asyncsgd.protocol import (ACK, BYE, ERROR, HEARTBEAT, PARAMS, PULL, PUSH, STATS, Message,
-                               ProtocolError, error_message, split)
+from asyncsgd.wire.protocol import (ACK, BYE, ERROR, HEARTBEAT, PARAMS, PULL, PUSH, STATS, Code,
+                                    Key, Message, ProtocolError, error_message)
 
 from .rules import dc_asgd, make_rule, staleness_scale
+from .store import ParamStore
 from .streams import PushStreams
 
 log = logging.getLogger(__name__)
@@ -106,7 +113,9 @@ class WorkerRecord:
 
 
 class ShardState:
-    def __init__(self, cfg: ShardConfig, params: torch.Tensor):
+    def __init__(self, cfg: ShardConfig, params: torch.Tensor, store: type = ParamStore):
+        """``store``: the ``ParamStore`` class holding the parameters (the shard process
+        passes one that sends replies without copying)."""
         if params.dim() != 1 or len(params) != cfg.end - cfg.start:
             raise ConfigError(f"shard {cfg.index}: {len(params)} initial values for range "
                               f"[{cfg.start}, {cfg.end})")
@@ -114,21 +123,9 @@ class ShardState:
         self.mode, self.bound = parse_consistency(cfg.consistency)
         if cfg.sync_reduce not in ("mean", "sum"):
             raise ConfigError(f"sync reduce {cfg.sync_reduce!r}: use mean or sum")
-        self.params = params.detach().clone().float()
-        self.size = len(self.params)
-        # Set by the process around this object when replies are sent without copying:
-        # called before every write, it returns a tensor equal to ``params`` that no
-        # send in flight still reads (``params`` itself, or a copy of it).
-        self.before_write: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-        # Set by the shard process: an async push that asks for the parameters back is
-        # applied segment by segment while its reply goes out part by part
-        # (``apply_pending``), so updating part j + 1 overlaps sending part j. Every
-        # request, tick and snapshot first finishes what is pending.
-        self.defer_apply = False
-        self._pending: Optional[tuple] = None  # (params, segments last-first, lr)
-        self._segments_of: Optional[torch.Tensor] = None
-        self._segments: list = []
-        self.rule = make_rule(cfg.rule, self.size, cfg.lr, **cfg.hyper)
+        self.size = len(params)
+        self.store = store(params.detach().clone().float(),
+                           make_rule(cfg.rule, self.size, cfg.lr, **cfg.hyper))
         self.version = 0
         self.workers: dict = {}
         self.round_sum = torch.zeros(self.size) if self.mode == "sync" else None
@@ -145,18 +142,28 @@ class ShardState:
         self.streams = PushStreams(lambda part: self._check(part, norm=False),
                                    max_open=max(16, 2 * cfg.expected_workers))
 
+    @property
+    def params(self) -> torch.Tensor:
+        """The shard's parameters, every update applied."""
+        return self.store.params
+
+    @property
+    def rule(self):
+        """The update rule (optimizer) applied to the parameters."""
+        return self.store.rule
+
     # ---- requests -------------------------------------------------------------------
 
     def handle(self, peer: bytes, msg: Message, now: float) -> list:
-        self.apply_pending()
+        """The replies to ``msg`` from ``peer`` at ``now`` (monotonic seconds): [(peer, reply)]."""
         if msg.type == STATS:
             return [(peer, Message(type=STATS, shard=self.cfg.index, seq=msg.seq,
                                    meta=self.stats(now)))]
-        if msg.type == PULL and msg.meta.get("observer") is True:
+        if msg.type == PULL and msg.meta.get(Key.OBSERVER) is True:
             # The server's evaluator reads parameters; it is no worker and joins no barrier.
             return [(peer, self._params_reply(None, msg))]
         if not msg.worker:
-            return [(peer, error_message("unknown-worker", "requests need a worker id", msg))]
+            return [(peer, error_message(Code.UNKNOWN_WORKER, "requests need a worker id", msg))]
         record = self._touch(peer, msg, now)
         if msg.type in (PUSH, PULL) and not record.reported_clock:
             record.reported_clock = True
@@ -171,22 +178,29 @@ class ShardState:
         if msg.type == PULL:
             return self._pull(record, msg)
         checked = False  # whether the gradient is known to be finite (checked part by part)
-        if msg.type == PUSH and "parts" in msg.meta:
+        if msg.type == PUSH and Key.PARTS in msg.meta:
             try:
                 whole, problem = self.streams.add(msg, now)
             except ProtocolError as exc:
                 whole, problem = None, (exc.code, str(exc))
             if problem:
-                self.counters["rejected"] += 1
-                return [(peer, error_message(*problem, msg))]
+                return self.refuse(peer, *problem, msg)
             if whole is None:
                 return []
             msg, checked = whole, self.cfg.reject_nonfinite
-        if msg.type == PUSH and msg.meta.get("pull") is True:
+        if msg.type == PUSH and msg.meta.get(Key.PULL) is True:
             return self._push_then_pull(record, msg, checked)
         if msg.type == PUSH:
             return self._push(record, msg, checked)
-        return [(peer, error_message("bad-type", f"a shard does not serve {msg.type!r}", msg))]
+        return [(peer, error_message(Code.BAD_TYPE, f"a shard does not serve {msg.type!r}", msg))]
+
+    def refuse(self, peer: bytes, code: str, detail: str, msg: Optional[Message] = None) -> list:
+        """The reply to a request that is refused (malformed, or one the shard failed on):
+        an error, counted; nothing of it is applied."""
+        self.counters["rejected"] += 1
+        return [(peer, error_message(code, detail, msg))]
+
+    # ---- who sent it -----------------------------------------------------------------
 
     def _touch(self, peer: bytes, msg: Message, now: float) -> WorkerRecord:
         record = self.workers.get(msg.worker)
@@ -205,17 +219,6 @@ class ShardState:
         record.peer = peer
         record.last_seen = now
         return record
-
-    def _param_segments(self) -> list:
-        """``split(params)``, made once per parameter buffer: replies share these views."""
-        if self._segments_of is not self.params:
-            self._segments_of, self._segments = self.params, split(self.params)
-        return self._segments
-
-    def _writable(self) -> torch.Tensor:
-        if self.before_write is not None:
-            self.params = self.before_write(self.params)
-        return self.params
 
     def _count_lost(self, record: WorkerRecord, clock: int) -> None:
         """The first version a worker reports to this shard process is one it saw before.
@@ -268,11 +271,9 @@ class ShardState:
             if record.backup is None:  # DC-ASGD compensates against what was pulled
                 record.backup = torch.empty_like(self.params)
             record.backup.copy_(self.params)
-        # The segments view ``params``: whoever sends them without copying must set
-        # ``before_write`` so that later updates can't tear a reply still in flight.
         return Message(type=PARAMS, shard=self.cfg.index, seq=msg.seq, clock=self.version,
-                       meta={"version": self.version, "updates": self.counters["updates"]},
-                       segments=self._param_segments())
+                       meta={Key.VERSION: self.version, Key.UPDATES: self.counters["updates"]},
+                       segments=self.store.views())
 
     def _release(self) -> list:
         """Answer every held pull that is now allowed."""
@@ -304,30 +305,30 @@ class ShardState:
         arrival; ``norm`` False skips the gradient-norm bound (a part alone has none).
         """
         if msg.shard not in (-1, self.cfg.index):  # -1: unaddressed, as in-process callers send
-            return "bad-field", f"a push for shard {msg.shard} reached shard {self.cfg.index}"
+            return Code.BAD_FIELD, f"a push for shard {msg.shard} reached shard {self.cfg.index}"
         # Checked here, before anything is applied: the rule's apply() trusts these.
         spans = []
         for seg in msg.segments:
             data = seg.data
             if data.dtype != torch.float32 or data.dim() != 1 or not data.shape[0]:
-                return "bad-descriptor", "gradients are non-empty 1-D float32 segments"
+                return Code.BAD_DESCRIPTOR, "gradients are non-empty 1-D float32 segments"
             end = seg.offset + data.shape[0]
             if end > self.size:
-                return "out-of-range", (f"segment [{seg.offset}, {end}) "
+                return Code.OUT_OF_RANGE, (f"segment [{seg.offset}, {end}) "
                                         f"outside shard {self.cfg.index} of size {self.size}")
             spans.append((seg.offset, end))
         if len(spans) > 1:
             spans.sort()
             if any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:])):
-                return "bad-descriptor", "segments must not overlap"
+                return Code.BAD_DESCRIPTOR, "segments must not overlap"
         if finite and self.cfg.reject_nonfinite and not all(_finite(s.data) for s in msg.segments):
             self.counters["nonfinite"] += 1
-            return "non-finite", "the gradient holds NaN or Inf values; nothing was applied"
+            return Code.NON_FINITE, "the gradient holds NaN or Inf values; nothing was applied"
         if norm and self.cfg.max_grad_norm is not None:
             norm = math.sqrt(sum(float(s.data.double().pow(2).sum()) for s in msg.segments))
             if norm > self.cfg.max_grad_norm:
                 self.counters["too_large"] += 1
-                return "too-large", (f"gradient norm {norm:.4g} on shard {self.cfg.index} "
+                return Code.TOO_LARGE, (f"gradient norm {norm:.4g} on shard {self.cfg.index} "
                                      f"exceeds --max-grad-norm {self.cfg.max_grad_norm}")
         return None
 
@@ -336,11 +337,10 @@ class ShardState:
         if self._duplicate(record, msg.seq):
             self.counters["duplicates"] += 1
             return [(peer, Message(type=ACK, shard=self.cfg.index, seq=msg.seq,
-                                   meta={"applied": False, "duplicate": True}))]
+                                   meta={Key.APPLIED: False, Key.DUPLICATE: True}))]
         problem = self._check(msg, finite=not checked)
         if problem:
-            self.counters["rejected"] += 1
-            return [(peer, error_message(*problem, msg))]
+            return self.refuse(peer, *problem, msg)
         staleness = self.version - msg.clock
         self.staleness[min(staleness, STALENESS_BUCKETS - 1)] += 1
         self._note_train(record.worker, msg.meta)
@@ -349,21 +349,17 @@ class ShardState:
             return self._accumulate(record, msg, staleness)
         segments = self._compensated(record, msg)
         scale = staleness_scale(staleness) if self.cfg.staleness_lr else 1.0
-        params = self._writable()
-        if (self.defer_apply and self.mode == "async" and self.cfg.dc_lambda is None
-                and msg.meta.get("pull") is True):
-            # DC-ASGD keeps a copy of what is pulled, and ssp may answer other workers
-            # at once: both need the update made now. Segments were checked above.
-            self._pending = (params, sorted(segments, key=lambda s: -s[0]),
-                             self.rule.begin(scale))
-        else:
-            self.rule.apply(params, segments, lr_scale=scale)  # checked above
+        # The reply to this push is the next reader of the parameters only in async without
+        # DC-ASGD: DC-ASGD copies what is pulled, and ssp may answer other workers at once.
+        self.store.update(segments, scale, deferrable=(
+            self.mode == "async" and self.cfg.dc_lambda is None
+            and msg.meta.get(Key.PULL) is True))
         self.version += 1
         self.counters["updates"] += 1
         self._remember(record, msg.seq)
         record.pushes += 1
         ack = Message(type=ACK, shard=self.cfg.index, seq=msg.seq, clock=self.version,
-                      meta={"applied": True, "staleness": staleness})
+                      meta={Key.APPLIED: True, Key.STALENESS: staleness})
         return [(peer, ack)] + (self._release() if self.mode == "ssp" else [])
 
     def _push_then_pull(self, record: WorkerRecord, msg: Message, checked: bool = False) -> list:
@@ -382,20 +378,9 @@ class ShardState:
         params = [r for p, r in pulled if p == record.peer and r.type == PARAMS
                   and r.seq == msg.seq]
         if own and params:
-            params[0].meta["ack"] = own[0][1].meta
+            params[0].meta[Key.ACK] = own[0][1].meta
             del replies[own[0][0]]
         return replies + pulled
-
-    def apply_pending(self, until: Optional[int] = None) -> None:
-        """Finish the deferred update: the segments that start before ``until`` (all by default)."""
-        if self._pending is None:
-            return
-        params, segments, lr = self._pending
-        while segments and (until is None or segments[-1][0] < until):
-            offset, grad = segments.pop()
-            self.rule.apply_one(params, offset, grad, lr)
-        if not segments:
-            self._pending = None
 
     def _compensated(self, record: WorkerRecord, msg: Message) -> list:
         if self.cfg.dc_lambda is None or record.backup is None:
@@ -404,6 +389,8 @@ class ShardState:
                                    record.backup[s.offset:s.offset + len(s.data)],
                                    self.cfg.dc_lambda)) for s in msg.segments]
 
+    # ---- sync rounds ------------------------------------------------------------------
+
     def _accumulate(self, record: WorkerRecord, msg: Message, staleness: int) -> list:
         if staleness > 0 or record.round_pushed == self.version:
             # Computed before the current round began (it was dropped and came back), or a
@@ -411,14 +398,14 @@ class ShardState:
             self.counters["stale"] += 1
             self._remember(record, msg.seq)
             return [(record.peer, Message(type=ACK, shard=self.cfg.index, seq=msg.seq,
-                                          meta={"applied": False, "stale": True}))]
+                                          meta={Key.APPLIED: False, Key.STALE: True}))]
         for seg in msg.segments:
             self.round_sum[seg.offset:seg.offset + len(seg.data)].add_(seg.data)
         record.round_pushed = self.version
         record.pushes += 1
         self._remember(record, msg.seq)
         self.round_acks.append((record.peer, Message(type=ACK, shard=self.cfg.index, seq=msg.seq,
-                                                     meta={"applied": True, "staleness": 0})))
+                                                     meta={Key.APPLIED: True, Key.STALENESS: 0})))
         return self._maybe_finish_round()
 
     def _maybe_finish_round(self) -> list:
@@ -429,7 +416,7 @@ class ShardState:
         contributors = len(self.round_acks)
         if self.cfg.sync_reduce == "mean" and contributors > 1:
             self.round_sum.div_(contributors)
-        self.rule.apply(self._writable(), [(0, self.round_sum)])
+        self.store.update([(0, self.round_sum)])
         self.round_sum.zero_()
         self.version += 1
         self.counters["updates"] += 1
@@ -438,19 +425,20 @@ class ShardState:
         self.round_acks = []
         return acks + self._release()
 
+    # ---- metrics the workers report -------------------------------------------------
+
     def _note_train(self, worker: str, meta: dict) -> None:
-        loss, samples = meta.get("loss"), meta.get("samples")
+        loss, samples = meta.get(Key.LOSS), meta.get(Key.SAMPLES)
         if isinstance(loss, (int, float)) and isinstance(samples, int) and math.isfinite(loss):
             acc = self.train.setdefault(worker, [0.0, 0, 0])
             acc[0] += float(loss)
             acc[1] += 1
             acc[2] += samples
 
-    # ---- time and stats -------------------------------------------------------------
+    # ---- liveness, stats and checkpoints --------------------------------------------
 
     def tick(self, now: float) -> list:
         """Drop workers silent for longer than the heartbeat timeout; release what that frees."""
-        self.apply_pending()
         self.streams.expire(now, self.cfg.heartbeat_timeout)
         dropped = False
         for record in self._live():
@@ -464,7 +452,6 @@ class ShardState:
         return self._release() if dropped else []
 
     def stats(self, now: float) -> dict:
-        self.apply_pending()
         return {
             "shard": self.cfg.index, "version": self.version, "size": self.size,
             "consistency": self.cfg.consistency, **self.counters,
@@ -477,7 +464,6 @@ class ShardState:
         }
 
     def state_dict(self) -> dict:
-        self.apply_pending()
         return {"index": self.cfg.index, "start": self.cfg.start, "end": self.cfg.end,
                 "params": self.params.clone(), "version": self.version,
                 "rule": self.rule.state_dict(), "counters": dict(self.counters),
@@ -490,9 +476,9 @@ class ShardState:
     def load_state_dict(self, state: dict) -> None:
         if (state.get("start"), state.get("end")) != (self.cfg.start, self.cfg.end):
             raise ConfigError(f"checkpoint of shard range [{state.get('start')}, "
-                              f"{state.get('end')}) does not fit [{self.cfg.start}, {self.cfg.end})")
-        self.apply_pending()
-        self._writable().copy_(state["params"])
+                              f"{state.get('end')}) does not fit "
+                              f"[{self.cfg.start}, {self.cfg.end})")
+        self.store.load(state["params"])
         self.version = int(state["version"])
         self.rule.load_state_dict(state["rule"])
         self.counters.update(state.get("counters", {}))

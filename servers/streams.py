@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from asyncsgd.protocol import Message, parts_of
+from asyncsgd.wire.protocol import Code, Key, Message, parts_of
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +61,14 @@ class PushStreams:
             stream = self.open[msg.worker] = _Open(msg.seq, msg.incarnation, parts, msg, now)
         elif (stream is None or (stream.seq, stream.incarnation, stream.parts) !=
               (msg.seq, msg.incarnation, parts) or part != stream.received):
-            return None, ("bad-field", f"part {part} of {parts} of push {msg.seq} does not follow "
-                                       "the parts before it; re-send the push from part 0")
+            return None, (Code.BAD_FIELD, f"part {part} of {parts} of push {msg.seq} does not "
+                                          "follow the parts before it; re-send the push from "
+                                          "part 0")
         if stream.failed:
             part_problem = None
         elif len(msg.segments) != 1:
-            part_problem = ("bad-field", f"part {part} of a push holds {len(msg.segments)} "
-                                         "tensor frames; a part holds one")
+            part_problem = (Code.BAD_FIELD, f"part {part} of a push holds {len(msg.segments)} "
+                                            "tensor frames; a part holds one")
         else:
             part_problem = self.check_part(msg)
         stream.received += 1
@@ -83,7 +84,7 @@ class PushStreams:
             return None, None
         del self.open[msg.worker]
         first = stream.first
-        meta = {k: v for k, v in first.meta.items() if k not in ("part", "parts")}
+        meta = {k: v for k, v in first.meta.items() if k not in (Key.PART, Key.PARTS)}
         return Message(type=first.type, worker=first.worker, incarnation=first.incarnation,
                        seq=first.seq, clock=first.clock, shard=first.shard, meta=meta,
                        segments=stream.segments), None

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Optional
 
 import torch
 
+from asyncsgd.config import ServerConfig
 from asyncsgd.errors import WorkerError
-from asyncsgd.procs import WorkerGroup, context
+from asyncsgd.run.process_group import WorkerGroup, available_cores, context
+from asyncsgd.wire.protocol import Key
+from asyncsgd.wire.security import ServerKeys
 
-from .shard_server import ShardProcessSettings, shard_main
+from .shard import ShardConfig
+from .shard_process import ShardProcessSettings, shard_main
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +31,11 @@ SHARD_READY_SECONDS = 60
 
 
 class ShardSupervisor:
-    def __init__(self, settings: list, initial: list, stop: torch.Tensor, restarts: int):
+    def __init__(self, settings: list, initial: list, restarts: int):
+        """``settings`` and ``initial`` parameters of each shard process."""
         self.settings: list = list(settings)
-        self.initial, self.stop, self.restarts_left = initial, stop, restarts
+        self.initial, self.restarts_left = initial, restarts
+        self.stop = torch.zeros(1, dtype=torch.int64).share_memory_()
         self.restarts = 0
         self.ready: list = [None] * len(settings)
         self.group = WorkerGroup(shard_main, len(settings), name="shard",
@@ -39,10 +46,34 @@ class ShardSupervisor:
         self.ready[i] = receive
         return (self.settings[i], self.initial[i], send, self.stop)
 
+    @classmethod
+    def for_server(cls, cfg: ServerConfig, flat: torch.Tensor, ranges: list, lr: float,
+                   host: str, checkpoint_dir: str,
+                   keys: Optional[ServerKeys]) -> "ShardSupervisor":
+        """The shards of ``ps-server``: shard i owns ``flat[ranges[i]]`` and applies the
+        configured rule to it, listening on ``host``, checkpointing into ``checkpoint_dir``."""
+        hyper = {"weight_decay": cfg.weight_decay}
+        if cfg.optimizer == "momentum":
+            hyper["momentum"] = cfg.momentum
+        threads = max(1, cfg.threads or available_cores() // (cfg.shards + 1))
+        settings = [ShardProcessSettings(
+            config=ShardConfig(
+                index=i, start=start, end=end, rule=cfg.optimizer, lr=lr, hyper=hyper,
+                consistency=cfg.consistency, expected_workers=cfg.workers,
+                heartbeat_timeout=cfg.heartbeat_timeout, staleness_lr=cfg.staleness_lr,
+                dc_lambda=cfg.dc_asgd, sync_reduce=cfg.sync_reduce,
+                reject_nonfinite=not cfg.allow_nonfinite, max_grad_norm=cfg.max_grad_norm),
+            bind_host=host, port=0, checkpoint_dir=checkpoint_dir,
+            checkpoint_every=cfg.checkpoint_every, resume=bool(cfg.resume), threads=threads,
+            curve=keys) for i, (start, end) in enumerate(ranges)]
+        return cls(settings, [flat[start:end].clone() for start, end in ranges],
+                   cfg.shard_restarts)
+
     def start(self) -> list:
-        """Start every shard; their ports once each listens."""
+        """Start every shard; once each listens, [{port, start, end}] as a welcome lists them."""
         self.group.start()
-        return [self._await_port(i) for i in range(len(self.settings))]
+        return [{Key.PORT: self._await_port(i), Key.START: s.config.start, Key.END: s.config.end}
+                for i, s in enumerate(self.settings)]
 
     def _await_port(self, i: int) -> int:
         if not self.ready[i].poll(SHARD_READY_SECONDS):

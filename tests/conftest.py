@@ -1,8 +1,10 @@
-"""Shared helpers: run the installed CLI as a subprocess and read what it wrote."""
+"""Shared helpers: run the installed CLI as a subprocess and read what it wrote, and start
+parameter servers and workers (plain and CURVE) the way a user does."""
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -10,6 +12,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+import zmq
+
+from asyncsgd.wire.protocol import STATS, Message, decode, encode
+from asyncsgd.wire.security import ClientKeys
 
 TESTS = Path(__file__).parent
 BIN = Path(sys.executable).parent
@@ -97,3 +103,142 @@ def stop_tree(proc, act, timeout=60, orphan_wait=10):
     gone, alive = psutil.wait_procs(children, timeout=orphan_wait)
     assert not alive, f"orphans left: {alive}"
     return stdout, stderr, took, children
+
+
+def one_line_error(res, *fragments):
+    """A command that failed with exactly one ``error: ...`` line holding every fragment."""
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: "), res.stderr
+    assert "Traceback" not in res.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+# ---- parameter servers and workers ----------------------------------------------------
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, cli_env, out, *args, port=None, own_group=False):
+        """``port``: the front's (a free one by default); ``own_group``: the server and its
+        shards in a process group of their own, which a test may kill whole."""
+        self.port = port or free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.out = out
+        where = [] if "--resume" in args else ["--out", out]
+        self.proc = subprocess.Popen(
+            asyncsgd_cmd("ps-server", "--bind", self.address, *where, "--progress", "off",
+                         "--eval-every", 0.5, *args),
+            env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdin=subprocess.DEVNULL, start_new_session=own_group)
+        self.ctx = zmq.Context()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.proc.communicate()
+            try:
+                self.stats(timeout=0.5)
+                return
+            except TimeoutError:
+                continue
+        raise AssertionError("server did not come up")
+
+    def request(self, frames, port=None, timeout=5.0):
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if getattr(self, "curve", None) is not None:  # a CURVE server (test_security.py)
+            self.curve.apply(sock)
+        sock.connect(f"tcp://127.0.0.1:{port or self.port}")
+        try:
+            sock.send_multipart(frames)
+            if not sock.poll(int(timeout * 1000)):
+                raise TimeoutError
+            return decode(sock.recv_multipart())
+        finally:
+            sock.close()
+
+    def stats(self, timeout=5.0):
+        return self.request(encode(Message(type=STATS, seq=1)), timeout=timeout).meta
+
+    def wait(self, timeout=120):
+        out, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out, err
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.ctx.term()
+
+
+@pytest.fixture
+def server(cli_env, tmp_path):
+    started = []
+
+    def start(*args):
+        started.append(Server(cli_env, tmp_path / f"server{len(started)}", *args))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.close()
+
+
+def worker(cli_env, address, rank, world, *args):
+    return subprocess.Popen(
+        asyncsgd_cmd("worker", "--server", address, "--rank", rank, "--world", world,
+                     "--threads", 1, "--progress", "off", *args),
+        env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.DEVNULL)
+
+
+def finish(procs, timeout=180):
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        results.append((p.returncode, out, err))
+    return results
+
+
+class CurveServer(Server):
+    """A ps-server with CURVE on; the test's own requests use worker-0's key."""
+
+    def __init__(self, cli_env, out, keys, *args, **kw):
+        self.curve = ClientKeys.load(keys / "server.key", keys / "clients" / "worker-0.key_secret")
+        super().__init__(cli_env, out, "--curve-secret", keys / "server.key_secret",
+                         "--allowed-clients", keys / "allowed_clients", *args, **kw)
+
+
+@pytest.fixture
+def keys(run_cli, tmp_path):
+    """Two independent key sets: ours and a stranger's."""
+    made = []
+    for name in ("keys", "stranger"):
+        res = run_cli("keygen", tmp_path / name, "--clients", 1, timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert "worker --curve-secret" in res.stdout
+        made.append(tmp_path / name)
+    return made
+
+
+def shard_stats(srv, port: int) -> dict:
+    return srv.request(encode(Message(type=STATS, seq=1)), port=port).meta
+
+
+def wait_for(predicate, timeout: float, what: str, every: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

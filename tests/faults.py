@@ -27,8 +27,8 @@ import psutil
 import torch
 import zmq
 
-from asyncsgd.protocol import (ACK, PARAMS, PULL, PUSH, WELCOME, Message, copy_into, decode,
-                               encode)
+from asyncsgd.wire.protocol import (ACK, PARAMS, PULL, PUSH, WELCOME, Message, copy_into, decode,
+                                    encode)
 
 GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
 

@@ -18,7 +18,7 @@ import struct
 import msgpack
 import torch
 
-from asyncsgd.protocol import DTYPES, MAX_HEADER_BYTES, PUSH, Message, Segment, encode
+from asyncsgd.wire.protocol import DTYPES, MAX_HEADER_BYTES, PUSH, Message, Segment, encode
 
 BAD_FIELDS = {
     "v": [0, 2, None, "1", 1.5, -1],

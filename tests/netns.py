@@ -46,7 +46,8 @@ _probe_result: Optional[Tuple[bool, str]] = None
 def ip_binary() -> Optional[str]:
     """Path of `ip` (also looked for in the sbin folders, which a user's PATH may lack)."""
     return shutil.which("ip") or next(
-        (p for p in ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip") if os.access(p, os.X_OK)), None)
+        (p for p in ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip")
+         if os.access(p, os.X_OK)), None)
 
 
 def _ip(*args: str, timeout: float = IP_TIMEOUT) -> str:
@@ -56,7 +57,8 @@ def _ip(*args: str, timeout: float = IP_TIMEOUT) -> str:
         raise RuntimeError("`ip` (iproute2) is not installed")
     cmd = [exe, *args]
     try:
-        res = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+        res = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                             timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         raise RuntimeError(f"command timed out after {timeout}s: {' '.join(cmd)}") from exc
     except OSError as exc:
@@ -178,7 +180,8 @@ class Hosts:
             raise ValueError("at most 254 hosts fit in a /24")
         if not re.fullmatch(r"\d{1,3}\.\d{1,3}\.\d{1,3}", subnet) or \
                 any(int(o) > 255 for o in subnet.split(".")):
-            raise ValueError(f"subnet must be the first three octets, like '10.213.7', not {subnet!r}")
+            raise ValueError("subnet must be the first three octets, like '10.213.7', "
+                             f"not {subnet!r}")
         self.names = names
         self.subnet = subnet
         tag = f"{PREFIX}-{os.getpid()}-{next(_seq)}"

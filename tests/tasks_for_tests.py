@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn as nn
 
-from asyncsgd.tasks import Split, Task
+from asyncsgd.core.tasks import Split, Task
 
 
 def total(out, targets, reduction="sum"):
@@ -60,7 +60,8 @@ class Scalars(nn.Module):
 def _rows_task(name, model_fn, samples):
     n = samples or 1000
     rows = torch.arange(n).view(-1, 1)
-    return Task(name=name, model_fn=model_fn, train=Split((rows,), torch.zeros(n, dtype=torch.long)),
+    return Task(name=name, model_fn=model_fn,
+                train=Split((rows,), torch.zeros(n, dtype=torch.long)),
                 test=Split((rows[-10:],), torch.zeros(10, dtype=torch.long)), loss_fn=total,
                 lr=1.0, batch_size=8)
 

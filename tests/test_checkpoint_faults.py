@@ -7,12 +7,12 @@ import time
 
 import torch
 
-from asyncsgd.checkpoint import load_checkpoint
+from asyncsgd.run.checkpoint import load_checkpoint
 from faults import record_figure
 
 WRITER = """
 import sys, torch
-from asyncsgd.checkpoint import save_checkpoint
+from asyncsgd.run.checkpoint import save_checkpoint
 path, start = sys.argv[1], int(sys.argv[2])
 blob = torch.empty(8 * 2 ** 20)  # 32 MiB: a save takes long enough to be hit
 for i in range(start, start + 10 ** 6):

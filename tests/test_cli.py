@@ -8,19 +8,9 @@ import pytest
 import torch
 
 from asyncsgd import HogwildConfig
-from conftest import read_json
+from conftest import one_line_error, read_json
 
 ROOT = Path(__file__).parent.parent
-
-
-def _one_line_error(res, *fragments):
-    assert res.returncode != 0
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1, res.stderr
-    assert lines[0].startswith("error: "), res.stderr
-    assert "Traceback" not in res.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 @pytest.mark.parametrize("args, fragments", [
@@ -39,24 +29,24 @@ def _one_line_error(res, *fragments):
     (["--resume", "/nonexistent/run"], ["not a run directory"]),
 ])
 def test_bad_input_gives_one_clear_line(run_cli, args, fragments):
-    _one_line_error(run_cli("hogwild", *args, "--progress", "off", timeout=120), *fragments)
+    one_line_error(run_cli("hogwild", *args, "--progress", "off", timeout=120), *fragments)
 
 
 def test_unwritable_out_is_one_clear_line(run_cli, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    _one_line_error(run_cli("hogwild", "--out", blocker / "run", "--epochs", "1"),
+    one_line_error(run_cli("hogwild", "--out", blocker / "run", "--epochs", "1"),
                     "cannot write the run directory", "--out")
 
 
 def test_out_holding_a_run_is_refused(run_cli, tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    _one_line_error(run_cli("hogwild", "--out", tmp_path), "already holds a run", "--resume")
+    one_line_error(run_cli("hogwild", "--out", tmp_path), "already holds a run", "--resume")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 def test_cuda_without_gpu_is_one_clear_line(run_cli):
-    _one_line_error(run_cli("hogwild", "--device", "cuda", "--epochs", "1"),
+    one_line_error(run_cli("hogwild", "--device", "cuda", "--epochs", "1"),
                     "no CUDA GPU", "--device cpu")
 
 
@@ -128,3 +118,29 @@ def test_tensorboard_writes_event_files(run_cli, tmp_path):
     assert res.returncode == 0, res.stderr
     files = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     assert files and files[0].stat().st_size > 100
+
+
+@pytest.mark.parametrize("command, args, child_lines", [
+    ("hogwild", ["--procs", 2, "--epochs", 1],
+     [r"asyncsgd\.modes\.hogwild: worker 0: \d+ thread", r"asyncsgd\.modes\.hogwild: worker 1: "]),
+    ("ddp", ["--procs", 2, "--epochs", 1],
+     [r"asyncsgd\.modes\.ddp: rank 0 of 2 joined", r"asyncsgd\.modes\.ddp: rank 1 of 2 joined"]),
+    ("ps-server", ["--shards", 2, "--max-seconds", 2, "--bind", "tcp://127.0.0.1:0"],
+     [r"servers\.shard_process: shard 0 serving \[0, ",
+      r"servers\.shard_process: shard 1 serving"]),
+])
+def test_verbose_logging_reaches_every_child_process(run_cli, tmp_path, command, args,
+                                                     child_lines):
+    """-v gives the spawned processes (Hogwild workers, DDP ranks, shards) the parent's level
+    and format: their info lines appear, each named by its module as the parent's are."""
+    res = run_cli("-v", command, *args, "--out", tmp_path / "run", "--progress", "off")
+    assert res.returncode == 0, res.stderr
+    for line in child_lines:
+        assert re.search(line, res.stderr), (line, res.stderr)
+
+
+def test_without_verbose_children_log_only_warnings(run_cli, tmp_path):
+    res = run_cli("hogwild", "--procs", 2, "--epochs", 1, "--out", tmp_path / "run",
+                  "--progress", "off")
+    assert res.returncode == 0, res.stderr
+    assert "worker 0:" not in res.stderr and "asyncsgd.modes.hogwild" not in res.stderr

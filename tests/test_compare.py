@@ -17,12 +17,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from asyncsgd.compare import parse_modes
-from asyncsgd.config import available_cores
+from asyncsgd.analysis.compare import parse_modes
+from asyncsgd.analysis.report import Attempt, Run, mode_rows, parse_table, table_cells
 from asyncsgd.errors import ConfigError
-from asyncsgd.metrics import MetricsLog, steady_throughput, summarize, train_curve
-from asyncsgd.report import Attempt, Run, mode_rows, parse_table, table_cells
-from asyncsgd.rundir import RunDir
+from asyncsgd.run.metrics import MetricsLog, steady_throughput, summarize, train_curve
+from asyncsgd.run.process_group import available_cores
+from asyncsgd.run.rundir import RunDir
 from conftest import TESTS, asyncsgd_cmd, read_events, read_json
 
 # DDP spends 5-10 s of a loaded 2-core machine starting its ranks; the budget must leave it

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from asyncsgd import CheckpointError, DataError, TaskError, load_task
-from asyncsgd.checkpoint import load_checkpoint, save_checkpoint
-from asyncsgd.data import mnist1d, read_idx, write_idx
-from asyncsgd.optim import SGD
-from asyncsgd.tasks import partition_indices
+from asyncsgd.core.data import mnist1d, read_idx, write_idx
+from asyncsgd.core.tasks import partition_indices
+from asyncsgd.modes.optim import SGD
+from asyncsgd.run.checkpoint import load_checkpoint, save_checkpoint
 from conftest import read_json
 
 

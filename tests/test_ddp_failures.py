@@ -9,10 +9,9 @@ import time
 import pytest
 import torch
 
-from asyncsgd.tasks import partition_indices
-from conftest import (asyncsgd_cmd, read_json, signal_group, signal_parent, start_training,
-                      stop_tree)
-from test_cli import _one_line_error
+from asyncsgd.core.tasks import partition_indices
+from conftest import (asyncsgd_cmd, one_line_error, read_json, signal_group, signal_parent,
+                      start_training, stop_tree)
 
 ROWS = 1000
 
@@ -129,13 +128,13 @@ def test_bad_input_gives_one_clear_line(cli_env, command, args, env, fragments):
     res = subprocess.run(asyncsgd_cmd(command, *args, "--progress", "off"),
                          env={**cli_env, **env}, capture_output=True, text=True, timeout=120,
                          stdin=subprocess.DEVNULL)
-    _one_line_error(res, *fragments)
+    one_line_error(res, *fragments)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 @pytest.mark.parametrize("command", ["single", "ddp"])
 def test_cuda_without_gpu_is_one_clear_line(run_cli, command):
-    _one_line_error(run_cli(command, "--device", "cuda", "--progress", "off"),
+    one_line_error(run_cli(command, "--device", "cuda", "--progress", "off"),
                     "no CUDA GPU", "--device cpu")
 
 
@@ -146,5 +145,5 @@ def test_resuming_another_modes_run_is_one_clear_line_from_rank_0(tmp_path, run_
     (run / "config.json").write_text(json.dumps({"mode": "hogwild", "config": {}}))
     res = run_cli("ddp", "--resume", run, "--procs", 2, "--threads", 1, "--progress", "off",
                   "--dist-timeout", 60)
-    _one_line_error(res, "is a hogwild run", "asyncsgd hogwild --resume")
+    one_line_error(res, "is a hogwild run", "asyncsgd hogwild --resume")
     assert res.returncode == 2

@@ -15,12 +15,12 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncsgd.protocol import (ACK, DTYPES, ERROR, MAX_HEADER_BYTES, STATS, TYPES, Message,
-                               ProtocolError, decode, encode)
+from asyncsgd.wire.protocol import (ACK, DTYPES, ERROR, MAX_HEADER_BYTES, STATS, TYPES, Message,
+                                    ProtocolError, decode, encode)
+from conftest import CurveServer
 from faults import observe, record_figure
 from malformed import malformed, valid_push
 from servers.shard import ShardConfig, ShardState
-from test_security import CurveServer, keys  # noqa: F401  (keys is a fixture)
 
 SIZE = 96
 

@@ -8,9 +8,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from asyncsgd.tasks import partition_indices
-from conftest import (asyncsgd_cmd, read_json, signal_group, signal_parent, start_training,
-                      stop_tree)
+from asyncsgd.core.tasks import partition_indices
+from conftest import asyncsgd_cmd, read_json, signal_group, signal_parent, start_training, stop_tree
 from faults import record_figure
 
 

@@ -3,8 +3,8 @@
 import torch
 
 from asyncsgd import HogwildConfig
-from asyncsgd.checkpoint import load_checkpoint
-from asyncsgd.hogwild import train
+from asyncsgd.modes.hogwild import train
+from asyncsgd.run.checkpoint import load_checkpoint
 from conftest import read_events, read_json
 
 

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncsgd.protocol import (ACK, BYE, ERROR, HEARTBEAT, PARAMS, PULL, PUSH, STATS, Message,
-                               ProtocolError, Segment, decode, encode, split)
+from asyncsgd.wire.protocol import (ACK, BYE, ERROR, HEARTBEAT, PARAMS, PULL, PUSH, STATS, Message,
+                                    ProtocolError, Segment, decode, encode, split)
 from servers.shard import ShardConfig, ShardState, parse_consistency
 
 
@@ -148,6 +148,25 @@ def test_sync_applies_the_round_once_everyone_pushed_and_survives_a_dead_worker(
     released = state.tick(10.0)
     assert (b"a", ACK) in [(p, r.type) for p, r in released]
     assert torch.equal(state.params, start - 4.0) and state.counters["dropped_workers"] == 1
+
+
+def test_a_sync_round_with_no_sockets_applies_the_mean_and_answers_the_held_pulls():
+    """ShardState alone, as the protocol's rules: pulls held until the round is applied,
+    the default reduce is the mean, every push acknowledged once, and the parameters the
+    held pulls get are the new ones."""
+    state = _state("sync", workers=2)
+    start = state.params.clone()
+    assert state.handle(b"a", _pull("a", 1), 0.0) == []              # waits for the second worker
+    assert sorted(p for p, r in state.handle(b"b", _pull("b", 1), 0.0)) == [b"a", b"b"]
+    assert state.handle(b"a", _push("a", 2, [1.0] * 6), 0.0) == []
+    assert state.handle(b"a", _pull("a", 3), 0.0) == []              # held: round 1 is open
+    out = state.handle(b"b", _push("b", 2, [5.0] * 6), 0.0)
+    assert sorted((p, r.type) for p, r in out) == [(b"a", ACK), (b"a", PARAMS), (b"b", ACK)]
+    assert torch.equal(state.params, start - 3.0) and state.version == 1   # mean of 1 and 5
+    (params,) = [r for p, r in out if r.type == PARAMS]
+    assert params.meta["version"] == 1 and torch.equal(params.segments[0].data, start - 3.0)
+    (_, refused), = state.refuse(b"c", "bad-field", "a test's malformed request")
+    assert refused.type == ERROR and state.counters["rejected"] == 1 and state.version == 1
 
 
 def test_observer_pulls_join_no_barrier_and_stats_answer():

@@ -2,111 +2,17 @@
 
 import json
 import signal
-import socket
 import subprocess
 import time
 
 import msgpack
 import pytest
 import torch
-import zmq
 
-from asyncsgd.checkpoint import load_checkpoint
-from asyncsgd.layout import Layout
-from asyncsgd.protocol import (ERROR, HELLO, PUSH, STATS, WELCOME, Message, Segment, decode,
-                               encode)
-from conftest import asyncsgd_cmd, read_json
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, cli_env, out, *args, port=None, own_group=False):
-        """``port``: the front's (a free one by default); ``own_group``: the server and its
-        shards in a process group of their own, which a test may kill whole."""
-        self.port = port or free_port()
-        self.address = f"tcp://127.0.0.1:{self.port}"
-        self.out = out
-        where = [] if "--resume" in args else ["--out", out]
-        self.proc = subprocess.Popen(
-            asyncsgd_cmd("ps-server", "--bind", self.address, *where, "--progress", "off",
-                         "--eval-every", 0.5, *args),
-            env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            stdin=subprocess.DEVNULL, start_new_session=own_group)
-        self.ctx = zmq.Context()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.communicate()
-            try:
-                self.stats(timeout=0.5)
-                return
-            except TimeoutError:
-                continue
-        raise AssertionError("server did not come up")
-
-    def request(self, frames, port=None, timeout=5.0):
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if getattr(self, "curve", None) is not None:  # a CURVE server (test_security.py)
-            self.curve.apply(sock)
-        sock.connect(f"tcp://127.0.0.1:{port or self.port}")
-        try:
-            sock.send_multipart(frames)
-            if not sock.poll(int(timeout * 1000)):
-                raise TimeoutError
-            return decode(sock.recv_multipart())
-        finally:
-            sock.close()
-
-    def stats(self, timeout=5.0):
-        return self.request(encode(Message(type=STATS, seq=1)), timeout=timeout).meta
-
-    def wait(self, timeout=120):
-        out, err = self.proc.communicate(timeout=timeout)
-        return self.proc.returncode, out, err
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.ctx.term()
-
-
-@pytest.fixture
-def server(cli_env, tmp_path):
-    started = []
-
-    def start(*args):
-        started.append(Server(cli_env, tmp_path / f"server{len(started)}", *args))
-        return started[-1]
-
-    yield start
-    for s in started:
-        s.close()
-
-
-def worker(cli_env, address, rank, world, *args):
-    return subprocess.Popen(
-        asyncsgd_cmd("worker", "--server", address, "--rank", rank, "--world", world,
-                     "--threads", 1, "--progress", "off", *args),
-        env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        stdin=subprocess.DEVNULL)
-
-
-def finish(procs, timeout=180):
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        results.append((p.returncode, out, err))
-    return results
+from asyncsgd.run.checkpoint import load_checkpoint
+from asyncsgd.wire.layout import Layout
+from asyncsgd.wire.protocol import (ERROR, HELLO, PUSH, STATS, WELCOME, Message, Segment, encode)
+from conftest import Server, asyncsgd_cmd, finish, free_port, read_json, worker
 
 
 @pytest.mark.parametrize("consistency", ["async", "sync"])
@@ -135,7 +41,7 @@ def test_exact_oracle_two_shards_three_workers(server, cli_env, consistency):
 
 def test_malformed_input_is_refused_and_the_server_keeps_serving(server, cli_env):
     srv = server("--task", "mnist1d-cnn", "--shards", 1)
-    from asyncsgd.tasks import load_task
+    from asyncsgd.core.tasks import load_task
     signature = Layout.of(load_task("mnist1d-cnn").build_model(0)).signature()
     welcome = srv.request(encode(Message(type=HELLO, worker="probe", seq=1,
                                          meta={"signature": signature})))
@@ -312,7 +218,7 @@ def test_push_every_with_dc_asgd_and_staleness_lr_trains(server, cli_env):
 
 @pytest.mark.parametrize("consistency", ["async", "ssp:2", "sync"])
 def test_two_workers_and_two_shards_reach_85_percent_on_mnist1d_cnn(server, cli_env, consistency):
-    """The issue's bar: 85% test accuracy within 5 minutes on this machine, in every mode."""
+    """The README's bar: 85% test accuracy within 5 minutes on this machine, in every mode."""
     srv = server("--task", "mnist1d-cnn", "--shards", 2, "--workers", 2,
                  "--consistency", consistency, "--target-accuracy", 0.85, "--max-seconds", 300)
     procs = [worker(cli_env, srv.address, r, 2, "--task", "mnist1d-cnn", "--epochs", 1000)

@@ -10,13 +10,12 @@ import time
 import torch
 import zmq
 
-from asyncsgd.layout import Layout
-from tasks_for_tests import index_counter
-
-from asyncsgd.protocol import STATS, Message, encode
+from asyncsgd.wire.layout import Layout
+from asyncsgd.wire.protocol import STATS, Message, encode
+from conftest import finish, worker
 from faults import (FaultProxy, GarbageFlood, observe, oversized_frame, record_figure, tree_fds,
                     tree_rss)
-from test_ps import finish, server, worker  # noqa: F401  (server is a fixture)
+from tasks_for_tests import index_counter
 
 ROWS = 2000  # one worker, batch 8: 250 pushes an epoch
 TASK = ["--task", "tasks_for_tests:index_counter", "--samples", ROWS]

@@ -11,32 +11,16 @@ import time
 
 import torch
 
-from asyncsgd.checkpoint import load_checkpoint
-from asyncsgd.layout import Layout
-from asyncsgd.protocol import STATS, Message, encode
-from asyncsgd.tasks import partition_indices
-from conftest import read_json
+from asyncsgd.core.tasks import partition_indices
+from asyncsgd.run.checkpoint import load_checkpoint
+from asyncsgd.wire.layout import Layout
+from conftest import finish, read_json, shard_stats, wait_for, worker
 from faults import observe, record_figure
 from servers.shard import params_digest
 from tasks_for_tests import index_counter
-from test_ps import finish, server, worker  # noqa: F401  (server is a fixture)
 
 TASK = "tasks_for_tests:index_counter"
 BATCH = 8
-
-
-def shard_stats(srv, port: int) -> dict:
-    return srv.request(encode(Message(type=STATS, seq=1)), port=port).meta
-
-
-def wait_for(predicate, timeout: float, what: str, every: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def first_batches(rows: int, world: int, rank: int, batches: int, seed: int = 0) -> torch.Tensor:

@@ -16,12 +16,10 @@ import time
 import psutil
 import pytest
 
-from asyncsgd.checkpoint import load_checkpoint
-from conftest import read_json, signal_group, stop_tree
+from asyncsgd.run.checkpoint import load_checkpoint
+from conftest import (CurveServer, Server, finish, read_json, shard_stats, signal_group, stop_tree,
+                      wait_for, worker)
 from faults import record_figure
-from test_ps import Server, finish, worker
-from test_ps_kills import shard_stats, wait_for
-from test_security import CurveServer
 
 TASK = "tasks_for_tests:dense_pair"
 ROWS, EPOCHS, BATCH = 2000, 12, 8

@@ -6,37 +6,15 @@ import pytest
 import torch
 import zmq
 
-from asyncsgd.checkpoint import load_checkpoint
-from asyncsgd.layout import Layout
-from asyncsgd.protocol import BYE, HELLO, PUSH, WELCOME, Message, Segment, encode
-from asyncsgd.security import ClientKeys, curve_problem
-from conftest import read_json
+from asyncsgd.run.checkpoint import load_checkpoint
+from asyncsgd.wire.layout import Layout
+from asyncsgd.wire.protocol import BYE, HELLO, PUSH, WELCOME, Message, Segment, encode
+from asyncsgd.wire.security import ClientKeys, curve_problem
+from conftest import CurveServer, finish, free_port, read_json, worker
 from faults import record_figure
 from tasks_for_tests import index_counter
-from test_ps import Server, finish, free_port, worker
 
 ROWS = 96  # one worker, batch 8: 12 pushes an epoch
-
-
-class CurveServer(Server):
-    """A ps-server with CURVE on; the test's own requests use worker-0's key."""
-
-    def __init__(self, cli_env, out, keys, *args, **kw):
-        self.curve = ClientKeys.load(keys / "server.key", keys / "clients" / "worker-0.key_secret")
-        super().__init__(cli_env, out, "--curve-secret", keys / "server.key_secret",
-                         "--allowed-clients", keys / "allowed_clients", *args, **kw)
-
-
-@pytest.fixture
-def keys(run_cli, tmp_path):
-    """Two independent key sets: ours and a stranger's."""
-    made = []
-    for name in ("keys", "stranger"):
-        res = run_cli("keygen", tmp_path / name, "--clients", 1, timeout=60)
-        assert res.returncode == 0, res.stderr
-        assert "worker --curve-secret" in res.stdout
-        made.append(tmp_path / name)
-    return made
 
 
 def test_keygen_writes_zmq_certificates_with_private_secrets(keys, run_cli):

@@ -169,8 +169,8 @@ def test_gpu_nccl_and_amp(tmp_path, run_cli, amp):
 def test_fp16_scaler_drives_asyncsgd_sgd_exactly():
     """The GPU path's GradScaler with asyncsgd's SGD, checked on CPU: a power-of-two scale
     is undone exactly, and a step with overflowing gradients is skipped and halves it."""
-    from asyncsgd.optim import SGD
-    from asyncsgd.precision import Precision
+    from asyncsgd.modes.optim import SGD
+    from asyncsgd.modes.precision import Precision
 
     torch.manual_seed(0)
     model, reference = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
@@ -191,7 +191,7 @@ def test_fp16_scaler_drives_asyncsgd_sgd_exactly():
 
 
 def test_padded_partitions_are_equal_and_cover_the_data():
-    from asyncsgd.syncloop import padded_partition
+    from asyncsgd.modes.syncloop import padded_partition
 
     parts = [padded_partition(1003, 4, r, seed=5) for r in range(4)]
     assert {len(p) for p in parts} == {251}

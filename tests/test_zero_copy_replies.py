@@ -8,21 +8,19 @@ import time
 import torch
 import zmq
 
-from asyncsgd.protocol import PULL, PUSH, Message, split
-from asyncsgd.transport import recv, router
-from servers.inflight import InFlight
+from asyncsgd.wire.protocol import PULL, PUSH, Message, split
+from asyncsgd.wire.transport import recv_from, router
 from servers.shard import ShardConfig, ShardState
-from servers.shard_server import _reply
+from servers.shard_process import _reply
+from servers.zero_copy import InFlight, ZeroCopyStore
 
 SIZE = 4 * 2 ** 20  # 16 MiB of float32: more than the loopback socket buffers hold
 
 
 def _shard():
     state = ShardState(ShardConfig(index=0, start=0, end=SIZE, lr=1.0),
-                       torch.arange(SIZE, dtype=torch.float32))
-    inflight = InFlight()
-    state.before_write = inflight.writable
-    return state, inflight
+                       torch.arange(SIZE, dtype=torch.float32), store=ZeroCopyStore)
+    return state, state.store.inflight
 
 
 def _pull(seq, worker="w"):
@@ -38,7 +36,7 @@ def _push(seq, value, clock, worker="w"):
 # reads nothing, so the reply stays in flight), and once continued prints what it got.
 PEER = """
 import sys, torch, zmq
-from asyncsgd.protocol import decode, parts_of
+from asyncsgd.wire.protocol import decode, parts_of
 ctx = zmq.Context(); sock = ctx.socket(zmq.DEALER); sock.connect(sys.argv[1]); sock.send(b"x")
 print("hello", flush=True)
 pieces, parts = {}, 1
@@ -63,18 +61,18 @@ def test_update_during_a_zero_copy_send_moves_to_a_copy_and_the_reply_stays_whol
     try:
         assert peer_proc.stdout.readline().strip() == "hello"
         assert server.poll(20000)
-        slow, _ = recv(server, router_side=True)
+        slow, _ = recv_from(server)
         peer_proc.send_signal(signal.SIGSTOP)
         time.sleep(0.2)
         sent_from = state.params
         for to, reply in state.handle(slow, _pull(1), time.monotonic()):
-            _reply(server, state, inflight, to, reply)
+            _reply(server, state, to, reply)
         time.sleep(0.5)
         assert inflight.zero_copy(sent_from) and inflight.sends, \
             "a stopped peer cannot have taken a 16 MiB reply"
         for to, reply in state.handle(b"other", _push(1, 1, state.version, "v"),
                                       time.monotonic()):
-            _reply(server, state, inflight, to, reply)
+            _reply(server, state, to, reply)
         assert state.params is not sent_from, "the update must not write the buffer being sent"
         assert inflight.copies == 1
         assert torch.equal(state.params, expected_old - 1)
@@ -110,7 +108,8 @@ def test_pinned_buffers_are_bounded_and_replies_fall_back_to_copies():
         done = False
 
     inflight.sent(params, Pending())
-    assert inflight.zero_copy(params), "sending again from a buffer already in flight pins nothing new"
+    assert inflight.zero_copy(params), \
+        "sending again from a buffer already in flight pins nothing new"
     moved = inflight.writable(params)
     assert moved is not params and torch.equal(moved, params)
     assert not inflight.zero_copy(moved), "a second pinned buffer would exceed max_buffers"
@@ -119,7 +118,7 @@ def test_pinned_buffers_are_bounded_and_replies_fall_back_to_copies():
 def test_in_parts_splits_a_reply_and_parts_of_checks_the_numbers():
     import pytest
 
-    from asyncsgd.protocol import PARAMS, ProtocolError, decode, encode, in_parts, parts_of
+    from asyncsgd.wire.protocol import PARAMS, ProtocolError, decode, encode, in_parts, parts_of
     whole = Message(type=PARAMS, seq=7, shard=1, clock=3,
                     meta={"version": 3, "ack": {"applied": True}},
                     segments=split(torch.arange(10.0), frame_bytes=16))

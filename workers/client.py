@@ -38,11 +38,10 @@ import torch
 import zmq
 
 from asyncsgd.errors import AsyncSGDError
-from asyncsgd.protocol import (ACK, BYE, ERROR, HEARTBEAT, HELLO, PARAMS, PULL, PUSH, WELCOME,
-                               Message, ProtocolError, copy_into, decode, in_parts, parts_of,
-                               split)
-from asyncsgd.security import ClientKeys, await_handshake
-from asyncsgd.transport import dealer, frame_limit, recv, send
+from asyncsgd.wire.protocol import (ACK, BYE, ERROR, HEARTBEAT, HELLO, PARAMS, PULL, PUSH, WELCOME,
+                                    Key, Message, ParamsIntake, ProtocolError, in_parts, split)
+from asyncsgd.wire.security import ClientKeys, await_handshake
+from asyncsgd.wire.transport import dealer, frame_limit, parse_endpoint, recv, send
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +79,7 @@ class PSClient:
                  heartbeat: float = 1.0, server_timeout: float = 60.0,
                  curve: Optional[ClientKeys] = None):
         self.server, self.worker = server, worker
+        self.host = parse_endpoint(server, "--server")[0]
         self.incarnation = new_incarnation()
         self.heartbeat, self.server_timeout = heartbeat, server_timeout
         self.curve = curve
@@ -93,8 +93,8 @@ class PSClient:
             self.ctx.term()
             raise
         self.front = self._front_socket()
-        self.hello = {"signature": signature, "rank": rank, "world": world,
-                      "host": socket.gethostname()}
+        self.hello = {Key.SIGNATURE: signature, Key.RANK: rank, Key.WORLD: world,
+                      Key.HOST: socket.gethostname()}
         welcome = self._request_front(Message(type=HELLO, meta=self.hello))
         self.info = welcome.meta
         self.shard_addrs, self.ranges = self._layout(welcome.meta)
@@ -104,7 +104,7 @@ class PSClient:
             self.poller.register(sock, zmq.POLLIN)
         self.version = 0  # the parameter version the local copy was pulled at (per shard min)
         self.versions = [0] * len(self.shards)
-        self._parts_left: dict = {}  # (shard, seq) -> parts of a PARAMS reply still to come
+        self._intake = ParamsIntake()  # PARAMS replies by (shard, seq), part by part
         self._grads, self._grads_key, self._grad_segments = None, None, []
 
     def _unavailable(self) -> ServerUnavailable:
@@ -114,9 +114,9 @@ class PSClient:
 
     def _layout(self, welcome: dict) -> tuple:
         """(shard addresses, shard ranges) a WELCOME announces."""
-        host = self.server[6:].rsplit(":", 1)[0]
-        return ([f"tcp://{host}:{s['port']}" for s in welcome["shards"]],
-                [(s["start"], s["end"]) for s in welcome["shards"]])
+        shards = welcome[Key.SHARDS]
+        return ([f"tcp://{self.host}:{s[Key.PORT]}" for s in shards],
+                [(s[Key.START], s[Key.END]) for s in shards])
 
     def _front_socket(self) -> zmq.Socket:
         return dealer(self.ctx, self.server, curve=self.curve, max_frame=frame_limit(0))
@@ -140,12 +140,12 @@ class PSClient:
             wait_until = min(deadline, time.monotonic() + max(backoff, 3 * self.heartbeat))
             while time.monotonic() < wait_until:
                 if self.front.poll(int(max(0.0, wait_until - time.monotonic()) * 1000) + 1):
-                    reply = decode(recv(self.front, router_side=False)[1])
+                    reply = recv(self.front)
                     if reply.seq != msg.seq:
                         continue
                     if reply.type == ERROR:
                         raise ServerRefused(f"the server at {self.server} refused: "
-                                            f"{reply.meta.get('error')}")
+                                            f"{reply.meta.get(Key.ERROR)}")
                     return reply
             if time.monotonic() >= deadline:
                 raise self._unavailable()
@@ -164,7 +164,7 @@ class PSClient:
         for i in range(len(self.ranges)):
             if segments is not None:
                 msg = self._msg(PUSH, clock=self.versions[i], shard=i,
-                                meta={**(meta or {}), "pull": True}, segments=segments[i])
+                                meta={**(meta or {}), Key.PULL: True}, segments=segments[i])
                 outstanding[(i, msg.seq)] = [msg, {ACK, PARAMS}]
             else:
                 msg = self._msg(PULL, clock=self.versions[i], shard=i)
@@ -190,7 +190,7 @@ class PSClient:
 
     def _await(self, outstanding: dict, params: torch.Tensor) -> None:
         poller = self.poller
-        self._parts_left.clear()  # what an earlier, abandoned call left behind
+        self._intake.forget()  # what an earlier, abandoned call left behind
         start = time.monotonic()
         # A shard's last answer: reopening its socket is no answer, so the silence that
         # --server-timeout bounds runs on across retries.
@@ -208,7 +208,7 @@ class PSClient:
                 if sock not in events:
                     continue
                 while True:
-                    reply = decode(recv(sock, router_side=False)[1])
+                    reply = recv(sock)
                     # Another shard of a restarted server may listen on this port now:
                     # its answers are no sign of life of shard i.
                     if reply.shard in (-1, i):
@@ -255,8 +255,8 @@ class PSClient:
         self.shards[i] = self._shard_socket(i)
         self.poller.register(self.shards[i], zmq.POLLIN)
         self.stats["reconnects"] += 1
-        for key in [k for k in self._parts_left if k[0] == i]:
-            del self._parts_left[key]  # a reply cut off between its parts comes again whole
+        # A reply cut off between its parts comes again whole.
+        self._intake.forget(lambda key: key[0] == i)
         for (shard, _), (msg, _owed) in sorted(outstanding.items()):
             if shard == i:
                 self._send(i, msg)
@@ -270,7 +270,7 @@ class PSClient:
         self.front.close(0)
         self.front = self._front_socket()
         self.poller.register(self.front, zmq.POLLIN)
-        send(self.front, self._msg(HELLO, meta={**self.hello, "rejoin": True}))
+        send(self.front, self._msg(HELLO, meta={**self.hello, Key.REJOIN: True}))
 
     def _front_answers_within(self, seconds: float, outstanding: dict) -> bool:
         """Wait ``seconds`` (the backoff); True as soon as a restarted server welcomed us."""
@@ -285,11 +285,12 @@ class PSClient:
         server (a new ``instance``) and this client moved to its shards."""
         rejoined = False
         while self.front.poll(0):
-            reply = decode(recv(self.front, router_side=False)[1])
+            reply = recv(self.front)
             if reply.type == ERROR:
                 raise ServerRefused(f"the server at {self.server} refused this worker's rejoin: "
-                                    f"{reply.meta.get('error')}")
-            if reply.type == WELCOME and reply.meta.get("instance") != self.info.get("instance"):
+                                    f"{reply.meta.get(Key.ERROR)}")
+            if (reply.type == WELCOME
+                    and reply.meta.get(Key.INSTANCE) != self.info.get(Key.INSTANCE)):
                 self._rejoin(reply.meta, outstanding)
                 rejoined = True
         return rejoined
@@ -302,8 +303,8 @@ class PSClient:
                 f"the server at {self.server} restarted with shard ranges {ranges}, but this "
                 f"worker joined it with {self.ranges}: it now runs another --shards or model; "
                 "start the worker again to join it afresh")
-        ports = [s["port"] for s in welcome["shards"]]
-        before = [s["port"] for s in self.info["shards"]]
+        ports = [s[Key.PORT] for s in welcome[Key.SHARDS]]
+        before = [s[Key.PORT] for s in self.info[Key.SHARDS]]
         self.info, self.shard_addrs = welcome, addrs
         for i in range(len(self.shards)):  # even on an unchanged port: the old link is dead
             self._reopen(i, outstanding)
@@ -335,23 +336,18 @@ class PSClient:
             return  # a heartbeat, or a late answer to something already settled
         request, owed = outstanding[key]
         if reply.type == ERROR:
-            raise ServerRefused(f"shard {i} refused {request.type}: {reply.meta.get('error')}")
-        if reply.type == BYE and reply.meta.get("stopping"):
+            raise ServerRefused(f"shard {i} refused {request.type}: {reply.meta.get(Key.ERROR)}")
+        if reply.type == BYE and reply.meta.get(Key.STOPPING):
             raise ServerFinished()
-        ack = reply.meta if reply.type == ACK else reply.meta.get("ack")
+        ack = reply.meta if reply.type == ACK else reply.meta.get(Key.ACK)
         if ack is not None:
             owed.discard(ACK)
-            if ack.get("duplicate"):
+            if ack.get(Key.DUPLICATE):
                 self.stats["duplicate_acks"] += 1
         if reply.type == PARAMS:
-            _, parts = parts_of(reply)
-            copy_into(reply, params, self.ranges[i][0])
-            self.versions[i] = reply.meta.get("version", reply.clock)
-            left = self._parts_left.pop(key, parts) - 1
-            if left > 0:
-                self._parts_left[key] = left
-            else:
+            if self._intake.take(key, reply, params, self.ranges[i][0]):
                 owed.discard(PARAMS)
+            self.versions[i] = reply.meta.get(Key.VERSION, reply.clock)
         if not owed:
             del outstanding[key]
 
@@ -367,7 +363,7 @@ class PSClient:
                 sock = self.front if i == -1 else self.shards[i]
                 if sock.poll(10):
                     try:
-                        if decode(recv(sock, router_side=False)[1]).type == BYE:
+                        if recv(sock).type == BYE:
                             pending.discard(i)
                     except ProtocolError:
                         pending.discard(i)

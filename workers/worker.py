@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 2 -m asyncsgd worker ...   # or from RANK/WORLD_SIZE
 
 The local model's parameters and gradients are views of two flat buffers
-(``asyncsgd.layout``): a pull writes received bytes straight into the model, a
+(``asyncsgd.wire.layout``): a pull writes received bytes straight into the model, a
 push sends slices of the gradient buffer without gathering anything, and no
 step allocates a parameter-sized tensor.
 """
@@ -22,13 +22,16 @@ from typing import Optional
 
 import torch
 
-from asyncsgd.config import WorkerConfig, threads_per_process
+from asyncsgd.config import WorkerConfig
+from asyncsgd.core.tasks import epoch_order, load_task, partition_indices
 from asyncsgd.errors import ConfigError
-from asyncsgd.layout import Layout
-from asyncsgd.memory import keep_freed_memory
-from asyncsgd.progress import Progress
-from asyncsgd.security import ClientKeys
-from asyncsgd.tasks import load_task, partition_indices
+from asyncsgd.run.process_group import threads_per_process
+from asyncsgd.run.progress import Progress
+from asyncsgd.wire.layout import Layout
+from asyncsgd.wire.memory import keep_freed_memory
+from asyncsgd.wire.protocol import Key
+from asyncsgd.wire.security import ClientKeys
+from asyncsgd.wire.transport import parse_endpoint
 
 from .client import PSClient, ServerFinished
 
@@ -76,8 +79,7 @@ def _local_workers() -> int:
 
 
 def run_worker(cfg: WorkerConfig) -> WorkerResult:
-    if not cfg.server.startswith("tcp://") or ":" not in cfg.server[6:]:
-        raise ConfigError(f"--server {cfg.server!r}: use tcp://HOST:PORT")
+    parse_endpoint(cfg.server, "--server")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
     rank, world = rank_and_world(cfg)
@@ -127,10 +129,8 @@ class _Loop:
     def run(self) -> WorkerResult:
         self.client.push_pull(None, self.flat_params)
         self._load()
-        gen = torch.Generator()
         for epoch in range(self.cfg.epochs):
-            gen.manual_seed(self.cfg.seed * 1_000_003 + self.rank * 10_007 + epoch)
-            order = self.part[torch.randperm(len(self.part), generator=gen)]
+            order = epoch_order(self.part, self.cfg.seed, self.rank, epoch)
             for start in range(0, len(order), self.batch_size):
                 if self.cfg.max_seconds and self.elapsed() >= self.cfg.max_seconds:
                     return self._finish()
@@ -163,7 +163,7 @@ class _Loop:
         self._push()
 
     def _push(self) -> None:
-        meta = {"loss": self.loss_sum / max(1, self.loss_steps), "samples": self.unpushed}
+        meta = {Key.LOSS: self.loss_sum / max(1, self.loss_steps), Key.SAMPLES: self.unpushed}
         grads = self.accum if self.accum is not None else self.flat_grads
         self.client.push_pull(grads, self.flat_params, meta)
         self._load()

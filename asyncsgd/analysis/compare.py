@@ -44,13 +44,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, TextIO
 
-from .config import CompareConfig, available_cores
-from .errors import AsyncSGDError, ConfigError
-from .launch import Child, free_port, stop_all
-from .procs import sigterm_as_interrupt
-from .progress import Progress
-from .report import Attempt, Run, publish
-from .rundir import RunDir, environment
+from ..config import CompareConfig
+from ..errors import AsyncSGDError, ConfigError
+from ..run.process_group import available_cores
+from ..run.progress import Progress
+from ..run.rundir import RunDir, environment
+from ..run.signals import sigterm_as_interrupt
+from .cli_launcher import Child, free_port, stop_all
+from .publish import publish
+from .report import Attempt, Run
 
 log = logging.getLogger(__name__)
 
@@ -353,10 +355,9 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
     """Run every mode of ``cfg.modes`` ``cfg.repeats`` times and write the report."""
     specs = parse_modes(cfg.modes)
     extra = parse_mode_args(cfg.mode_args, specs)
-    from .tasks import load_task
+    from ..core.tasks import task_of  # torch: only once the options are known to be good
     # Fails early on a bad task, and generates and caches its data outside every budget.
-    task = load_task(cfg.task, samples=cfg.samples, data_dir=cfg.data_dir,
-                     cache_dir=cfg.cache_dir, seed=cfg.seed)
+    task = task_of(cfg)
     out = _compare_dir(cfg.out)
     header = {"command": argv if argv is not None else sys.argv, "config": dataclasses.asdict(cfg),
               "task": {"name": task.name, "train_samples": len(task.train),

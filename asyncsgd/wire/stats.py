@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import zmq
 
-from .errors import AsyncSGDError
-from .protocol import ERROR, STATS, Message, decode
-from .transport import dealer, recv, send
+from ..errors import AsyncSGDError
+from .protocol import ERROR, STATS, Key, Message
+from .transport import dealer, parse_endpoint, recv, send
 
 
 def fetch_stats(server: str, timeout: float = 5.0, curve=None) -> dict:
     """The front's counters; ``curve`` (``security.ClientKeys``) for a CURVE server."""
-    if not server.startswith("tcp://"):
-        raise AsyncSGDError(f"--server {server!r}: use tcp://HOST:PORT")
+    parse_endpoint(server, "--server")
     ctx = zmq.Context()
     sock = dealer(ctx, server, curve=curve)
     try:
@@ -20,9 +19,9 @@ def fetch_stats(server: str, timeout: float = 5.0, curve=None) -> dict:
         if not sock.poll(int(timeout * 1000)):
             raise AsyncSGDError(f"no answer from {server} within {timeout:g} s; is "
                                 "'asyncsgd ps-server' running there?")
-        reply = decode(recv(sock, router_side=False)[1])
+        reply = recv(sock)
         if reply.type == ERROR:
-            raise AsyncSGDError(f"{server} answered with an error: {reply.meta.get('error')}")
+            raise AsyncSGDError(f"{server} answered with an error: {reply.meta.get(Key.ERROR)}")
         return reply.meta
     finally:
         sock.close(0)

@@ -35,7 +35,7 @@ import zmq.auth
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
-from .errors import ConfigError, SecurityError
+from ..errors import ConfigError, SecurityError
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,8 @@ class ClientKeys:
     secret: bytes
 
     @classmethod
-    def load(cls, server_key_file: Optional[str], secret_file: Optional[str]) -> Optional["ClientKeys"]:
+    def load(cls, server_key_file: Optional[str],
+             secret_file: Optional[str]) -> Optional["ClientKeys"]:
         """Keys from ``--curve-server-key`` and ``--curve-secret``; None when neither is given."""
         if not _both_or_neither(server_key_file, secret_file, "--curve-server-key and "
                                 "--curve-secret go together: the server's public key and this "

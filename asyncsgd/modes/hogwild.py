@@ -3,7 +3,7 @@
     asyncsgd hogwild --task mnist1d-cnn --procs 8
     asyncsgd hogwild --task sparse-logreg --procs 2 --lock     # locked baseline
 
-or from Python: ``asyncsgd.hogwild.train(HogwildConfig(procs=8))``.
+or from Python: ``asyncsgd.modes.hogwild.train(HogwildConfig(procs=8))``.
 
 How it works (after pytorch/examples' mnist_hogwild, with its gaps closed):
 
@@ -31,13 +31,13 @@ from typing import Optional
 
 import torch
 
-from .config import HogwildConfig, available_cores, threads_per_process
-from .coreslots import TokenRing
-from .errors import ConfigError, WorkerError
+from ..config import HogwildConfig
+from ..core.tasks import Task, epoch_order, partition_indices, task_of
+from ..errors import ConfigError, WorkerError
+from ..run.process_group import WorkerGroup, available_cores, context, threads_per_process
+from ..run.recorder import Outcome, Recorder, RunResult
 from .optim import SGD
-from .procs import WorkerGroup, context
-from .recorder import Outcome, Recorder, RunResult
-from .tasks import Task, load_task, partition_indices
+from .token_ring import TokenRing
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +77,13 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
     stop = control.numpy()
     ring = TokenRing(rank, ring_sems, counters.numpy()[:, DONE], stop, s.quantum) \
         if ring_sems else None
+    log.info("worker %d: %d thread(s), %d rows, epochs %d..%d%s", rank, s.threads, len(part),
+             s.start_epoch + 1, s.epochs, ", run token ring" if ring else "")
     count[READY] = 1
     holding = ring.acquire() if ring else True
-    gen = torch.Generator()
     try:
         for epoch in range(s.start_epoch, s.epochs):
-            gen.manual_seed(s.seed * 1_000_003 + rank * 10_007 + epoch)
-            order = part[torch.randperm(len(part), generator=gen)]
+            order = epoch_order(part, s.seed, rank, epoch)
             for start in range(0, len(order), s.batch_size):
                 if stop[0] or not holding:
                     return
@@ -119,14 +119,14 @@ def _check_config(cfg: HogwildConfig, model: torch.nn.Module) -> None:
         log.info("momentum with sparse gradients densifies each process's momentum buffer")
 
 
-def train(cfg: HogwildConfig, task: Optional[Task] = None, argv: Optional[list] = None) -> RunResult:
+def train(cfg: HogwildConfig, task: Optional[Task] = None,
+          argv: Optional[list] = None) -> RunResult:
     """Run Hogwild as configured; returns the run directory and its summary."""
     procs = cfg.procs or available_cores()
     if procs < 1:
         raise ConfigError(f"--procs must be at least 1 (got {procs})")
     run = Recorder.open_run(cfg)
-    task = task or load_task(cfg.task, samples=cfg.samples, data_dir=cfg.data_dir,
-                             cache_dir=cfg.cache_dir, seed=cfg.seed)
+    task = task or task_of(cfg)
     model = task.build_model(cfg.seed)
     _check_config(cfg, model)
     lr = cfg.lr or task.lr

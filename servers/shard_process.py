@@ -1,9 +1,11 @@
-"""A shard process: a ROUTER socket around a ``ShardState``.
+"""The shard process: a ROUTER socket around a ``ShardState``.
 
-The loop receives frames, decodes them (a malformed message gets an ERROR
-reply and changes nothing), lets the state object decide, and sends its
-replies. It never crashes on input: anything the state raises is logged and
-answered as an error. It checkpoints its slice and optimizer state
+The loop receives messages (one that breaks the protocol gets an ERROR reply
+and changes nothing), lets the state object decide, and sends its replies:
+parameters straight from the shard's buffer, part by part, each part's
+pending update applied just before it goes (``zero_copy.ZeroCopyStore``). It
+never crashes on input: anything the state raises is logged and answered as
+an error. It checkpoints its slice and optimizer state
 atomically every ``checkpoint_every`` seconds and when it stops, with the
 port it listens on: a shard of a resumed server listens there again when the
 port is free, so running workers find it where it was.
@@ -21,15 +23,15 @@ from typing import Optional
 import torch
 import zmq
 
-from asyncsgd.checkpoint import load_checkpoint, save_checkpoint
-from asyncsgd.memory import keep_freed_memory
-from asyncsgd.protocol import (BYE, PARAMS, STATS, Message, ProtocolError, decode,
-                               error_message, in_parts)
-from asyncsgd.security import Gatekeeper, ServerKeys
-from asyncsgd.transport import COPY_BELOW, frame_limit, recv, router, send, send_tracked
+from asyncsgd.run.checkpoint import load_checkpoint, save_checkpoint
+from asyncsgd.wire.memory import keep_freed_memory
+from asyncsgd.wire.protocol import (BYE, PARAMS, STATS, Code, Key, Message, ProtocolError,
+                                    error_message, in_parts)
+from asyncsgd.wire.security import Gatekeeper, ServerKeys
+from asyncsgd.wire.transport import frame_limit, recv_from, router, send, send_tracked
 
-from .inflight import InFlight
 from .shard import ShardConfig, ShardState
+from .zero_copy import ZeroCopyStore
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +61,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
     """Process target: serve shard ``rank`` until ``stop[0]`` is set."""
     torch.set_num_threads(settings.threads)
     keep_freed_memory()
-    state = ShardState(settings.config, initial)
-    inflight = InFlight()
-    state.before_write = inflight.writable
-    state.defer_apply = True  # _reply applies each part of an update just before sending it
+    state = ShardState(settings.config, initial, store=ZeroCopyStore)
     path = checkpoint_path(settings.checkpoint_dir, rank) if settings.checkpoint_dir else None
     saved: dict = {}
     if settings.resume and path is not None and path.exists():
@@ -74,6 +73,9 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
     sock, endpoint = _listen(ctx, settings, state.size, saved.get("port"))
     gate.watch(sock)
     port = int(endpoint.rsplit(":", 1)[1])
+    log.info("shard %d serving [%d, %d) on port %d, %s, %d thread(s)", rank,
+             settings.config.start, settings.config.end, port, settings.config.consistency,
+             settings.threads)
     ready.send(port)
     ready.close()
     next_checkpoint = time.monotonic() + (settings.checkpoint_every or float("inf"))
@@ -82,14 +84,14 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
         while not stop[0]:
             if sock.poll(int(TICK_SECONDS * 1000)):
                 for _ in range(BATCH):
-                    _serve_one(sock, state, gate, inflight)
+                    _serve_one(sock, state, gate)
                     if not sock.poll(0):
                         break
             now = time.monotonic()
             if now >= next_tick:  # liveness needs no finer grain than this
                 next_tick = now + TICK_SECONDS
                 for peer, reply in state.tick(now):
-                    _reply(sock, state, inflight, peer, reply)
+                    _reply(sock, state, peer, reply)
             if path is not None and now >= next_checkpoint:
                 save_checkpoint(path, {"shard": state.state_dict(), "port": port})
                 next_checkpoint = now + settings.checkpoint_every
@@ -124,7 +126,7 @@ def _listen(ctx: zmq.Context, settings: ShardProcessSettings, size: int,
 def _drain(sock: zmq.Socket, state: ShardState) -> None:
     """Training is over: tell every worker that waits or asks, so it ends cleanly."""
     def over(seq: int) -> Message:
-        return Message(type=BYE, shard=state.cfg.index, seq=seq, meta={"stopping": True})
+        return Message(type=BYE, shard=state.cfg.index, seq=seq, meta={Key.STOPPING: True})
 
     for record in state.workers.values():
         if record.held_pull is not None:
@@ -133,50 +135,41 @@ def _drain(sock: zmq.Socket, state: ShardState) -> None:
     while time.monotonic() < deadline:
         if not sock.poll(50):
             continue
-        peer, frames = recv(sock, router_side=True)
-        try:
-            send(sock, over(decode(frames).seq), peer)
-        except ProtocolError as exc:
-            send(sock, error_message(exc.code, str(exc)), peer)
+        peer, msg = recv_from(sock)
+        if isinstance(msg, ProtocolError):
+            send(sock, error_message(msg.code, str(msg)), peer)
+        else:
+            send(sock, over(msg.seq), peer)
 
 
-def _reply(sock: zmq.Socket, state: ShardState, inflight: InFlight, peer: bytes,
-           reply: Message) -> None:
-    """Parameters go out without copying when ``inflight`` allows it, a message per frame
+def _reply(sock: zmq.Socket, state: ShardState, peer: bytes, reply: Message) -> None:
+    """Parameters go out without copying when the store allows it, a message per frame
     (so the worker copies one while the next is on the wire), each as soon as the
     update still pending on it is applied; the rest once the update is complete."""
     if reply.shard < 0:  # errors too name the shard: a worker can tell another shard's answer
         reply.shard = state.cfg.index
-    params = state.params
-    if (reply.type == PARAMS and state.size * 4 >= COPY_BELOW and reply.segments
-            and inflight.zero_copy(params)
-            and all(seg.data._base is params for seg in reply.segments)):
+    store: ZeroCopyStore = state.store
+    if reply.type == PARAMS and store.sends_in_place(reply):
+        buffer = store.buffer
         for part in in_parts(reply) if len(reply.segments) > 1 else [reply]:
-            state.apply_pending(until=max(s.offset + s.data.shape[0] for s in part.segments))
-            tracker = send_tracked(sock, part, peer)
-            if tracker is not None:
-                inflight.sent(params, tracker)
+            store.apply_pending(until=max(s.offset + s.data.shape[0] for s in part.segments))
+            store.sending(buffer, send_tracked(sock, part, peer))
         return
-    state.apply_pending()
+    store.apply_pending()
     send(sock, reply, peer)
 
 
-def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
-               inflight: InFlight) -> None:
-    peer, frames = recv(sock, router_side=True)
-    try:
-        msg = decode(frames)
-    except ProtocolError as exc:
-        state.counters["rejected"] += 1
-        send(sock, error_message(exc.code, str(exc)), peer)
-        return
-    try:
-        replies = state.handle(peer, msg, time.monotonic())
-    except Exception as exc:  # a bug must not take the shard down with every worker's work
-        log.exception("shard %d: unexpected error handling %s", state.cfg.index, msg.type)
-        state.counters["rejected"] += 1
-        replies = [(peer, error_message("unexpected", f"{type(exc).__name__}: {exc}", msg))]
+def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper) -> None:
+    peer, msg = recv_from(sock)
+    if isinstance(msg, ProtocolError):
+        replies = state.refuse(peer, msg.code, str(msg))
+    else:
+        try:
+            replies = state.handle(peer, msg, time.monotonic())
+        except Exception as exc:  # a bug must not take the shard down with every worker's work
+            log.exception("shard %d: unexpected error handling %s", state.cfg.index, msg.type)
+            replies = state.refuse(peer, Code.UNEXPECTED, f"{type(exc).__name__}: {exc}", msg)
     for to, reply in replies:
         if reply.type == STATS:
             reply.meta.update(transport=gate.stats(), pid=os.getpid())
-        _reply(sock, state, inflight, to, reply)
+        _reply(sock, state, to, reply)

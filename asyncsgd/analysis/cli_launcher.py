@@ -1,4 +1,7 @@
-"""Owned ``asyncsgd`` subprocesses: what ``compare`` runs every mode with.
+"""Owned ``asyncsgd`` CLI subprocesses: what ``compare`` runs every mode with.
+
+(The training modes' own children are Python functions in multiprocessing
+processes: ``run.process_group``.)
 
     child = Child.start("hogwild", ["--procs", "2", "--out", "runs/x"], logs=Path("logs"))
     while child.returncode is None: ...
@@ -29,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .procs import describe_exit
+from ..run.process_group import describe_exit
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +119,7 @@ class Child:
         """Why it failed, in one line: how it exited and its last words."""
         last = self.last_line()
         return f"{self.name} {describe_exit(self.returncode)}" + (f": {last}" if last else "")
+
 
 def stop_all(children: list, grace: float = 15.0) -> None:
     """Stop every child together, bounded: SIGINT (each saves its run) and up to ``grace`` s

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import msgpack
 import torch
 
-from .errors import AsyncSGDError
+from ..errors import AsyncSGDError
 
 VERSION = 1
 MAX_HEADER_BYTES = 64 * 1024
@@ -33,6 +33,42 @@ FRAME_BYTES = 4 * 1024 * 1024  # tensors travel in frames of at most 4 MiB (see 
 HELLO, WELCOME, PULL, PARAMS, PUSH, ACK, ERROR, HEARTBEAT, STATS, BYE = (
     "hello", "welcome", "pull", "params", "push", "ack", "error", "heartbeat", "stats", "bye")
 TYPES = frozenset({HELLO, WELCOME, PULL, PARAMS, PUSH, ACK, ERROR, HEARTBEAT, STATS, BYE})
+
+
+class Key:
+    """Keys of a header's ``m`` map, grouped by the message that carries them."""
+
+    # hello
+    SIGNATURE, RANK, WORLD, HOST, REJOIN = "signature", "rank", "world", "host", "rejoin"
+    # welcome; SHARDS is a list of {PORT, START, END}
+    SHARDS, PORT, START, END = "shards", "port", "start", "end"
+    CONSISTENCY, HEARTBEAT_TIMEOUT, TOTAL, TASK, INSTANCE = (
+        "consistency", "heartbeat_timeout", "total", "task", "instance")
+    # pull
+    OBSERVER = "observer"
+    # params (and PART, PARTS of a message sent in parts)
+    VERSION, UPDATES, ACK = "version", "updates", "ack"
+    PART, PARTS = "part", "parts"
+    # push
+    LOSS, SAMPLES, PULL = "loss", "samples", "pull"
+    # ack
+    APPLIED, STALENESS, DUPLICATE, STALE = "applied", "staleness", "duplicate", "stale"
+    # error
+    CODE, ERROR = "code", "error"
+    # bye
+    STOPPING = "stopping"
+
+
+class Code:
+    """The ``code`` of an ``error`` reply (PROTOCOL.md, Errors)."""
+
+    EMPTY, HEADER_TOO_LARGE, BAD_HEADER, BAD_VERSION = (
+        "empty", "header-too-large", "bad-header", "bad-version")
+    BAD_TYPE, BAD_FIELD, BAD_DESCRIPTOR, BAD_DTYPE = (
+        "bad-type", "bad-field", "bad-descriptor", "bad-dtype")
+    FRAME_COUNT, LENGTH_MISMATCH, OUT_OF_RANGE = "frame-count", "length-mismatch", "out-of-range"
+    NON_FINITE, TOO_LARGE, SIGNATURE_MISMATCH = "non-finite", "too-large", "signature-mismatch"
+    UNKNOWN_WORKER, UNEXPECTED = "unknown-worker", "unexpected"
 
 DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -122,7 +158,7 @@ def split(flat: torch.Tensor, offset: int = 0, frame_bytes: int = FRAME_BYTES) -
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
-    raise ProtocolError("bad-header", f"msgpack extension type {code} is not allowed")
+    raise ProtocolError(Code.BAD_HEADER, f"msgpack extension type {code} is not allowed")
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -133,7 +169,7 @@ def _buffer(frame: Any) -> memoryview:
 def _int(header: dict, key: str, lo: int = 0, hi: int = 2 ** 63 - 1) -> int:
     value = header.get(key, 0)
     if type(value) is not int or not lo <= value <= hi:
-        raise ProtocolError("bad-field", f"field {key!r} must be an integer in [{lo}, {hi}]")
+        raise ProtocolError(Code.BAD_FIELD, f"field {key!r} must be an integer in [{lo}, {hi}]")
     return value
 
 
@@ -145,36 +181,36 @@ _UNPACK_LIMITS = dict(raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_
 def decode(frames: Sequence[Any]) -> Message:
     """Parse and check a received message; every failure is a ``ProtocolError``."""
     if not frames:
-        raise ProtocolError("empty", "no frames")
+        raise ProtocolError(Code.EMPTY, "no frames")
     head = _buffer(frames[0])
     if len(head) > MAX_HEADER_BYTES:
-        raise ProtocolError("header-too-large",
+        raise ProtocolError(Code.HEADER_TOO_LARGE,
                             f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
         header = msgpack.unpackb(head, **_UNPACK_LIMITS)
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack raises several types (and ValueError on depth)
-        raise ProtocolError("bad-header", f"undecodable msgpack: {type(exc).__name__}") from None
+        raise ProtocolError(Code.BAD_HEADER, f"undecodable msgpack: {type(exc).__name__}") from None
     if not isinstance(header, dict):
-        raise ProtocolError("bad-header", "header is not a map")
+        raise ProtocolError(Code.BAD_HEADER, "header is not a map")
     if type(header.get("v")) is not int or header["v"] != VERSION:
-        raise ProtocolError("bad-version", f"protocol version {header.get('v')!r}; "
+        raise ProtocolError(Code.BAD_VERSION, f"protocol version {header.get('v')!r}; "
                                            f"this build speaks {VERSION}")
     kind = header.get("t")
     if not isinstance(kind, str) or kind not in TYPES:  # a list or map is unhashable
-        raise ProtocolError("bad-type", f"unknown message type {kind!r}")
+        raise ProtocolError(Code.BAD_TYPE, f"unknown message type {kind!r}")
     worker = header.get("w", "")
     if not isinstance(worker, str) or len(worker) > 256:
-        raise ProtocolError("bad-field", "field 'w' must be a string of at most 256 characters")
+        raise ProtocolError(Code.BAD_FIELD, "field 'w' must be a string of at most 256 characters")
     meta = header.get("m", {})
     if not isinstance(meta, dict):
-        raise ProtocolError("bad-field", "field 'm' must be a map")
+        raise ProtocolError(Code.BAD_FIELD, "field 'm' must be a map")
     descriptors = header.get("d", [])
     if not isinstance(descriptors, list) or len(descriptors) > MAX_SEGMENTS:
-        raise ProtocolError("bad-field", f"field 'd' must be a list of at most {MAX_SEGMENTS}")
+        raise ProtocolError(Code.BAD_FIELD, f"field 'd' must be a list of at most {MAX_SEGMENTS}")
     if len(descriptors) != len(frames) - 1:
-        raise ProtocolError("frame-count", f"{len(descriptors)} descriptors but "
+        raise ProtocolError(Code.FRAME_COUNT, f"{len(descriptors)} descriptors but "
                                            f"{len(frames) - 1} tensor frames")
     msg = Message(type=kind, worker=worker, incarnation=_int(header, "i"), seq=_int(header, "s"),
                   clock=_int(header, "c"), shard=_int(header, "sh", -1, 1 << 20), meta=meta)
@@ -185,20 +221,21 @@ def decode(frames: Sequence[Any]) -> Message:
 
 def _segment(desc: Any, buf: memoryview) -> Segment:
     if not (isinstance(desc, list) and len(desc) == 3):
-        raise ProtocolError("bad-descriptor", "a descriptor is [offset, dtype, shape]")
+        raise ProtocolError(Code.BAD_DESCRIPTOR, "a descriptor is [offset, dtype, shape]")
     offset, dtype_name, shape = desc
     if type(offset) is not int or offset < 0 or offset >= 2 ** 62:
-        raise ProtocolError("bad-descriptor", f"offset {offset!r} is not a small non-negative int")
+        raise ProtocolError(Code.BAD_DESCRIPTOR,
+                            f"offset {offset!r} is not a small non-negative int")
     dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
-        raise ProtocolError("bad-dtype", f"dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
+        raise ProtocolError(Code.BAD_DTYPE, f"dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
     if not (isinstance(shape, list) and len(shape) <= 8 and
             all(type(n) is int and 0 <= n < 2 ** 40 for n in shape)):
-        raise ProtocolError("bad-descriptor", f"shape {shape!r} is not a list of up to 8 sizes")
+        raise ProtocolError(Code.BAD_DESCRIPTOR, f"shape {shape!r} is not a list of up to 8 sizes")
     numel = math.prod(shape)
     itemsize = ITEMSIZE[dtype]
     if numel * itemsize != len(buf):
-        raise ProtocolError("length-mismatch", f"descriptor {shape} of {dtype_name} needs "
+        raise ProtocolError(Code.LENGTH_MISMATCH, f"descriptor {shape} of {dtype_name} needs "
                                                f"{numel * itemsize} bytes, frame has {len(buf)}")
     if not numel:
         return Segment(offset, torch.empty(shape, dtype=dtype))
@@ -215,12 +252,21 @@ def in_parts(msg: Message) -> list:
     the wire, instead of waiting for the whole.
     """
     parts = len(msg.segments)
-    rest = {k: v for k, v in msg.meta.items() if k != "ack"}  # acknowledged once, by part 0
+    rest = {k: v for k, v in msg.meta.items() if k != Key.ACK}  # acknowledged once, by part 0
     return [Message(type=msg.type, worker=msg.worker, incarnation=msg.incarnation,
                     seq=msg.seq, clock=msg.clock, shard=msg.shard,
-                    meta={**(msg.meta if j == 0 else rest), "part": j, "parts": parts},
+                    meta={**(msg.meta if j == 0 else rest), Key.PART: j, Key.PARTS: parts},
                     segments=[seg])
             for j, seg in enumerate(msg.segments)]
+
+
+def parts_of(msg: Message) -> tuple:
+    """``(part, parts)`` of a message sent in parts; ``(0, 1)`` for a whole one."""
+    part, parts = msg.meta.get(Key.PART, 0), msg.meta.get(Key.PARTS, 1)
+    if type(part) is not int or type(parts) is not int or not 0 <= part < parts <= MAX_SEGMENTS:
+        raise ProtocolError(Code.BAD_FIELD, f"part {part!r} of {parts!r} is not a part number "
+                                            f"below a count of at most {MAX_SEGMENTS}")
+    return part, parts
 
 
 def copy_into(msg: Message, flat: torch.Tensor, start: int = 0) -> None:
@@ -230,17 +276,36 @@ def copy_into(msg: Message, flat: torch.Tensor, start: int = 0) -> None:
         flat[at:at + seg.data.shape[0]].copy_(seg.data)
 
 
-def parts_of(msg: Message) -> tuple:
-    """``(part, parts)`` of a message sent in parts; ``(0, 1)`` for a whole one."""
-    part, parts = msg.meta.get("part", 0), msg.meta.get("parts", 1)
-    if type(part) is not int or type(parts) is not int or not 0 <= part < parts <= MAX_SEGMENTS:
-        raise ProtocolError("bad-field", f"part {part!r} of {parts!r} is not a part number "
-                                         f"below a count of at most {MAX_SEGMENTS}")
-    return part, parts
+class ParamsIntake:
+    """Copies PARAMS replies, whole or in parts, into a flat vector as they arrive, and
+    says when a reply is complete. Shared by a worker and the server's evaluator.
+
+    Replies are told apart by a key the caller chooses (e.g. ``(shard, seq)``); parts
+    of one reply arrive in order on one connection, so counting them is enough.
+    """
+
+    def __init__(self):
+        self._left: dict = {}  # key -> parts still to come
+
+    def take(self, key: Any, msg: Message, flat: torch.Tensor, start: int = 0) -> bool:
+        """Copy ``msg`` (a PARAMS reply or one part of it) into ``flat`` at ``start``;
+        True once every part of the reply ``key`` has been copied."""
+        parts = parts_of(msg)[1]
+        copy_into(msg, flat, start)
+        left = self._left.pop(key, parts) - 1
+        if left > 0:
+            self._left[key] = left
+        return left <= 0
+
+    def forget(self, where=lambda key: True) -> None:
+        """Drop the counts of unfinished replies whose key satisfies ``where`` (all by
+        default): a reply cut off between its parts comes again whole."""
+        for key in [k for k in self._left if where(k)]:
+            del self._left[key]
 
 
 def error_message(code: str, detail: str, reply_to: Message = None) -> Message:
     """The ERROR reply: what was wrong, echoing the offending message's sequence number."""
     return Message(type=ERROR, seq=reply_to.seq if reply_to else 0,
                    worker=reply_to.worker if reply_to else "",
-                   meta={"code": code, "error": detail[:1000]})
+                   meta={Key.CODE: code, Key.ERROR: detail[:1000]})

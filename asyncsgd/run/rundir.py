@@ -4,7 +4,7 @@
       config.json     every setting, the task, versions, host, command line
       metrics.jsonl   one JSON object per event (see ``metrics.py``)
       summary.json    final accuracy, samples/s, wall time, time to target, ...
-      checkpoint.pt   the latest model (atomic; see ``checkpoint.py``)
+      checkpoint.pt   the latest model (see ``checkpoint.py``)
       tensorboard/    event files, with --tensorboard
 
 ``compare`` and ``plot`` read any mode's directory alike.
@@ -17,28 +17,21 @@ import os
 import platform
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from .errors import CheckpointError, ConfigError
-from .version import __version__
+from ..core.files import atomic_write
+from ..errors import CheckpointError, ConfigError
+from ..version import __version__
 
-CONFIG, METRICS, SUMMARY, CHECKPOINT = "config.json", "metrics.jsonl", "summary.json", "checkpoint.pt"
+CONFIG, METRICS, SUMMARY = "config.json", "metrics.jsonl", "summary.json"
+CHECKPOINT = "checkpoint.pt"
 
 
-def _atomic_write_json(path: Path, obj: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=2, sort_keys=True, default=str)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+def _write_json(path: Path, obj: dict) -> None:
+    text = json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n"
+    atomic_write(path, lambda fh: fh.write(text.encode()))
 
 
 def environment() -> dict:
@@ -105,17 +98,18 @@ class RunDir:
                                   "pass a directory written by an asyncsgd run")
         return run
 
-    def write_config(self, mode: str, config: dict, task: dict, argv: Optional[list] = None) -> None:
+    def write_config(self, mode: str, config: dict, task: dict,
+                     argv: Optional[list] = None) -> None:
         record = {"mode": mode, "config": config, "task": task,
                   "command": argv if argv is not None else sys.argv,
                   "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **environment()}
-        _atomic_write_json(self.path / CONFIG, record)
+        _write_json(self.path / CONFIG, record)
 
     def read_config(self) -> dict:
         return self._read_json(CONFIG)
 
     def write_summary(self, summary: dict) -> None:
-        _atomic_write_json(self.path / SUMMARY, summary)
+        _write_json(self.path / SUMMARY, summary)
 
     def read_summary(self) -> dict:
         return self._read_json(SUMMARY)

@@ -7,7 +7,12 @@ the parent's threads and CUDA state). Each child
   the parent, not every child on its own, decides how to stop;
 - ends itself when the training parent dies (``PR_SET_PDEATHSIG`` and a pidfd
   watcher thread), so a parent killed with SIGKILL leaves no orphans;
+- logs at the parent's level and in its format, so ``-v`` shows children's
+  lines too;
 - sends its traceback to the parent before exiting non-zero when it raises.
+
+``threads_per_process`` says how many torch threads each of N processes on
+this host may run: without that limit they thrash.
 
 The parent polls the group: the first failure becomes a ``WorkerError``
 naming the worker and carrying its traceback. ``stop`` ends every child within
@@ -31,7 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.multiprocessing as mp
 
-from .errors import WorkerError
+from ..errors import WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +106,48 @@ def _sigint_ignored():
         signal.signal(signal.SIGINT, previous)
 
 
-def _child_main(target: Callable, rank: int, errors: Any, parent_pid: int, args: tuple) -> None:
+def available_cores() -> int:
+    """CPU cores this process may run on (respects taskset/cgroup affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_process(procs: int, override: int = 0) -> int:
+    """Torch threads for each of ``procs`` processes: cores // procs, at least 1.
+
+    Without this every process starts one thread per core and N processes on
+    C cores run N*C threads: Hogwild then collapses from oversubscription.
+    """
+    if override > 0:
+        return override
+    return max(1, available_cores() // max(1, procs))
+
+
+def log_settings() -> Optional[tuple]:
+    """(level, format, date format) of this process's logging, or None where nothing
+    configured it (a library caller's choice, which children keep too)."""
+    root = logging.getLogger()
+    for handler in root.handlers:
+        if handler.formatter is not None:
+            return root.level, handler.formatter._fmt, handler.formatter.datefmt
+    return None
+
+
+def configure_logging(settings: Optional[tuple]) -> None:
+    """Log as the parent does (``log_settings`` there), to this process's stderr."""
+    if settings is not None:
+        level, fmt, datefmt = settings
+        logging.basicConfig(level=level, format=fmt, datefmt=datefmt, stream=sys.stderr,
+                            force=True)
+
+
+def _child_main(target: Callable, rank: int, errors: Any, parent_pid: int,
+                logging_of_parent: Optional[tuple], args: tuple) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
+    configure_logging(logging_of_parent)
     try:
         target(rank, *args)
     except BaseException:
@@ -126,7 +170,7 @@ def describe_exit(code: Optional[int]) -> str:
 
 
 START_METHODS = ("spawn", "forkserver")
-PRELOAD = ["torch", "asyncsgd.hogwild"]
+PRELOAD = ["torch", "asyncsgd.modes.hogwild"]
 
 
 def context(start_method: str):
@@ -156,12 +200,14 @@ class WorkerGroup:
         self._errors = self.ctx.SimpleQueue()
         self._stopped = False
         self._tracebacks: dict = {}
+        self._logging = log_settings()
         self.processes = [self._process(rank, args[rank]) for rank in range(procs)]
 
     def _process(self, rank: int, args: tuple):
         return self.ctx.Process(target=_child_main, name=f"asyncsgd-{self.name}-{rank}",
                                 daemon=True,
-                                args=(self.target, rank, self._errors, self.parent_pid, args))
+                                args=(self.target, rank, self._errors, self.parent_pid,
+                                      self._logging, args))
 
     def start(self) -> None:
         with _sigint_ignored():
@@ -249,21 +295,3 @@ class WorkerGroup:
             remaining = deadline - time.monotonic()
             if self.wait(max(0.0, remaining)) or remaining <= 0:
                 return all(p.exitcode is not None for p in self._started())
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """Within this block SIGTERM raises KeyboardInterrupt, so Ctrl-C and SIGTERM stop alike."""
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

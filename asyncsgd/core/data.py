@@ -11,13 +11,13 @@ from __future__ import annotations
 import gzip
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
-from .errors import DataError
+from ..errors import DataError
+from .files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -31,17 +31,9 @@ def cache_root(cache_dir: Optional[str] = None) -> Path:
     return Path(root)
 
 
-def _atomic_savez(path: Path, **arrays: np.ndarray) -> None:
+def _save_npz(path: Path, **arrays: np.ndarray) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda fh: np.savez(fh, **arrays))
 
 
 def _load_npz(path: Path) -> Optional[dict]:
@@ -79,7 +71,7 @@ def mnist1d(samples: int = 5000, cache_dir: Optional[str] = None) -> dict:
     arrays["y"] = arrays["y"].astype(np.int64)
     arrays["y_test"] = arrays["y_test"].astype(np.int64)
     try:
-        _atomic_savez(path, **arrays)
+        _save_npz(path, **arrays)
     except OSError as exc:
         log.warning("could not cache MNIST-1D in %s (%s); continuing uncached", path, exc)
     return arrays
@@ -160,7 +152,8 @@ def mnist_idx(data_dir: Optional[str]) -> dict:
     """MNIST or Fashion-MNIST from the four standard IDX files in ``data_dir``."""
     if not data_dir:
         raise DataError("this task reads MNIST / Fashion-MNIST IDX files: pass "
-                        "--data-dir DIR with train-images-idx3-ubyte[.gz] and the other three files")
+                        "--data-dir DIR with train-images-idx3-ubyte[.gz] and the other "
+                        "three files")
     root = Path(data_dir)
     if not root.is_dir():
         raise DataError(f"--data-dir {data_dir}: no such directory; point it at the folder "

@@ -20,7 +20,7 @@ import logging
 import time
 from typing import Iterable, Optional
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .rundir import METRICS, RunDir
 
 log = logging.getLogger(__name__)

@@ -13,18 +13,16 @@ staleness percentiles from the parameter server's summary. Runs of one mode
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import statistics
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .errors import CheckpointError, ConfigError
-from .metrics import first_progress, steady_throughput, summarize, time_to_target
-from .rundir import RunDir
+from ..errors import CheckpointError
+from ..run.metrics import first_progress, steady_throughput, summarize, time_to_target
+from ..run.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -302,12 +300,6 @@ How to read this table:
 - With several repeats: mean ± sample standard deviation over the runs that succeeded.
 """
 
-PLOTS = [("accuracy_vs_time.png", "Test accuracy vs wall-clock time"),
-         ("loss_vs_time.png", "Training loss vs wall-clock time"),
-         ("loss_vs_samples.png", "Training loss vs samples processed"),
-         ("throughput.png", "Throughput per mode")]
-
-
 def render_report(title: str, intro: list, rows: list, target: Optional[float],
                   plots: list, out_dir: Path) -> str:
     """report.md: the table, failed runs with their errors, the plots, every run's directory."""
@@ -337,63 +329,3 @@ def _rel(path: Optional[str], base: Path) -> str:
         return str(Path(path).resolve().relative_to(base.resolve()))
     except ValueError:
         return str(path)
-
-
-def write_results(path: Path, header: dict, rows: list, target: Optional[float]) -> None:
-    """results.json: the same numbers as the table, unrounded, and every attempt."""
-    record = {**header, "target_accuracy": target,
-              "modes": [r.to_dict() for r in rows],
-              "runs": [a.to_dict(target) for r in rows for a in r.attempts]}
-    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
-
-
-def publish(out_dir: Path, title: str, intro: list, attempts: list, target: Optional[float],
-            header: dict) -> str:
-    """Write the plots, report.md and results.json of ``attempts`` into ``out_dir``;
-    returns the table."""
-    from .plots import draw_all  # matplotlib loads only when plots are drawn
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rows = mode_rows(attempts, target)
-    plots = draw_all([(r.label, [a.run for a in r.attempts if a.ok]) for r in rows],
-                     out_dir, target)
-    (out_dir / "report.md").write_text(
-        render_report(title, intro, rows, target, plots, out_dir))
-    write_results(out_dir / "results.json", header, rows, target)
-    return render_table(rows, target)
-
-
-def report_runs(paths: list, out: Path, target: Optional[float]) -> str:
-    """``asyncsgd plot``: the plots and report.md of any run directories (or compare
-    directories, whose runs keep their modes and repeats) into ``out``; returns the table."""
-    attempts, plain = [], []
-    for path in paths:
-        path = Path(path)
-        if (path / "results.json").is_file() and not (path / "config.json").is_file():
-            attempts += _compare_attempts(path)
-            continue
-        run = Run.read(path)
-        plain.append(Attempt(run_label(run.config), seed=run.seed, run=run, run_dir=str(path)))
-        attempts.append(plain[-1])
-    labels = [a.label for a in attempts]
-    for a in plain:  # plain runs of one mode are different experiments, not repeats
-        if labels.count(a.label) > 1:
-            a.label = f"{a.label} ({Path(a.run_dir).name})"
-    return publish(out, "asyncsgd plot", [f"Runs: {', '.join(str(p) for p in paths)}"],
-                   attempts, target, {"command": sys.argv})
-
-
-def _compare_attempts(path: Path) -> list:
-    """The attempts of an earlier compare, from its results.json and run directories."""
-    try:
-        record = json.loads((path / "results.json").read_text())
-        runs = record["runs"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"{path}/results.json is not a compare result: {exc}") from exc
-    attempts = []
-    for r in runs:
-        run_dir = path / Path(r["run_dir"]).name if r.get("run_dir") else None
-        run = Run.read(run_dir) if run_dir and (run_dir / "config.json").is_file() else None
-        attempts.append(Attempt(r["mode"], r.get("repeat", 0), r.get("seed"),
-                                r.get("status", "ok"), r.get("error"), run,
-                                str(run_dir) if run_dir else None, r.get("logs")))
-    return attempts

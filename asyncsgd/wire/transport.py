@@ -1,4 +1,9 @@
-"""ZeroMQ sockets at the edge: configured once, moving frames, never reading them.
+"""ZeroMQ sockets at the edge: configured once; they pack and unpack messages, never read them.
+
+A send encodes a ``Message`` into frames; a receive decodes frames back into
+one (``recv`` on a DEALER raises ``ProtocolError`` for bytes that break the
+protocol, ``recv_from`` on a ROUTER returns the error with the peer that sent
+it, so that it can be answered). Nothing above this module handles frames.
 
 Every socket gets finite limits: LINGER 0 (closing never hangs), a maximum
 inbound frame size (a peer sending more is disconnected, see ZMQ_MAXMSGSIZE;
@@ -6,7 +11,7 @@ inbound frame size (a peer sending more is disconnected, see ZMQ_MAXMSGSIZE;
 TCP keepalive, and on ROUTERs ROUTER_MANDATORY, so a reply to a vanished peer
 becomes an error we count instead of a silent drop. High-water marks keep
 their defaults: a small HWM on a ROUTER silently dropped replies under load
-here (see shared/MACHINE-LIMITS.md). ``curve`` (``asyncsgd.security`` keys)
+here. ``curve`` (``asyncsgd.security`` keys)
 turns on CURVE authentication and encryption.
 """
 
@@ -17,7 +22,8 @@ from typing import Any, Optional, Sequence
 
 import zmq
 
-from .protocol import FRAME_BYTES, MAX_HEADER_BYTES, Message, encode
+from ..errors import ConfigError
+from .protocol import FRAME_BYTES, MAX_HEADER_BYTES, Message, ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +119,28 @@ def send_tracked(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None
     return zmq.MessageTracker(*tracked)
 
 
-def recv(sock: zmq.Socket, router_side: bool) -> tuple:
-    """``(peer, frames)`` from a ROUTER (``peer`` None on a DEALER); frames uncopied."""
+def recv(sock: zmq.Socket) -> Message:
+    """The next message on a DEALER, decoded; ``ProtocolError`` when it breaks the protocol.
+    Tensors stay views of the received frames (no copy)."""
     frames = sock.recv_multipart(copy=False)
-    if router_side:
-        return frames[0].bytes, frames[1:]
-    return None, frames
+    return decode(frames)
+
+
+def recv_from(sock: zmq.Socket) -> tuple:
+    """``(peer, message)`` from a ROUTER; ``message`` is the ``ProtocolError`` instead when
+    the bytes break the protocol, so the peer can still be answered."""
+    frames = sock.recv_multipart(copy=False)
+    peer = frames[0].bytes
+    try:
+        return peer, decode(frames[1:])
+    except ProtocolError as exc:
+        return peer, exc
+
+
+def parse_endpoint(address: str, flag: str) -> tuple:
+    """``(host, port)`` of ``tcp://HOST:PORT``; a ``ConfigError`` naming ``flag`` otherwise."""
+    host, sep, port = address[len("tcp://"):].rpartition(":")
+    if not (address.startswith("tcp://") and sep and host and port.isdigit()
+            and int(port) < 65536):
+        raise ConfigError(f"{flag} {address!r}: use tcp://HOST:PORT, e.g. tcp://127.0.0.1:5555")
+    return host, int(port)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,8 @@ def signature_mismatch(ours: dict, theirs: dict) -> str:
         if names[i] != name:
             return f"parameter {i} is {names[i]!r} on the worker but {name!r} on the server"
         if i < len(shapes) and list(shapes[i]) != ours["shapes"][i]:
-            return f"{name} has shape {shapes[i]} on the worker but {ours['shapes'][i]} on the server"
+            return (f"{name} has shape {shapes[i]} on the worker but {ours['shapes'][i]} "
+                    "on the server")
     if len(names) > len(ours["names"]):
         return f"the worker's model has extra parameter {names[len(ours['names'])]}"
     return "model signatures differ (dtypes)"

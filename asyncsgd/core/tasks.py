@@ -26,8 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import DataError, TaskError
 from . import data, models
-from .errors import DataError, TaskError
 
 
 @dataclass
@@ -166,7 +166,8 @@ def _idx_task(name: str, model_fn, data_dir: Optional[str], description: str) ->
     return Task(
         name=name, model_fn=model_fn,
         train=Split((images(arrays["x"]),), torch.from_numpy(arrays["y"].astype(np.int64))),
-        test=Split((images(arrays["x_test"]),), torch.from_numpy(arrays["y_test"].astype(np.int64))),
+        test=Split((images(arrays["x_test"]),),
+                   torch.from_numpy(arrays["y_test"].astype(np.int64))),
         lr=0.05, batch_size=64, description=description,
         info={"data_dir": str(data_dir), "classes": 10, "input": "28x28 images"})
 
@@ -239,6 +240,13 @@ def load_task(name: str, *, samples: Optional[int] = None, data_dir: Optional[st
     return task
 
 
+def task_of(settings) -> Task:
+    """The task a run's settings name: their ``task``, ``samples``, ``data_dir``,
+    ``cache_dir`` and ``seed``."""
+    return load_task(settings.task, samples=settings.samples, data_dir=settings.data_dir,
+                     cache_dir=settings.cache_dir, seed=settings.seed)
+
+
 def partition_indices(n: int, parts: int, index: int, seed: int = 0) -> torch.Tensor:
     """Rows of worker ``index`` out of ``parts``: disjoint, together covering ``range(n)``.
 
@@ -249,3 +257,11 @@ def partition_indices(n: int, parts: int, index: int, seed: int = 0) -> torch.Te
         raise ValueError(f"partition index {index} outside 0..{parts - 1}")
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     return torch.tensor_split(perm, parts)[index].clone()
+
+
+def epoch_order(part: torch.Tensor, seed: int, rank: int, epoch: int) -> torch.Tensor:
+    """Process ``rank``'s shuffle of its rows ``part`` in ``epoch``: a function of
+    (seed, rank, epoch) alone, so every mode draws the same order and a resumed run
+    continues it."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + epoch)
+    return part[torch.randperm(len(part), generator=gen)]

@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 

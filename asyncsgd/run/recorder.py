@@ -18,14 +18,14 @@ from typing import Optional
 
 import torch.nn as nn
 
+from ..config import TrainConfig, identity_fields
+from ..core.tasks import Task
+from ..errors import CheckpointError, ConfigError, WorkerError
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import TrainConfig, identity_fields
-from .errors import CheckpointError, ConfigError, WorkerError
 from .metrics import MetricsLog, summarize
-from .procs import sigterm_as_interrupt
 from .progress import Progress
 from .rundir import RunDir
-from .tasks import Task
+from .signals import sigterm_as_interrupt
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,8 @@ class Recorder:
         """Seconds since this process started training (for --max-seconds)."""
         return time.monotonic() - self._t0
 
-    def train(self, samples: int, worker: int, loss: float, steps: int, epoch: int, **extra) -> None:
+    def train(self, samples: int, worker: int, loss: float, steps: int, epoch: int,
+              **extra) -> None:
         self.metrics.write("train", self.t(), samples, worker=worker, loss=round(loss, 6),
                            steps=steps, epoch=epoch, **extra)
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import signal
 import time
 import traceback
 from typing import Callable, Optional
@@ -37,14 +36,14 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from .config import SingleConfig
-from .errors import WorkerError
+from ..config import SingleConfig
+from ..core.tasks import Task, epoch_order, partition_indices
+from ..errors import ConfigError, WorkerError
+from ..run.recorder import Outcome, Recorder, RunResult
+from ..run.rundir import RunDir
+from ..run.signals import signals_as_flag
 from .optim import SGD
-from .precision import Precision
-from .procs import sigterm_as_interrupt
-from .recorder import Outcome, Recorder, RunResult
-from .rundir import RunDir
-from .tasks import Task, partition_indices
+from .precision import Precision, check_amp
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +68,12 @@ def padded_partition(n: int, parts: int, index: int, seed: int) -> torch.Tensor:
     return part
 
 
-def epoch_order(part: torch.Tensor, seed: int, rank: int, epoch: int) -> torch.Tensor:
-    """This epoch's shuffle of ``part``; a function of (seed, rank, epoch), so resumable."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + epoch)
-    return part[torch.randperm(len(part), generator=gen)]
+def check_settings(cfg: SingleConfig) -> None:
+    """Settings that cannot work on this machine: one clear error before any slow work."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA GPU is visible to torch "
+                          "(torch.cuda.is_available() is False); use --device cpu")
+    check_amp(cfg.amp, cfg.device)
 
 
 def alone(vector: torch.Tensor) -> torch.Tensor:
@@ -207,22 +208,6 @@ class SyncLoop:
         rate = self.steady_rate()
         return {"startup_seconds": round(self.ready_at[0], 3) if self.ready_at else None,
                 "steady_samples_per_second": round(rate, 1) if rate else None}
-
-
-@contextlib.contextmanager
-def signals_as_flag(flag: list):
-    """SIGINT and SIGTERM set ``flag[0]`` instead of raising: a DDP rank must not leave a
-    collective half done; it stops at the next check, with every other rank."""
-
-    def handler(signum, frame):
-        flag[0] = True
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 def _raising(who: str, rank: int, fn: Callable[[], str]) -> str:

@@ -6,7 +6,7 @@
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
         --rdzv-endpoint HOST:29500 -m asyncsgd ddp --device cuda    # several hosts
 
-or from Python: ``asyncsgd.ddp.train(DDPConfig(procs=2))``.
+or from Python: ``asyncsgd.modes.ddp.train(DDPConfig(procs=2))``.
 
 Two ways to start:
 
@@ -24,9 +24,9 @@ Two ways to start:
   the run directory; SIGINT and SIGTERM make every rank stop together at the
   next check.
 
-Each rank trains on its own partition of the data (see ``asyncsgd.syncloop``
+Each rank trains on its own partition of the data (see ``modes.syncloop``
 for why not DistributedSampler, and how ranks agree to stop) with
-``asyncsgd.optim.SGD``; DDP averages the gradients, so N ranks with
+``modes.optim.SGD``; DDP averages the gradients, so N ranks with
 ``--batch-size B`` make the update of ``asyncsgd single --batch-size N*B``.
 Rank 0 evaluates on the test set every --eval-every seconds, between steps.
 """
@@ -43,15 +43,14 @@ from typing import Optional
 
 import torch
 
-from . import errors
-from .config import DDPConfig, available_cores, threads_per_process
-from .errors import AsyncSGDError, ConfigError, WorkerError
-from .procs import WorkerGroup, context
-from .recorder import Outcome, Recorder, RunResult
-from .rundir import RunDir
-from .single import check_settings, load
-from .syncloop import train_process
-from .tasks import Task
+from .. import errors
+from ..config import DDPConfig
+from ..core.tasks import Task, task_of
+from ..errors import AsyncSGDError, ConfigError, WorkerError
+from ..run.process_group import WorkerGroup, available_cores, context, threads_per_process
+from ..run.recorder import Outcome, Recorder, RunResult
+from ..run.rundir import RunDir
+from .syncloop import check_settings, train_process
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +159,7 @@ def train(cfg: DDPConfig, task: Optional[Task] = None,
     procs = cfg.procs or (_gpus() if cfg.device == "cuda" else available_cores())
     backend, why = choose_backend(cfg, procs)
     run = Recorder.open_run(cfg)
-    task = task or load(cfg)
+    task = task or task_of(cfg)
     _check_model(task, cfg, backend)
     threads = threads_per_process(procs, cfg.threads)
     task.share_memory_()  # every rank reads the same pages instead of a pickled copy
@@ -191,7 +190,7 @@ def _train_as_launched_rank(cfg: DDPConfig, launcher: dict, task: Optional[Task]
                           "under torchrun leave --procs out (--nproc-per-node decides)")
     backend, why = choose_backend(cfg, launcher["LOCAL_WORLD_SIZE"])
     run = Recorder.open_run(cfg) if rank == 0 else None
-    task = task or load(cfg)
+    task = task or task_of(cfg)
     _check_model(task, cfg, backend)
     threads = threads_per_process(launcher["LOCAL_WORLD_SIZE"], cfg.threads)
     if rank == 0:
@@ -220,6 +219,8 @@ def run_rank(cfg: DDPConfig, task: Task, place: Placement, run: Optional[RunDir]
     else:
         dist.init_process_group(place.backend, init_method="env://", rank=place.rank,
                                 world_size=place.world, timeout=timeout)
+    log.info("rank %d of %d joined the process group (%s, %s, %d thread(s))", place.rank,
+             place.world, place.backend, device, place.threads)
 
     def agree(vector: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(vector)
@@ -233,7 +234,8 @@ def run_rank(cfg: DDPConfig, task: Task, place: Placement, run: Optional[RunDir]
         return train_process(cfg, task, device=device, rank=place.rank, world=place.world,
                              run=run, wrap=wrap, agree=agree, flag_signals=flag_signals,
                              stop_requested=stop_requested, started_at=started_at, argv=argv,
-                             name=f"rank {place.rank}", extra={"backend": place.backend, "threads": place.threads,
+                             name=f"rank {place.rank}",
+                             extra={"backend": place.backend, "threads": place.threads,
                                     "device": cfg.device})
     finally:
         dist.destroy_process_group()

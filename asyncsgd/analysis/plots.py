@@ -1,6 +1,6 @@
 """The comparison plots, as small PNGs (matplotlib, no display needed).
 
-    from asyncsgd.plots import draw_all
+    from asyncsgd.analysis.plots import draw_all
     draw_all([("hogwild", [run_a, run_b]), ("ps-async", [run_c])], Path("out"), target=0.9)
 
 Each mode gets one colour; its repeats are drawn as separate lines of that
@@ -16,11 +16,15 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from .metrics import eval_curve, steady_throughput, train_curve
-from .report import PLOTS, Spread
+from ..run.metrics import eval_curve, steady_throughput, train_curve
+from .report import Spread
 
 log = logging.getLogger(__name__)
 
+PLOTS = [("accuracy_vs_time.png", "Test accuracy vs wall-clock time"),
+         ("loss_vs_time.png", "Training loss vs wall-clock time"),
+         ("loss_vs_samples.png", "Training loss vs samples processed"),
+         ("throughput.png", "Throughput per mode")]
 SIZE = (6.4, 4.0)  # inches; at DPI 80 a 512 x 320 PNG of a few tens of KB
 DPI = 80
 
@@ -80,7 +84,7 @@ def _throughput(groups: list):
 
 
 def draw_all(groups: list, out_dir: Path, target: Optional[float] = None) -> list:
-    """Write the four PNGs of ``report.PLOTS`` for ``groups`` = [(label, [Run, ...])];
+    """Write the four PNGs of ``PLOTS`` for ``groups`` = [(label, [Run, ...])];
     returns [(file name, caption)] of those written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = [(label, runs) for label, runs in groups if runs]

@@ -1,0 +1,2 @@
+"""Reading runs: ``compare`` (and the launcher of the CLI subprocesses it runs),
+tables and report.md, plots."""

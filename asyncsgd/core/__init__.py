@@ -1,0 +1,1 @@
+"""What is trained: the task abstraction every mode uses, its data and its models."""

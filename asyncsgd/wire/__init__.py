@@ -1,0 +1,3 @@
+"""The parameter server's wire: the protocol (spec in PROTOCOL.md beside it), the
+ZeroMQ transport at the edge, CURVE security, the flat parameter layout and its
+signature, and the ``ps-stats`` client."""

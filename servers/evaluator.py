@@ -1,0 +1,167 @@
+"""The server's evaluator: reads every shard like a worker would, joining no barrier.
+
+Every ``--eval-every`` seconds the front's process pulls the parameters from
+each shard (``observer`` pulls: never held, never counted as a worker), loads
+them into its copy of the model for the recorder to evaluate, and asks every
+shard for its counters: updates, staleness histogram, the training loss the
+workers reported with their pushes. Those counters also answer ``stats`` at the
+front and tell it when every worker has gone.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+import zmq
+
+from asyncsgd.run.recorder import Recorder
+from asyncsgd.wire.layout import Layout
+from asyncsgd.wire.protocol import PARAMS, PULL, STATS, Key, Message, ParamsIntake
+from asyncsgd.wire.security import ClientKeys
+from asyncsgd.wire.transport import dealer, frame_limit, recv, send
+
+
+def merged_staleness(shard_stats: list) -> list:
+    """The shards' staleness histograms added bucket by bucket."""
+    return [sum(bucket) for bucket in zip(*[s["staleness"] for s in shard_stats])]
+
+
+def percentile(hist: list, q: float) -> Optional[int]:
+    """The value at quantile ``q`` of a histogram (bucket i counts value i)."""
+    total = sum(hist)
+    if not total:
+        return None
+    seen = 0
+    for value, count in enumerate(hist):
+        seen += count
+        if seen >= q * total:
+            return value
+    return len(hist) - 1
+
+
+class ShardReader:
+    """Observer pulls and stats requests to every shard; parameters assembled into one
+    flat vector."""
+
+    def __init__(self, ctx: zmq.Context, host: str, shards: list, total: int,
+                 curve: Optional[ClientKeys] = None):
+        connect_host = "127.0.0.1" if host in ("0.0.0.0", "*") else host
+        self.socks = [dealer(ctx, f"tcp://{connect_host}:{s[Key.PORT]}", curve=curve,
+                             max_frame=frame_limit(s[Key.END] - s[Key.START])) for s in shards]
+        self.shards = shards
+        self.flat = torch.zeros(total)
+        self.intake = ParamsIntake()
+        self.seq = 0
+
+    def pull(self, timeout: float = 10.0) -> dict:
+        """Fill ``flat`` from every shard; returns {shard: version}."""
+        self.seq += 1
+        for sock in self.socks:
+            send(sock, Message(type=PULL, seq=self.seq, meta={Key.OBSERVER: True}))
+        versions = {}
+        for i, shard in enumerate(self.shards):
+            msg = self._reply(i, PARAMS, timeout)
+            while not self.intake.take((i, self.seq), msg, self.flat, shard[Key.START]):
+                msg = self._reply(i, PARAMS, timeout)  # a large reply comes as several parts
+            versions[i] = msg.meta.get(Key.VERSION, 0)
+        return versions
+
+    def stats(self, timeout: float = 5.0) -> list:
+        self.seq += 1
+        for sock in self.socks:
+            send(sock, Message(type=STATS, seq=self.seq))
+        return [self._reply(i, STATS, timeout).meta for i in range(len(self.socks))]
+
+    def _reply(self, shard: int, kind: str, timeout: float) -> Message:
+        """Shard ``shard``'s answer of type ``kind`` to the current request."""
+        sock = self.socks[shard]
+        deadline = time.monotonic() + timeout
+        while True:
+            if not sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+                self.intake.forget()
+                raise TimeoutError(f"shard {shard} did not answer {kind} within {timeout} s")
+            msg = recv(sock)
+            if msg.type == kind and msg.seq == self.seq:
+                return msg
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close(0)
+
+
+class _TrainFeed:
+    """Per-worker train events from the cumulative counters shard 0 keeps."""
+
+    def __init__(self, recorder: Recorder):
+        self.recorder = recorder
+        self.seen: dict = {}
+        self.samples = recorder.samples_offset
+
+    def update(self, shard0: dict) -> None:
+        train = shard0.get("train", {})
+        self.samples = self.recorder.samples_offset + sum(v[2] for v in train.values())
+        for worker, (loss_sum, steps, samples) in sorted(train.items()):
+            prev = self.seen.get(worker, (0.0, 0, 0))
+            if steps > prev[1]:
+                self.recorder.train(self.samples, worker, (loss_sum - prev[0]) / (steps - prev[1]),
+                                    steps - prev[1], -1)
+            self.seen[worker] = (loss_sum, steps, samples)
+
+
+class Evaluator:
+    """Reads the shards into ``model`` and records evaluations, rates and staleness."""
+
+    def __init__(self, model: torch.nn.Module, layout: Layout, recorder: Recorder):
+        self.model, self.layout, self.recorder = model, layout, recorder
+        self.reader: Optional[ShardReader] = None
+        self.feed = _TrainFeed(recorder)
+        self.latest: list = []  # every shard's counters at the last observation
+        self._updates_mark = (0, recorder.elapsed())
+        self._samples_mark = (self.feed.samples, recorder.elapsed())
+
+    def connect(self, ctx: zmq.Context, host: str, shards: list,
+                curve: Optional[ClientKeys] = None) -> None:
+        """Connect to the shards (``shards`` as a welcome lists them) once they listen."""
+        self.reader = ShardReader(ctx, host, shards, self.layout.total, curve)
+
+    @property
+    def samples(self) -> int:
+        """Training samples the workers reported, across resumes."""
+        return self.feed.samples
+
+    def observe(self) -> dict:
+        """Pull the parameters into the model and every shard's counters; what they say."""
+        self.reader.pull()
+        self.model.load_state_dict(self.layout.state_dict(self.reader.flat))
+        self.latest = self.reader.stats()
+        self.feed.update(self.latest[0])
+        hist = merged_staleness(self.latest)
+        return {"updates": sum(s.get("updates", 0) for s in self.latest),
+                "staleness_p50": percentile(hist, 0.5), "staleness_p99": percentile(hist, 0.99),
+                "staleness_hist": hist}
+
+    def evaluate_start(self) -> None:
+        """The starting point, before any update of this run."""
+        obs = self.observe()
+        self.recorder.evaluate(self.samples, updates=obs["updates"])
+
+    def evaluate(self) -> None:
+        """Observe, evaluate and record, with updates/s and samples/s since the last time."""
+        obs = self.observe()
+        now = self.recorder.elapsed()
+        updates0, t_updates0 = self._updates_mark
+        rate = (obs["updates"] - updates0) / max(1e-9, now - t_updates0)
+        self._updates_mark = (obs["updates"], now)
+        self.recorder.evaluate(self.samples, updates=obs["updates"],
+                               updates_per_second=round(rate, 1),
+                               staleness_p50=obs["staleness_p50"],
+                               staleness_p99=obs["staleness_p99"])
+        samples0, t0 = self._samples_mark
+        self.recorder.show(self.samples, (self.samples - samples0) / max(1e-9, now - t0))
+        self._samples_mark = (self.samples, now)
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()

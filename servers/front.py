@@ -1,0 +1,148 @@
+"""The front: the address workers connect to first.
+
+It checks a worker's model signature in the handshake and welcomes it with
+where the shards listen and which slice each owns; it answers heartbeats,
+``bye`` and ``stats`` (its own counters with the shards' latest, as the
+evaluator last read them), and keeps the roster of workers that joined and
+left. It runs in the server's main process, between evaluations. The
+``Gatekeeper`` of that process (CURVE's ZAP handler, when keys are on) watches
+the front's socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Callable, Optional
+
+import zmq
+
+from asyncsgd.config import ServerConfig
+from asyncsgd.errors import ConfigError
+from asyncsgd.wire.layout import Layout, signature_mismatch
+from asyncsgd.wire.protocol import (BYE, HEARTBEAT, HELLO, STATS, WELCOME, Code, Key, Message,
+                                    ProtocolError, error_message)
+from asyncsgd.wire.security import Gatekeeper, ServerKeys
+from asyncsgd.wire.transport import frame_limit, recv_from, router, send
+
+from .evaluator import merged_staleness
+
+log = logging.getLogger(__name__)
+
+BATCH = 64  # requests answered per call before the caller gets its turn again
+
+
+class Front:
+    """Handshakes, stats and the roster of workers."""
+
+    def __init__(self, cfg: ServerConfig, layout: Layout, sock: zmq.Socket, endpoint: str,
+                 gate: Gatekeeper):
+        self.cfg, self.layout, self.sock, self.gate = cfg, layout, sock, gate
+        self.endpoint = endpoint
+        self.signature = layout.signature()
+        self.shards: list = []  # [{port, start, end}], once the shards listen
+        self.shard_stats: Callable[[], list] = list
+        self.joined: dict = {}  # worker id -> last seen (monotonic)
+        self.left: set = set()
+        self.refused = 0
+        # Distinct for every start of the server: a worker that re-does its handshake
+        # learns from it whether the server restarted (and its shards may have moved).
+        self.instance = uuid.uuid4().hex
+
+    @classmethod
+    def listen(cls, ctx: zmq.Context, cfg: ServerConfig, layout: Layout,
+               keys: Optional[ServerKeys]) -> "Front":
+        """Bind ``--bind`` (a taken port is a ConfigError saying so), with its gatekeeper."""
+        gate = Gatekeeper(ctx, keys)
+        try:
+            sock, endpoint = router(ctx, cfg.bind, curve=keys, max_frame=frame_limit(0))
+        except zmq.ZMQError as exc:
+            gate.close()
+            raise ConfigError(f"cannot listen on --bind {cfg.bind}: {exc}; choose another "
+                              "port or stop the process using it") from exc
+        gate.watch(sock)
+        return cls(cfg, layout, sock, endpoint, gate)
+
+    def open(self, shards: list, shard_stats: Callable[[], list]) -> None:
+        """Welcome workers to ``shards``; ``shard_stats()`` gives the shards' latest counters."""
+        self.shards, self.shard_stats = shards, shard_stats
+
+    def serve(self, timeout_ms: int) -> None:
+        """Answer what arrives within ``timeout_ms`` (a batch at most)."""
+        if not self.sock.poll(timeout_ms):
+            return
+        for _ in range(BATCH):
+            peer, msg = recv_from(self.sock)
+            if isinstance(msg, ProtocolError):
+                send(self.sock, error_message(msg.code, str(msg)), peer)
+            else:
+                send(self.sock, self._handle(msg), peer)
+            if not self.sock.poll(0):
+                return
+
+    def _handle(self, msg: Message) -> Message:
+        now = time.monotonic()
+        if msg.type == HELLO:
+            problem = signature_mismatch(self.signature, msg.meta.get(Key.SIGNATURE))
+            if problem:
+                self.refused += 1
+                log.warning("refused worker %s: %s", msg.worker or "?", problem)
+                return error_message(Code.SIGNATURE_MISMATCH, f"this server trains task "
+                                     f"{self.cfg.task}: {problem}", msg)
+            self.joined[msg.worker] = now
+            self.left.discard(msg.worker)
+            log.info("worker %s %s (rank %s of %s)", msg.worker,
+                     "rejoined" if msg.meta.get(Key.REJOIN) else "joined",
+                     msg.meta.get(Key.RANK), msg.meta.get(Key.WORLD))
+            return Message(type=WELCOME, seq=msg.seq, meta={
+                Key.SHARDS: self.shards, Key.CONSISTENCY: self.cfg.consistency,
+                Key.HEARTBEAT_TIMEOUT: self.cfg.heartbeat_timeout, Key.TOTAL: self.layout.total,
+                Key.TASK: self.cfg.task, Key.INSTANCE: self.instance})
+        if msg.type == HEARTBEAT:
+            if msg.worker in self.joined:
+                self.joined[msg.worker] = now
+            return Message(type=HEARTBEAT, seq=msg.seq)
+        if msg.type == BYE:
+            self.left.add(msg.worker)
+            return Message(type=BYE, seq=msg.seq)
+        if msg.type == STATS:
+            return Message(type=STATS, seq=msg.seq, meta=self.stats())
+        return error_message(Code.BAD_TYPE, f"the front does not serve {msg.type!r}", msg)
+
+    def stats(self) -> dict:
+        now = time.monotonic()
+        latest = self.shard_stats()
+        workers = {}
+        for s in latest:
+            for name, w in s.get("workers", {}).items():
+                workers[name] = w
+        transport = [self.gate.stats()] + [s["transport"] for s in latest if "transport" in s]
+        return {"task": self.cfg.task, "consistency": self.cfg.consistency,
+                "shards": len(self.shards), "shard_ports": [s[Key.PORT] for s in self.shards],
+                "refused_handshakes": self.refused,
+                "authenticated": self.cfg.curve_secret is not None,
+                "refused_connections": sum(t["refused"] for t in transport),
+                "transport": transport,
+                "joined": sorted(self.joined), "left": sorted(self.left),
+                "live": sorted(w for w, t in self.joined.items()
+                               if w not in self.left and now - t < self.cfg.heartbeat_timeout * 3),
+                "updates": sum(s.get("updates", 0) for s in latest),
+                "workers": workers, "staleness": merged_staleness(latest),
+                "shard_stats": [{k: v for k, v in s.items() if k not in ("workers", "train")}
+                                for s in latest]}
+
+    def all_left(self) -> bool:
+        """Every worker that joined has left or went silent (and at least one joined)."""
+        if len(self.joined) < self.cfg.workers:
+            return False
+        now = time.monotonic()
+        live = [w for w, t in self.joined.items()
+                if w not in self.left and now - t < self.cfg.heartbeat_timeout]
+        shard_live = any(w.get("alive") for s in self.shard_stats()
+                         for name, w in s.get("workers", {}).items() if name not in self.left)
+        return not live and not shard_live
+
+    def close(self) -> None:
+        self.gate.close()
+        self.sock.close(0)

@@ -1,0 +1,133 @@
+"""Parameters sent without copying: copy-on-write, and updates applied as replies go out.
+
+A shard answers a pull with views of its parameter tensor, and libzmq's I/O
+thread reads them while it writes them to the socket, after ``send`` has
+returned. Copying every reply first costs a full pass over memory (7 ms for
+40 MiB here, a sixth of a round trip); sending in place is free but an update
+applied while the bytes are still going out would tear the reply.
+
+``InFlight`` keeps the MessageTracker of every zero-copy reply with the tensor
+it reads. Before the shard writes its parameters it calls ``writable``: when
+no send still reads them (the common case: a worker pushes again only after it
+has received its reply) they are written in place; otherwise the shard moves to
+a spare buffer holding a copy, and the old one is recycled once its sends are
+done. At most ``max_buffers`` buffers exist; beyond that ``zero_copy`` says no
+and replies are copied as they are sent, so a peer that stops reading can pin
+only a bounded amount of memory.
+
+``ZeroCopyStore`` is the shard process's ``ParamStore``: its writes go through
+``InFlight.writable``, and an update whose reply is the next reader (an async
+push that asks for the parameters back) is not applied at once but part by
+part, each part just before the shard process sends the reply's part that
+covers it, so updating part j + 1 overlaps sending part j. Every other read
+or write first applies what is pending.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import zmq
+
+from asyncsgd.wire.protocol import Message
+from asyncsgd.wire.transport import COPY_BELOW
+
+from .rules import UpdateRule
+from .store import ParamStore
+
+log = logging.getLogger(__name__)
+
+
+class InFlight:
+    def __init__(self, max_buffers: int = 3):
+        self.max_buffers = max_buffers
+        self.sends: list = []  # (tensor, MessageTracker) of replies still being sent
+        self.spares: list = []  # buffers no send reads, ready to become the parameters
+        self.copies = 0  # writes that had to move to another buffer
+
+    def _settle(self) -> None:
+        if self.sends:
+            self.sends = [(t, tr) for t, tr in self.sends if not tr.done]
+
+    def _busy(self, tensor: torch.Tensor) -> bool:
+        return any(t is tensor for t, _ in self.sends)
+
+    def zero_copy(self, tensor: torch.Tensor) -> bool:
+        """Whether a reply viewing ``tensor`` may be sent without copying."""
+        self._settle()
+        held = {id(t) for t, _ in self.sends} | {id(tensor)}
+        return len(held) < self.max_buffers or self._busy(tensor)
+
+    def sent(self, tensor: torch.Tensor, tracker: zmq.MessageTracker) -> None:
+        if not tracker.done:
+            self.sends.append((tensor, tracker))
+
+    def writable(self, params: torch.Tensor) -> torch.Tensor:
+        """``params``, or a copy of it in a buffer no send reads."""
+        self._settle()
+        if not self._busy(params):
+            return params
+        spare = None
+        while self.spares and spare is None:
+            candidate = self.spares.pop()
+            if not self._busy(candidate):
+                spare = candidate
+        if spare is None:
+            spare = torch.empty_like(params)
+        spare.copy_(params)
+        self.copies += 1
+        self._recycle(params)
+        return spare
+
+    def _recycle(self, old: torch.Tensor) -> None:
+        # Busy now, free later: _busy is checked again before a spare is reused.
+        if len(self.spares) + 1 < self.max_buffers:
+            self.spares.append(old)
+
+
+class ZeroCopyStore(ParamStore):
+    """A ``ParamStore`` whose replies are sent from the parameter buffer itself."""
+
+    def __init__(self, params: torch.Tensor, rule: UpdateRule, max_buffers: int = 3):
+        super().__init__(params, rule)
+        self.inflight = InFlight(max_buffers)
+        self._pending: Optional[tuple] = None  # (segments last-first, lr) of a deferred update
+
+    def update(self, segments: list, lr_scale: float = 1.0, deferrable: bool = False) -> None:
+        buffer = self._writable()
+        if deferrable:
+            self._pending = (sorted(segments, key=lambda s: -s[0]), self.rule.begin(lr_scale))
+        else:
+            self.rule.apply(buffer, segments, lr_scale=lr_scale)
+
+    def apply_pending(self, until: Optional[int] = None) -> None:
+        """Apply the deferred update's segments that start before ``until`` (all by default)."""
+        if self._pending is None:
+            return
+        segments, lr = self._pending
+        while segments and (until is None or segments[-1][0] < until):
+            offset, grad = segments.pop()
+            self.rule.apply_one(self.buffer, offset, grad, lr)
+        if not segments:
+            self._pending = None
+
+    def _writable(self) -> torch.Tensor:
+        self.apply_pending()
+        self.buffer = self.inflight.writable(self.buffer)
+        return self.buffer
+
+    def sends_in_place(self, reply: Message) -> bool:
+        """Whether ``reply`` goes out from the buffer itself: it carries the current
+        buffer's views, the buffer is large enough for zero-copy to pay, and no more
+        buffers are pinned by sends than allowed."""
+        return (bool(reply.segments) and reply.segments is self._views
+                and self._views_of is self.buffer and self.buffer.numel() * 4 >= COPY_BELOW
+                and self.inflight.zero_copy(self.buffer))
+
+    def sending(self, buffer: torch.Tensor, tracker: Optional[zmq.MessageTracker]) -> None:
+        """A part of a reply went out from ``buffer``; ``tracker`` says when libzmq is done
+        reading it (None: nothing is read any more)."""
+        if tracker is not None:
+            self.inflight.sent(buffer, tracker)
