@@ -13,6 +13,7 @@ lost updates show in its own value.
 """
 
 import functools
+import os
 import time
 
 import torch
@@ -78,6 +79,12 @@ def failing(samples=None):
 
 def dense_counter(samples=None):
     return _rows_task("dense-counter", Scalars, samples or 2000)
+
+
+def wide_counter(samples=None, width=1 << 22):
+    """dense_counter with ``width`` weights (16 MiB): each update is a long read-modify-write
+    sweep, so unlocked Hogwild processes preempted mid-sweep lose updates measurably."""
+    return _rows_task("wide-counter", functools.partial(Scalars, width), samples or 2000)
 
 
 def dense_pair(samples=None):
@@ -146,3 +153,60 @@ def autocast_probe(samples=None):
     y = (x[:, 0] > 0).long()
     return Task(name="autocast-probe", model_fn=AutocastProbe,
                 train=Split((x,), y), test=Split((x[:64],), y[:64]), lr=0.1, batch_size=16)
+
+
+class ThreadsProbe(Scalars):
+    """dense_counter's scalar; its forward raises unless torch runs the number of threads
+    in $ASYNCSGD_TEST_THREADS in this process."""
+
+    def forward(self, x):
+        wanted = int(os.environ["ASYNCSGD_TEST_THREADS"])
+        if torch.get_num_threads() != wanted:
+            raise RuntimeError(f"{torch.get_num_threads()} torch threads, not {wanted}")
+        return super().forward(x)
+
+
+def threads_probe(samples=None):
+    return _rows_task("threads-probe", ThreadsProbe, samples or 400)
+
+
+def _note(line: str) -> None:
+    """Append ``line`` to this process's file in $ASYNCSGD_TEST_PROBE_DIR."""
+    path = os.path.join(os.environ["ASYNCSGD_TEST_PROBE_DIR"], str(os.getpid()))
+    with open(path, "a") as fh:
+        fh.write(line + "\n")
+
+
+class ComputeProbe(Scalars):
+    """dense_counter's scalar behind a forward that computes for a few milliseconds; each
+    training forward appends its (start, end) on the machine's monotonic clock to a file
+    of its process in $ASYNCSGD_TEST_PROBE_DIR."""
+
+    def forward(self, x):
+        if not torch.is_grad_enabled():  # the parent's evaluation: not a training step
+            return super().forward(x)
+        start = time.monotonic()
+        a = torch.ones(128, 128)
+        with torch.no_grad():
+            for _ in range(40):
+                a = torch.mm(a, a).clamp_(max=1.0)
+        _note(f"{start} {time.monotonic()}")
+        return super().forward(x)
+
+
+def compute_probe(samples=None):
+    return _rows_task("compute-probe", ComputeProbe, samples or 2000)
+
+
+class SeedProbe(Scalars):
+    """dense_counter's scalar; each training forward appends torch's seed in this process
+    (torch.initial_seed()) to a file of its process in $ASYNCSGD_TEST_PROBE_DIR."""
+
+    def forward(self, x):
+        if torch.is_grad_enabled():  # not the parent's evaluation
+            _note(str(torch.initial_seed()))
+        return super().forward(x)
+
+
+def seed_probe(samples=None):
+    return _rows_task("seed-probe", SeedProbe, samples or 160)

@@ -2,7 +2,6 @@
 
 import os
 import pickle
-import time
 
 import numpy as np
 import pytest
@@ -10,7 +9,7 @@ import torch
 
 from asyncsgd import CheckpointError, DataError, TaskError, load_task
 from asyncsgd.core.data import mnist1d, read_idx, write_idx
-from asyncsgd.core.tasks import partition_indices
+from asyncsgd.core.tasks import epoch_order, partition_indices
 from asyncsgd.modes.optim import SGD
 from asyncsgd.run.checkpoint import load_checkpoint, save_checkpoint
 from conftest import read_json
@@ -28,19 +27,30 @@ def test_partitions_disjoint_cover_and_balanced(n, parts):
         assert not torch.equal(chunks[0], partition_indices(n, parts, 0, seed=6))
 
 
+def test_each_epoch_reshuffles_a_partition_the_same_way_in_every_mode():
+    part = partition_indices(1000, 4, 1, seed=3)
+    orders = [epoch_order(part, 3, 1, epoch) for epoch in range(3)]
+    for order in orders:
+        assert sorted(order.tolist()) == sorted(part.tolist())  # a shuffle of the same rows
+    assert not torch.equal(orders[0], orders[1]) and not torch.equal(orders[1], orders[2])
+    assert torch.equal(orders[2], epoch_order(part, 3, 1, 2))  # a function of (seed, rank, epoch)
+    assert not torch.equal(orders[0], epoch_order(part, 3, 2, 0))  # ranks shuffle differently
+
+
 def test_mnist1d_is_generated_once_then_cached(tmp_path):
-    t0 = time.perf_counter()
     first = mnist1d(500, str(tmp_path))
-    generated = time.perf_counter() - t0
     files = list(tmp_path.glob("*.npz"))
     assert len(files) == 1
-    t0 = time.perf_counter()
     second = mnist1d(500, str(tmp_path))
-    assert time.perf_counter() - t0 < generated
     assert first["x"].shape == (400, 40) and first["x_test"].shape == (100, 40)
     for key in first:
         assert np.array_equal(first[key], second[key])
     assert set(np.unique(first["y"])) <= set(range(10))
+    # The second call read the file: marked data in it comes back, nothing regenerated it.
+    marked = {**second, "x": np.full_like(second["x"], 7.0)}
+    np.savez(files[0], **marked)
+    assert np.array_equal(mnist1d(500, str(tmp_path))["x"], marked["x"])
+    assert list(tmp_path.glob("*.npz")) == files
 
 
 def test_torn_cache_file_is_regenerated(tmp_path):

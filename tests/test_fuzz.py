@@ -72,6 +72,12 @@ def test_arbitrary_msgpack_headers_decode_or_raise_protocol_errors(header, tenso
     _decode_or_refuse([msgpack.packb(header, use_bin_type=True), *tensors])
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=200), min_size=1, max_size=4))
+def test_random_bytes_decode_or_raise_protocol_errors(frames):
+    _decode_or_refuse(frames)
+
+
 def test_bombs_are_refused_quickly():
     for head in [b"\x91" * 1_000_000 + b"\x00", b"\xdd\xff\xff\xff\xff" * 1000,
                  b"\x81\xa1m" + b"\xdb" + (MAX_HEADER_BYTES * 4).to_bytes(4, "big")]:

@@ -12,7 +12,8 @@ import torch
 from asyncsgd.run.checkpoint import load_checkpoint
 from asyncsgd.wire.layout import Layout
 from asyncsgd.wire.protocol import (ERROR, HELLO, PUSH, STATS, WELCOME, Message, Segment, encode)
-from conftest import Server, asyncsgd_cmd, finish, free_port, read_json, worker
+from conftest import (Server, asyncsgd_cmd, finish, free_port, read_events, read_json, wait_for,
+                      worker)
 
 
 @pytest.mark.parametrize("consistency", ["async", "sync"])
@@ -37,6 +38,20 @@ def test_exact_oracle_two_shards_three_workers(server, cli_env, consistency):
     assert pushes == 3 * epochs * 42  # 333 rows per worker, batch 8: 42 steps an epoch
     per_shard = pushes if consistency == "async" else pushes // 3  # sync: one update a round
     assert summary["updates"] == 2 * per_shard
+
+
+def test_sync_applies_the_mean_of_a_round_by_default(server, cli_env):
+    """dense_counter, SGD lr 1, two workers of 125 pushes: each push's gradient is the batch
+    size, 8. A round's mean is 8 (its sum would be 16), so the weight ends at -125 x 8."""
+    task = ["--task", "tasks_for_tests:dense_counter", "--samples", 2000]
+    srv = server(*task, "--workers", 2, "--consistency", "sync")
+    for code, out, err in finish([worker(cli_env, srv.address, r, 2, *task, "--epochs", 1)
+                                  for r in range(2)]):
+        assert code == 0 and "125 steps, 125 pushes" in out, err
+    code, _, err = srv.wait()
+    assert code == 0, err
+    assert read_json(srv.out / "summary.json")["updates"] == 125
+    assert load_checkpoint(srv.out / "checkpoint.pt")["model"]["w"].item() == -125 * 8
 
 
 def test_malformed_input_is_refused_and_the_server_keeps_serving(server, cli_env):
@@ -84,7 +99,8 @@ def test_malformed_input_is_refused_and_the_server_keeps_serving(server, cli_env
         time.sleep(0.05)
     (code, out, err), = finish([good])
     assert code == 0, err
-    srv.wait()
+    code, _, err = srv.wait()
+    assert code == 0, err
     assert read_json(srv.out / "summary.json")["updates"] == 3 * 125  # 125 pushes an epoch
 
 
@@ -106,6 +122,7 @@ def test_killed_worker_does_not_stall_the_survivor(server, cli_env, consistency)
     assert steps == 6 * 63  # 2000 samples each, batch 32: 63 steps an epoch, all done
     assert time.monotonic() - killed_at < 60
     code, _, err = srv.wait()
+    assert code == 0, err
     summary = read_json(srv.out / "summary.json")
     assert summary["stopped_by"] == "workers_done"
 
@@ -148,12 +165,24 @@ def test_port_in_use_is_one_clear_line(server, run_cli, tmp_path):
     assert len(res.stderr.strip().splitlines()) == 1
 
 
-def test_ps_stats_reports_a_running_server(server, run_cli):
-    srv = server("--task", "mnist1d-cnn", "--shards", 2)
+def test_ps_stats_reports_a_running_server(server, cli_env, run_cli):
+    """One worker pulls after every push, so each of its 20 pushes has staleness 0 on each of
+    the 2 shards: the histogram holds exactly those 40."""
+    task = ["--task", "tasks_for_tests:dense_pair", "--samples", 160]
+    srv = server(*task, "--shards", 2, "--no-exit-when-done")
+    (code, out, err), = finish([worker(cli_env, srv.address, 0, 1, *task, "--epochs", 1)])
+    assert code == 0 and "20 steps, 20 pushes" in out, err
+    wait_for(lambda: srv.stats()["updates"] == 40, 30, "the evaluator's next read of the shards")
     res = run_cli("ps-stats", "--server", srv.address)
     assert res.returncode == 0, res.stderr
     stats = json.loads(res.stdout)
-    assert stats["shards"] == 2 and stats["task"] == "mnist1d-cnn" and "staleness" in stats
+    assert stats["shards"] == 2 and stats["task"] == "tasks_for_tests:dense_pair"
+    assert stats["updates"] == 40 and stats["staleness"] == [40] + [0] * 63
+    assert len(stats["joined"]) == 1 and stats["left"] == stats["joined"]
+    # The run's metrics carry the same: updates, updates/s and staleness percentiles.
+    last = [e for e in read_events(srv.out) if e["event"] == "eval"][-1]
+    assert last["updates"] == 40 and last["staleness_p50"] == last["staleness_p99"] == 0
+    assert last["updates_per_second"] >= 0
 
 
 def test_resume_continues_from_the_shard_checkpoints(server, cli_env, tmp_path):

@@ -8,7 +8,7 @@ namespaces cannot be made (not root, no iproute2).
 import pytest
 
 from conftest import asyncsgd_cmd, read_json
-from netns import Hosts, can_make_namespaces
+from netns import Hosts, can_make_namespaces, list_namespaces
 
 _OK, _WHY = can_make_namespaces()
 if not _OK:
@@ -38,6 +38,9 @@ def test_two_workers_on_other_hosts_train_through_the_server(tmp_path, cli_env):
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+        ours = {hosts.switch_ns, *hosts.namespaces.values()}
+        assert ours <= set(list_namespaces())
+    assert not ours & set(list_namespaces()), "the hosts' namespaces outlived the test"
     summary = read_json(tmp_path / "run" / "summary.json")
     assert summary["stopped_by"] == "workers_done"
     assert len(summary["workers_joined"]) == 2

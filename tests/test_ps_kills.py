@@ -92,13 +92,18 @@ def test_stopped_worker_is_dropped_then_rejoins_under_sync(server, cli_env):
 
     wait_for(lambda: shard_stats(srv, port)["updates"] >= 10, 120, "ten rounds")
     victim_id = next(w for w in workers() if w.endswith("-r1"))
+    survivor_id = next(w for w in workers() if w.endswith("-r0"))
     victim.send_signal(signal.SIGSTOP)
     stopped = time.monotonic()
-    wait_for(lambda: not workers()[victim_id]["alive"], timeout + 10, "the victim marked dead")
+    dead = wait_for(lambda: (lambda w: w if not w[victim_id]["alive"] else None)(workers()),
+                    timeout + 10, "the victim marked dead")
     detection = time.monotonic() - stopped
-    during = shard_stats(srv, port)["updates"]
-    wait_for(lambda: shard_stats(srv, port)["updates"] >= during + 5, 30,
-             "rounds without the stopped worker")
+    # Never dropped before --heartbeat-timeout of silence, by the shard's own clock.
+    assert dead[victim_id]["last_seen_s"] >= timeout
+    # Progress without the victim, counted in pushes the survivor got applied while the
+    # victim's count stays frozen (it is stopped): no snapshot can come too late for it.
+    wait_for(lambda: (lambda w: w[survivor_id]["pushes"] >= w[victim_id]["pushes"] + 5)(
+        workers()), 30, "rounds without the stopped worker")
     victim.send_signal(signal.SIGCONT)
     resumed = time.monotonic()
     wait_for(lambda: workers()[victim_id]["alive"], 30, "the victim back")
@@ -114,7 +119,8 @@ def test_stopped_worker_is_dropped_then_rejoins_under_sync(server, cli_env):
     assert weights.sum().item() == -BATCH * applied
     assert weights.min().item() >= -epochs and weights.max().item() <= 0
     assert stats["dropped_workers"] >= 1
-    assert detection <= timeout + 1.0, detection  # the shard ticks every 0.1 s
+    # The shard ticks every 0.1 s; the rest is this test's polling on a maybe loaded machine.
+    assert detection <= timeout + 5.0, detection
     record_figure("worker SIGSTOP/SIGCONT (sync)", heartbeat_timeout_s=timeout,
                   detection_latency_s=round(detection, 2), rejoin_s=round(rejoin, 2),
                   stale_pushes_refused=stats["stale"])
@@ -182,13 +188,24 @@ def test_training_reaches_its_target_through_a_shard_crash(server, cli_env):
     wait_for(lambda: (srv.out / "shard-1.pt").exists() and
              shard_stats(srv, ports[1])["updates"] >= 100, 120, "a checkpoint and 100 updates")
     _, killed = _kill_shard(srv, srv.out, ports[1], index=1)
+    pushes = 0
     for code, out, err in finish(procs, timeout=240):
         assert code == 0, err
         assert "the server ended training" in out
+        pushes += int(out.split(" pushes")[0].split()[-1])
     assert srv.wait()[0] == 0
     summary = read_json(srv.out / "summary.json")
     assert summary["stopped_by"] == "target_accuracy" and summary["best_accuracy"] >= 0.8
-    assert summary["shard_restarts"] == 1 and summary["lost_updates"] >= 0
+    assert summary["shard_restarts"] == 1
+    # Every acknowledged push reached both shards. The shard that never crashed lost
+    # nothing; the other applied all but the lost ones. (The training's stop may cut one
+    # push per worker after one shard applied it: at most 2 more than the workers counted.)
+    shard0, shard1 = (load_checkpoint(srv.out / f"shard-{i}.pt")["shard"] for i in (0, 1))
+    assert shard0["counters"]["lost_updates"] == 0
+    assert 0 <= shard0["version"] - pushes <= 2, (shard0["version"], pushes)
+    assert summary["lost_updates"] == shard1["counters"]["lost_updates"]
+    assert abs(pushes - shard1["version"] - summary["lost_updates"]) <= 2, \
+        (pushes, shard1["version"], summary["lost_updates"])
     record_figure("shard SIGKILL + restart (mnist1d-cnn)", lost_updates=summary["lost_updates"],
                   best_accuracy=summary["best_accuracy"],
                   time_to_target_s=summary.get("time_to_target"))

@@ -118,6 +118,10 @@ def test_ddp_ranks_stop_together(tmp_path, run_cli, stop, expected):
         assert summary["time_to_target"] is not None
     weights = _weights(out)  # the synchronous ranks stopped at the same step: one value
     assert len(_counts(weights)) <= 2  # at most: rows seen k times and k+1 times (mid-epoch)
+    # Every step all-reduced both ranks' batches (gradient 1 on 8 rows each, averaged): the
+    # weights hold exactly the samples summary.json counts, half a unit each. A rank that
+    # stopped early, or a step without the other rank, would break the equality.
+    assert weights.double().sum().item() == -summary["samples"] / 2
 
 
 def test_bf16_autocast_on_cpu_runs_the_model_in_bf16(tmp_path, run_cli):
