@@ -167,7 +167,7 @@ def train(cfg: DDPConfig, task: Optional[Task] = None,
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=cfg.dist_timeout))
     control = torch.zeros(1, dtype=torch.int64).share_memory_()
-    user_errors = context(cfg.start_method).SimpleQueue()
+    user_errors = context(cfg.start_method, preload=[__name__]).SimpleQueue()
     started_at = time.monotonic()
     places = [Placement(rank, procs, rank, backend, threads, store.port)
               for rank in range(procs)]

@@ -147,7 +147,7 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
     counters = torch.zeros(procs, 5, dtype=torch.int64).share_memory_()
     counters[:, EPOCHS] = recorder.epochs_done
     losses = torch.zeros(procs, 2, dtype=torch.float64).share_memory_()
-    ctx = context(cfg.start_method)
+    ctx = context(cfg.start_method, preload=[__name__])
     lock = ctx.Lock() if cfg.lock else None
     ring_sems = _ring_semaphores(ctx, cfg, procs, threads)
     group = WorkerGroup(_worker, procs, name="worker", start_method=cfg.start_method, args=[
