@@ -20,6 +20,11 @@ from asyncsgd.wire.security import ClientKeys
 TESTS = Path(__file__).parent
 BIN = Path(sys.executable).parent
 
+# Tests send SIGINT as a terminal's Ctrl-C does. A shell that starts the suite in the
+# background (no job control) makes it ignore SIGINT, and an ignored signal stays ignored in
+# every process started from it: the tests' own processes get Python's handling back.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
