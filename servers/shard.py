@@ -315,7 +315,7 @@ class ShardState:
             end = seg.offset + data.shape[0]
             if end > self.size:
                 return Code.OUT_OF_RANGE, (f"segment [{seg.offset}, {end}) "
-                                        f"outside shard {self.cfg.index} of size {self.size}")
+                                           f"outside shard {self.cfg.index} of size {self.size}")
             spans.append((seg.offset, end))
         if len(spans) > 1:
             spans.sort()
@@ -329,7 +329,7 @@ class ShardState:
             if norm > self.cfg.max_grad_norm:
                 self.counters["too_large"] += 1
                 return Code.TOO_LARGE, (f"gradient norm {norm:.4g} on shard {self.cfg.index} "
-                                     f"exceeds --max-grad-norm {self.cfg.max_grad_norm}")
+                                        f"exceeds --max-grad-norm {self.cfg.max_grad_norm}")
         return None
 
     def _push(self, record: WorkerRecord, msg: Message, checked: bool = False) -> list:

@@ -36,7 +36,7 @@ def test_unwritable_out_is_one_clear_line(run_cli, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     one_line_error(run_cli("hogwild", "--out", blocker / "run", "--epochs", "1"),
-                    "cannot write the run directory", "--out")
+                   "cannot write the run directory", "--out")
 
 
 def test_out_holding_a_run_is_refused(run_cli, tmp_path):
@@ -47,7 +47,7 @@ def test_out_holding_a_run_is_refused(run_cli, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 def test_cuda_without_gpu_is_one_clear_line(run_cli):
     one_line_error(run_cli("hogwild", "--device", "cuda", "--epochs", "1"),
-                    "no CUDA GPU", "--device cpu")
+                   "no CUDA GPU", "--device cpu")
 
 
 def _option_entries(help_text):

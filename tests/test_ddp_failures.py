@@ -135,7 +135,7 @@ def test_bad_input_gives_one_clear_line(cli_env, command, args, env, fragments):
 @pytest.mark.parametrize("command", ["single", "ddp"])
 def test_cuda_without_gpu_is_one_clear_line(run_cli, command):
     one_line_error(run_cli(command, "--device", "cuda", "--progress", "off"),
-                    "no CUDA GPU", "--device cpu")
+                   "no CUDA GPU", "--device cpu")
 
 
 def test_resuming_another_modes_run_is_one_clear_line_from_rank_0(tmp_path, run_cli):

@@ -93,8 +93,8 @@ def run_worker(cfg: WorkerConfig) -> WorkerResult:
     client = PSClient(cfg.server, f"{socket.gethostname()}-r{rank}", layout.signature(),
                       rank=rank, world=world, heartbeat=cfg.heartbeat,
                       server_timeout=cfg.server_timeout, curve=keys)
-    loop = _Loop(cfg, task, model, layout, client, partition_indices(len(task.train), world,
-                                                                      rank, 0), rank)
+    part = partition_indices(len(task.train), world, rank, 0)
+    loop = _Loop(cfg, task, model, layout, client, part, rank)
     try:
         return loop.run()
     except ServerFinished:

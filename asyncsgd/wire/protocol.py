@@ -196,7 +196,7 @@ def decode(frames: Sequence[Any]) -> Message:
         raise ProtocolError(Code.BAD_HEADER, "header is not a map")
     if type(header.get("v")) is not int or header["v"] != VERSION:
         raise ProtocolError(Code.BAD_VERSION, f"protocol version {header.get('v')!r}; "
-                                           f"this build speaks {VERSION}")
+                                              f"this build speaks {VERSION}")
     kind = header.get("t")
     if not isinstance(kind, str) or kind not in TYPES:  # a list or map is unhashable
         raise ProtocolError(Code.BAD_TYPE, f"unknown message type {kind!r}")
@@ -211,7 +211,7 @@ def decode(frames: Sequence[Any]) -> Message:
         raise ProtocolError(Code.BAD_FIELD, f"field 'd' must be a list of at most {MAX_SEGMENTS}")
     if len(descriptors) != len(frames) - 1:
         raise ProtocolError(Code.FRAME_COUNT, f"{len(descriptors)} descriptors but "
-                                           f"{len(frames) - 1} tensor frames")
+                                              f"{len(frames) - 1} tensor frames")
     msg = Message(type=kind, worker=worker, incarnation=_int(header, "i"), seq=_int(header, "s"),
                   clock=_int(header, "c"), shard=_int(header, "sh", -1, 1 << 20), meta=meta)
     for desc, frame in zip(descriptors, frames[1:]):
@@ -235,8 +235,9 @@ def _segment(desc: Any, buf: memoryview) -> Segment:
     numel = math.prod(shape)
     itemsize = ITEMSIZE[dtype]
     if numel * itemsize != len(buf):
-        raise ProtocolError(Code.LENGTH_MISMATCH, f"descriptor {shape} of {dtype_name} needs "
-                                               f"{numel * itemsize} bytes, frame has {len(buf)}")
+        raise ProtocolError(Code.LENGTH_MISMATCH,
+                            f"descriptor {shape} of {dtype_name} needs {numel * itemsize} "
+                            f"bytes, frame has {len(buf)}")
     if not numel:
         return Segment(offset, torch.empty(shape, dtype=dtype))
     data = torch.frombuffer(buf, dtype=dtype)  # 1-D already: view() costs as much again
