@@ -104,9 +104,12 @@ def test_stopped_worker_is_dropped_then_rejoins_under_sync(server, cli_env):
     # victim's count stays frozen (it is stopped): no snapshot can come too late for it.
     wait_for(lambda: (lambda w: w[survivor_id]["pushes"] >= w[victim_id]["pushes"] + 5)(
         workers()), 30, "rounds without the stopped worker")
+    frozen = workers()[victim_id]["pushes"]  # still stopped: its count cannot move yet
     victim.send_signal(signal.SIGCONT)
     resumed = time.monotonic()
-    wait_for(lambda: workers()[victim_id]["alive"], 30, "the victim back")
+    # Back once a push of it counts again. (Its being alive is no event to wait for: with the
+    # survivor done it may finish its epochs and say bye between two looks.)
+    wait_for(lambda: workers()[victim_id]["pushes"] > frozen, 30, "the victim back")
     rejoin = time.monotonic() - resumed
     results = finish([survivor, victim])
     for code, out, err in results:
