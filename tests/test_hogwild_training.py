@@ -11,6 +11,7 @@ from asyncsgd.modes.hogwild import train
 from asyncsgd.run.checkpoint import load_checkpoint
 from asyncsgd.run.process_group import available_cores
 from conftest import asyncsgd_cmd, read_events, read_json
+from faults import record_figure
 
 
 def _cfg(tmp_path, **kw):
@@ -95,6 +96,9 @@ def test_the_lock_loses_no_update_and_lock_free_processes_lose_some(tmp_path, lo
         assert torch.equal(w, torch.full_like(w, -samples))
     else:
         assert int((w > -samples).sum()) > 0, "lock-free sweeps lost no update at all"
+    record_figure(f"hogwild {'locked' if lock else 'lock-free'}, 4 processes, 4M weights",
+                  lost_updates=int((w + samples).double().sum()),
+                  weights_short=int((w > -samples).sum()))
 
 
 def test_resume_continues_from_the_checkpoint(tmp_path, run_cli):
