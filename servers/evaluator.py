@@ -10,6 +10,7 @@ front and tell it when every worker has gone.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Optional
 
@@ -18,9 +19,11 @@ import zmq
 
 from asyncsgd.run.recorder import Recorder
 from asyncsgd.wire.layout import Layout
-from asyncsgd.wire.protocol import PARAMS, PULL, STATS, Key, Message, ParamsIntake
+from asyncsgd.wire.protocol import PARAMS, PULL, STATS, Key, Message, ParamsIntake, ProtocolError
 from asyncsgd.wire.security import ClientKeys
 from asyncsgd.wire.transport import dealer, frame_limit, recv, send
+
+log = logging.getLogger(__name__)
 
 
 def merged_staleness(shard_stats: list) -> list:
@@ -82,7 +85,11 @@ class ShardReader:
             if not sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
                 self.intake.forget()
                 raise TimeoutError(f"shard {shard} did not answer {kind} within {timeout} s")
-            msg = recv(sock)
+            try:
+                msg = recv(sock)
+            except ProtocolError as exc:  # whatever a shard sends, the server goes on
+                log.warning("shard %d sent a %s reply that cannot be read: %s", shard, kind, exc)
+                continue
             if msg.type == kind and msg.seq == self.seq:
                 return msg
 
@@ -100,8 +107,10 @@ class _TrainFeed:
         self.samples = recorder.samples_offset
 
     def update(self, shard0: dict) -> None:
-        train = shard0.get("train", {})
-        self.samples = self.recorder.samples_offset + sum(v[2] for v in train.values())
+        train = shard0.get("train", {})  # the most recently seen workers only
+        self.samples = self.recorder.samples_offset + shard0["train_total"][2]
+        # Bounded like the reply: a worker no longer listed is no longer followed.
+        self.seen = {w: v for w, v in self.seen.items() if w in train}
         for worker, (loss_sum, steps, samples) in sorted(train.items()):
             prev = self.seen.get(worker, (0.0, 0, 0))
             if steps > prev[1]:

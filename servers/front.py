@@ -31,6 +31,8 @@ from .evaluator import merged_staleness
 log = logging.getLogger(__name__)
 
 BATCH = 64  # requests answered per call before the caller gets its turn again
+ROSTER = 256  # worker names the front remembers (stats lists at most STATS_NAMES of each)
+STATS_NAMES = 32
 
 
 class Front:
@@ -76,8 +78,14 @@ class Front:
             peer, msg = recv_from(self.sock)
             if isinstance(msg, ProtocolError):
                 send(self.sock, error_message(msg.code, str(msg)), peer)
-            else:
-                send(self.sock, self._handle(msg), peer)
+                continue
+            try:
+                reply = self._handle(msg)
+            except Exception as exc:  # a bug must not let one peer's message stop the server
+                log.exception("front: failed on a %s from %r", msg.type, msg.worker)
+                reply = error_message(Code.UNEXPECTED, f"the front failed on this {msg.type}: "
+                                      f"{type(exc).__name__}; nothing was changed", msg)
+            send(self.sock, reply, peer)
             if not self.sock.poll(0):
                 return
 
@@ -90,6 +98,9 @@ class Front:
                 log.warning("refused worker %s: %s", msg.worker or "?", problem)
                 return error_message(Code.SIGNATURE_MISMATCH, f"this server trains task "
                                      f"{self.cfg.task}: {problem}", msg)
+            if not msg.worker:
+                return error_message(Code.BAD_FIELD, "a hello needs a worker id ('w')", msg)
+            self._forget_gone(now)
             self.joined[msg.worker] = now
             self.left.discard(msg.worker)
             log.info("worker %s %s (rank %s of %s)", msg.worker,
@@ -104,11 +115,23 @@ class Front:
                 self.joined[msg.worker] = now
             return Message(type=HEARTBEAT, seq=msg.seq)
         if msg.type == BYE:
-            self.left.add(msg.worker)
+            if msg.worker in self.joined:
+                self.left.add(msg.worker)
             return Message(type=BYE, seq=msg.seq)
         if msg.type == STATS:
             return Message(type=STATS, seq=msg.seq, meta=self.stats())
         return error_message(Code.BAD_TYPE, f"the front does not serve {msg.type!r}", msg)
+
+    def _forget_gone(self, now: float) -> None:
+        """Keep the roster bounded: past ``ROSTER`` names, forget the ones that left or
+        went silent longest ago (a peer saying hello under ever new ids grows nothing)."""
+        if len(self.joined) < ROSTER:
+            return
+        gone = sorted((t, w) for w, t in self.joined.items()
+                      if w in self.left or now - t > self.cfg.heartbeat_timeout)
+        for _, worker in gone[:max(1, len(self.joined) - ROSTER + 1)]:
+            del self.joined[worker]
+            self.left.discard(worker)
 
     def stats(self) -> dict:
         now = time.monotonic()
@@ -117,6 +140,7 @@ class Front:
         for s in latest:
             for name, w in s.get("workers", {}).items():
                 workers[name] = w
+        workers = dict(sorted(workers.items())[:STATS_NAMES])
         transport = [self.gate.stats()] + [s["transport"] for s in latest if "transport" in s]
         return {"task": self.cfg.task, "consistency": self.cfg.consistency,
                 "shards": len(self.shards), "shard_ports": [s[Key.PORT] for s in self.shards],
@@ -124,9 +148,11 @@ class Front:
                 "authenticated": self.cfg.curve_secret is not None,
                 "refused_connections": sum(t["refused"] for t in transport),
                 "transport": transport,
-                "joined": sorted(self.joined), "left": sorted(self.left),
-                "live": sorted(w for w, t in self.joined.items()
-                               if w not in self.left and now - t < self.cfg.heartbeat_timeout * 3),
+                "joined": sorted(self.joined)[:STATS_NAMES],
+                "left": sorted(self.left)[:STATS_NAMES],
+                "live": sorted(w for w, t in self.joined.items() if w not in self.left and
+                               now - t < self.cfg.heartbeat_timeout * 3)[:STATS_NAMES],
+                "roster": len(self.joined),
                 "updates": sum(s.get("updates", 0) for s in latest),
                 "workers": workers, "staleness": merged_staleness(latest),
                 "shard_stats": [{k: v for k, v in s.items() if k not in ("workers", "train")}

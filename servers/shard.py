@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -37,6 +36,7 @@ from asyncsgd.errors import ConfigError
 from asyncsgd.wire.protocol import (ACK, BYE, ERROR, HEARTBEAT, PARAMS, PULL, PUSH, STATS, Code,
                                     Key, Message, ProtocolError, error_message)
 
+from .dedupe import DUPLICATE, OUT_OF_WINDOW, SeqWindow
 from .rules import dc_asgd, make_rule, staleness_scale
 from .store import ParamStore
 from .streams import PushStreams
@@ -44,6 +44,7 @@ from .streams import PushStreams
 log = logging.getLogger(__name__)
 
 STALENESS_BUCKETS = 64  # staleness >= 63 counts in the last bucket
+STATS_WORKERS = 32  # workers listed by name in a stats reply (the most recently seen)
 
 
 def _finite(data: torch.Tensor) -> bool:
@@ -93,6 +94,10 @@ class ShardConfig:
     reject_nonfinite: bool = True
     max_grad_norm: Optional[float] = None
     dedupe_window: int = 1024
+    # Worker records kept (each holds a dedupe window, and a copy of the slice under
+    # DC-ASGD). Departed and silent workers are forgotten first; past the cap a new id
+    # is refused. 0: 256 or 4 x the expected workers, whichever is larger.
+    max_workers: int = 0
 
 
 @dataclass
@@ -103,9 +108,8 @@ class WorkerRecord:
     last_seen: float
     pushes: int = 0
     alive: bool = True
-    applied_seqs: set = field(default_factory=set)
-    seq_order: deque = field(default_factory=deque)
-    max_seq: int = -1
+    window: Optional[SeqWindow] = None  # the pushes of this incarnation concluded
+    waiting: dict = field(default_factory=dict)  # sync: seq -> its ACK, held for the round
     reported_clock: bool = False  # its first push/pull in this shard process was seen
     round_pushed: Optional[int] = None
     held_pull: Optional[Message] = None
@@ -124,20 +128,22 @@ class ShardState:
         if cfg.sync_reduce not in ("mean", "sum"):
             raise ConfigError(f"sync reduce {cfg.sync_reduce!r}: use mean or sum")
         self.size = len(params)
+        self.max_workers = cfg.max_workers or max(256, 4 * cfg.expected_workers)
         self.store = store(params.detach().clone().float(),
                            make_rule(cfg.rule, self.size, cfg.lr, **cfg.hyper))
         self.version = 0
         self.workers: dict = {}
         self.round_sum = torch.zeros(self.size) if self.mode == "sync" else None
-        self.round_acks: list = []  # (peer, ack) of pushes summed into the current round
+        self.round_acks: list = []  # (record, ack) of pushes summed into the current round
         self.counters = {"updates": 0, "pushes": 0, "duplicates": 0, "rejected": 0,
                          "nonfinite": 0, "too_large": 0, "pulls": 0, "held_pulls": 0,
                          "dropped_workers": 0, "max_pull_lead": 0, "stale": 0,
-                         "lost_updates": 0}
+                         "lost_updates": 0, "refused_workers": 0, "forgotten_workers": 0}
         self.staleness = [0] * STALENESS_BUCKETS
         self.restored: Optional[dict] = None  # version and digest of the checkpoint loaded
         self.lost_before = 0  # updates lost by earlier lives of this shard
         self.train = {}  # worker -> [loss sum, steps, samples] reported with pushes
+        self.train_forgotten = [0.0, 0, 0]  # the same, summed over forgotten workers
         # Pushes in parts: each part is checked (ranges, NaN/Inf, not the norm) on arrival.
         self.streams = PushStreams(lambda part: self._check(part, norm=False),
                                    max_open=max(16, 2 * cfg.expected_workers))
@@ -164,6 +170,10 @@ class ShardState:
             return [(peer, self._params_reply(None, msg))]
         if not msg.worker:
             return [(peer, error_message(Code.UNKNOWN_WORKER, "requests need a worker id", msg))]
+        refusal = self._admit(msg)
+        if refusal:
+            self.counters["refused_workers"] += 1
+            return self.refuse(peer, *refusal, msg)
         record = self._touch(peer, msg, now)
         if msg.type in (PUSH, PULL) and not record.reported_clock:
             record.reported_clock = True
@@ -173,6 +183,7 @@ class ShardState:
             return [(peer, Message(type=HEARTBEAT, shard=self.cfg.index, seq=msg.seq))]
         if msg.type == BYE:
             record.alive = False
+            record.backup = None  # a DC-ASGD copy of the slice is kept for live workers only
             replies = [(peer, Message(type=BYE, shard=self.cfg.index, seq=msg.seq))]
             return replies + self._release()
         if msg.type == PULL:
@@ -202,6 +213,37 @@ class ShardState:
 
     # ---- who sent it -----------------------------------------------------------------
 
+    def _admit(self, msg: Message) -> Optional[tuple]:
+        """(code, detail) when ``msg``'s sender may not be served; None when it may.
+
+        An incarnation older than the newest one its worker id has shown is a
+        process that was replaced: it must not touch the new one's records.
+        Past ``max_workers`` records a silent or departed worker's is forgotten to
+        make room for a new id; when every one is live, the new id is refused.
+        """
+        record = self.workers.get(msg.worker)
+        if record is not None:
+            if msg.incarnation < record.incarnation:
+                return Code.OLD_INCARNATION, (
+                    f"worker {msg.worker!r} incarnation {msg.incarnation} was replaced by "
+                    f"incarnation {record.incarnation}; a restarted worker takes a new, "
+                    "larger incarnation")
+            return None
+        if len(self.workers) < self.max_workers:
+            return None
+        gone = [w for w in self.workers.values() if not w.alive and w.held_pull is None
+                and not w.waiting]
+        if not gone:
+            return Code.TOO_MANY_WORKERS, (
+                f"shard {self.cfg.index} already serves {len(self.workers)} live workers "
+                f"(its cap); a new worker id is refused until one leaves")
+        oldest = min(gone, key=lambda w: w.last_seen)
+        del self.workers[oldest.worker]
+        for i, value in enumerate(self.train.pop(oldest.worker, ())):
+            self.train_forgotten[i] += value
+        self.counters["forgotten_workers"] += 1
+        return None
+
     def _touch(self, peer: bytes, msg: Message, now: float) -> WorkerRecord:
         record = self.workers.get(msg.worker)
         if record is None or record.incarnation != msg.incarnation:
@@ -211,7 +253,7 @@ class ShardState:
                          msg.worker, msg.incarnation)
                 clock = max(record.pushes, clock or 0)
             record = WorkerRecord(msg.worker, msg.incarnation, peer, now,
-                                  pushes=clock or 0)
+                                  pushes=clock or 0, window=SeqWindow(self.cfg.dedupe_window))
             self.workers[msg.worker] = record
         elif not record.alive:
             record.pushes = max(record.pushes, self._min_live_clock() or 0)
@@ -221,13 +263,17 @@ class ShardState:
         return record
 
     def _count_lost(self, record: WorkerRecord, clock: int) -> None:
-        """The first version a worker reports to this shard process is one it saw before.
+        """The first version a worker reports to a restored shard process is one it saw
+        before.
 
-        Beyond the version this process started at (its checkpoint, or 0), it
-        proves the shard had applied updates that a crash has since lost; the
-        largest such gap over all workers is their number.
+        Beyond the version restored from the checkpoint, it proves the shard had
+        applied updates that a crash has since lost; the largest such gap over all
+        workers is their number. A shard that was never restored lost nothing,
+        whatever a worker's first ``c`` says (a new worker may carry any).
         """
-        start = self.restored["version"] if self.restored else 0
+        if self.restored is None:
+            return
+        start = self.restored["version"]
         lost = self.lost_before + clock - start
         if lost > self.counters["lost_updates"]:
             log.warning("shard %d: worker %s saw version %d but this shard restarted at %d: "
@@ -288,16 +334,6 @@ class ShardState:
 
     # ---- pushes ---------------------------------------------------------------------
 
-    def _duplicate(self, record: WorkerRecord, seq: int) -> bool:
-        return seq in record.applied_seqs or seq <= record.max_seq - self.cfg.dedupe_window
-
-    def _remember(self, record: WorkerRecord, seq: int) -> None:
-        record.applied_seqs.add(seq)
-        record.seq_order.append(seq)
-        record.max_seq = max(record.max_seq, seq)
-        while len(record.seq_order) > self.cfg.dedupe_window:
-            record.applied_seqs.discard(record.seq_order.popleft())
-
     def _check(self, msg: Message, finite: bool = True, norm: bool = True) -> Optional[tuple]:
         """(code, detail) when the push must be refused, checked before anything is applied.
 
@@ -334,10 +370,19 @@ class ShardState:
 
     def _push(self, record: WorkerRecord, msg: Message, checked: bool = False) -> list:
         peer = record.peer
-        if self._duplicate(record, msg.seq):
+        if msg.seq in record.waiting:  # a retry of a push waiting for its round: answered then
+            self.counters["duplicates"] += 1
+            return []
+        verdict = record.window.classify(msg.seq)
+        if verdict == DUPLICATE:
             self.counters["duplicates"] += 1
             return [(peer, Message(type=ACK, shard=self.cfg.index, seq=msg.seq,
                                    meta={Key.APPLIED: False, Key.DUPLICATE: True}))]
+        if verdict == OUT_OF_WINDOW:
+            return self.refuse(peer, Code.OUT_OF_WINDOW, (
+                f"push {msg.seq} is at or below {record.window.floor}, the oldest sequence "
+                f"number shard {self.cfg.index} has forgotten: it cannot tell whether it was "
+                "applied, so it applies nothing"), msg)
         problem = self._check(msg, finite=not checked)
         if problem:
             return self.refuse(peer, *problem, msg)
@@ -356,7 +401,7 @@ class ShardState:
             and msg.meta.get(Key.PULL) is True))
         self.version += 1
         self.counters["updates"] += 1
-        self._remember(record, msg.seq)
+        record.window.add(msg.seq)
         record.pushes += 1
         ack = Message(type=ACK, shard=self.cfg.index, seq=msg.seq, clock=self.version,
                       meta={Key.APPLIED: True, Key.STALENESS: staleness})
@@ -396,16 +441,18 @@ class ShardState:
             # Computed before the current round began (it was dropped and came back), or a
             # second push in one round: acknowledged, not applied, so it can't skew the mean.
             self.counters["stale"] += 1
-            self._remember(record, msg.seq)
+            record.window.add(msg.seq)
             return [(record.peer, Message(type=ACK, shard=self.cfg.index, seq=msg.seq,
                                           meta={Key.APPLIED: False, Key.STALE: True}))]
         for seg in msg.segments:
             self.round_sum[seg.offset:seg.offset + len(seg.data)].add_(seg.data)
         record.round_pushed = self.version
         record.pushes += 1
-        self._remember(record, msg.seq)
-        self.round_acks.append((record.peer, Message(type=ACK, shard=self.cfg.index, seq=msg.seq,
-                                                     meta={Key.APPLIED: True, Key.STALENESS: 0})))
+        # Concluded only when its round is applied: a round cut short by a crash is not in
+        # the checkpoint, so its pushes must count as fresh when re-sent to the restored shard.
+        record.waiting[msg.seq] = True
+        self.round_acks.append((record, Message(type=ACK, shard=self.cfg.index, seq=msg.seq,
+                                                meta={Key.APPLIED: True, Key.STALENESS: 0})))
         return self._maybe_finish_round()
 
     def _maybe_finish_round(self) -> list:
@@ -420,8 +467,13 @@ class ShardState:
         self.round_sum.zero_()
         self.version += 1
         self.counters["updates"] += 1
-        acks = [(peer, Message(type=ack.type, shard=ack.shard, seq=ack.seq, clock=self.version,
-                               meta=ack.meta)) for peer, ack in self.round_acks]
+        acks = []
+        for record, ack in self.round_acks:
+            record.window.add(ack.seq)
+            record.waiting.pop(ack.seq, None)
+            # To the peer it spoke from last: a retry may have come on a new connection.
+            acks.append((record.peer, Message(type=ack.type, shard=ack.shard, seq=ack.seq,
+                                              clock=self.version, meta=ack.meta)))
         self.round_acks = []
         return acks + self._release()
 
@@ -447,19 +499,29 @@ class ShardState:
                             self.cfg.index, record.worker, now - record.last_seen)
                 record.alive = False
                 record.held_pull = None
+                record.backup = None
                 self.counters["dropped_workers"] += 1
                 dropped = True
         return self._release() if dropped else []
 
     def stats(self, now: float) -> dict:
+        """Counters, and the ``STATS_WORKERS`` most recently seen workers by name: the reply
+        stays far under the 64 KiB header bound however many workers came and went."""
+        recent = sorted(self.workers.values(), key=lambda w: w.last_seen)[-STATS_WORKERS:]
+        totals = list(self.train_forgotten)
+        for loss_sum, steps, samples in self.train.values():
+            totals = [totals[0] + loss_sum, totals[1] + steps, totals[2] + samples]
         return {
             "shard": self.cfg.index, "version": self.version, "size": self.size,
             "consistency": self.cfg.consistency, **self.counters,
             "staleness": list(self.staleness),
+            "worker_records": len(self.workers),
+            "live_workers": sum(w.alive for w in self.workers.values()),
             "workers": {w.worker: {"alive": w.alive, "pushes": w.pushes,
-                                   "last_seen_s": round(now - w.last_seen, 3)}
-                        for w in self.workers.values()},
-            "train": {k: list(v) for k, v in self.train.items()},
+                                   "last_seen_s": round(now - w.last_seen, 3)} for w in recent},
+            "train": {w.worker: list(self.train[w.worker]) for w in recent
+                      if w.worker in self.train},
+            "train_total": totals,
             "restored": self.restored,
         }
 
@@ -470,10 +532,15 @@ class ShardState:
                 "staleness": torch.tensor(self.staleness),
                 # Dedupe windows survive a restart: a push applied before the checkpoint
                 # whose ACK died with the process is re-sent, and must not apply twice.
-                "dedupe": {w.worker: [w.incarnation, w.pushes, w.max_seq, list(w.seq_order)]
+                # Pushes waiting in a round are not in the windows: the round is not saved.
+                "dedupe": {w.worker: [w.incarnation, w.pushes, *w.window.state()]
                            for w in self.workers.values()}}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, now: Optional[float] = None) -> None:
+        """Continue from ``state``. With ``now``, the workers it names stay barrier members
+        as if last heard from at ``now``: a restart must not let the first worker back
+        complete a sync round alone; one that never comes back is dropped after the
+        heartbeat timeout, as any silent worker."""
         if (state.get("start"), state.get("end")) != (self.cfg.start, self.cfg.end):
             raise ConfigError(f"checkpoint of shard range [{state.get('start')}, "
                               f"{state.get('end')}) does not fit "
@@ -483,9 +550,10 @@ class ShardState:
         self.rule.load_state_dict(state["rule"])
         self.counters.update(state.get("counters", {}))
         self.staleness = [int(x) for x in state["staleness"].tolist()]
-        for worker, (incarnation, pushes, max_seq, seqs) in state.get("dedupe", {}).items():
+        for worker, (incarnation, pushes, floor, seqs) in state.get("dedupe", {}).items():
             self.workers[worker] = WorkerRecord(
-                worker, incarnation, peer=b"", last_seen=0.0, pushes=pushes, alive=False,
-                applied_seqs=set(seqs), seq_order=deque(seqs), max_seq=max_seq)
+                worker, incarnation, peer=b"", last_seen=now or 0.0, pushes=pushes,
+                alive=now is not None,
+                window=SeqWindow.from_state(self.cfg.dedupe_window, (floor, seqs)))
         self.lost_before = self.counters["lost_updates"]
         self.restored = {"version": self.version, "sha256": params_digest(state["params"])}

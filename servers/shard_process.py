@@ -66,7 +66,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
     saved: dict = {}
     if settings.resume and path is not None and path.exists():
         saved = load_checkpoint(path)
-        state.load_state_dict(saved["shard"])
+        state.load_state_dict(saved["shard"], now=time.monotonic())
         log.info("shard %d resumed at version %d", rank, state.version)
     ctx = zmq.Context()
     gate = Gatekeeper(ctx, settings.curve)

@@ -182,7 +182,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.ctx.term()
+        # destroy, not term: it closes the sockets a test left open (term would wait on them)
+        self.ctx.destroy(linger=0)
 
 
 @pytest.fixture

@@ -70,8 +70,10 @@ class ServerRefused(AsyncSGDError):
 
 
 def new_incarnation() -> int:
-    """Distinct for every start of a worker process (time and pid)."""
-    return (time.time_ns() ^ (os.getpid() << 40)) & ((1 << 62) - 1)
+    """Larger at every start of a worker process: its start time in milliseconds, then
+    its pid (distinct for two starts in one millisecond). Shards refuse an incarnation
+    older than one they have seen for the same worker id (PROTOCOL.md, Exactly once)."""
+    return (time.time_ns() // 1_000_000 << 22 | os.getpid() & (1 << 22) - 1) & (1 << 63) - 1
 
 
 class PSClient:

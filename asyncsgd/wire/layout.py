@@ -83,21 +83,38 @@ class Layout:
         return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape).clone() for s in self.specs}
 
 
-def signature_mismatch(ours: dict, theirs: dict) -> str:
-    """A readable difference between two signatures, or '' when they agree."""
+def signature_mismatch(ours: dict, theirs) -> str:
+    """A readable difference between two signatures, or '' when they agree.
+
+    Every name, shape and dtype is compared: the digest is the worker's own
+    claim, so a copied digest proves nothing (a peer that sent ours with another
+    model's fields was welcomed before). Anything malformed is a difference,
+    never an exception: ``theirs`` comes from the network.
+    """
     if not isinstance(theirs, dict):
-        return "no model signature was sent"
-    if theirs.get("digest") == ours["digest"]:
-        return ""
-    names, shapes = theirs.get("names") or [], theirs.get("shapes") or []
+        return "no model signature was sent (a map of names, shapes and dtypes)"
+    fields = {}
+    for key in ("names", "shapes", "dtypes"):
+        value = theirs.get(key)
+        if not isinstance(value, list):
+            return f"the signature's {key} must be a list, got {type(value).__name__}"
+        fields[key] = value
+    names, shapes, dtypes = fields["names"], fields["shapes"], fields["dtypes"]
+    if not len(names) == len(shapes) == len(dtypes):
+        return (f"the signature lists {len(names)} names, {len(shapes)} shapes and "
+                f"{len(dtypes)} dtypes")
     for i, name in enumerate(ours["names"]):
         if i >= len(names):
             return f"the worker's model lacks parameter {name}"
         if names[i] != name:
             return f"parameter {i} is {names[i]!r} on the worker but {name!r} on the server"
-        if i < len(shapes) and list(shapes[i]) != ours["shapes"][i]:
-            return (f"{name} has shape {shapes[i]} on the worker but {ours['shapes'][i]} "
+        shape = shapes[i]
+        if not isinstance(shape, list) or shape != ours["shapes"][i]:
+            return (f"{name} has shape {shape!r} on the worker but {ours['shapes'][i]} "
+                    "on the server")
+        if dtypes[i] != ours["dtypes"][i]:
+            return (f"{name} is {dtypes[i]!r} on the worker but {ours['dtypes'][i]} "
                     "on the server")
     if len(names) > len(ours["names"]):
-        return f"the worker's model has extra parameter {names[len(ours['names'])]}"
-    return "model signatures differ (dtypes)"
+        return f"the worker's model has extra parameter {names[len(ours['names'])]!r}"
+    return ""

@@ -69,6 +69,8 @@ class Code:
     FRAME_COUNT, LENGTH_MISMATCH, OUT_OF_RANGE = "frame-count", "length-mismatch", "out-of-range"
     NON_FINITE, TOO_LARGE, SIGNATURE_MISMATCH = "non-finite", "too-large", "signature-mismatch"
     UNKNOWN_WORKER, UNEXPECTED = "unknown-worker", "unexpected"
+    OLD_INCARNATION, OUT_OF_WINDOW, TOO_MANY_WORKERS = (
+        "old-incarnation", "out-of-window", "too-many-workers")
 
 DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,

@@ -1,0 +1,190 @@
+"""Exactly once, through incarnations, far-apart sequence numbers and a shard SIGKILL in sync
+mode; and peers that say a malformed or lying hello. A live ps-server and hand-made peers
+written from PROTOCOL.md; SGD with lr 1 from zeros, so every weight must equal minus the sum
+of exactly the pushes acknowledged as applied.
+"""
+
+import os
+import signal
+import time
+
+import torch
+import zmq
+
+from asyncsgd.wire.layout import Layout
+from asyncsgd.wire.protocol import (ACK, ERROR, HELLO, PULL, PUSH, WELCOME, Key, Message,
+                                    Segment, decode, encode)
+from conftest import shard_stats, wait_for
+from faults import observe
+from servers.dedupe import DUPLICATE, FRESH, OUT_OF_WINDOW, SeqWindow
+from tasks_for_tests import index_counter
+
+TASK = "tasks_for_tests:index_counter"
+SIZE = 16
+
+
+class Peer:
+    """One DEALER to a shard (or the front), speaking for worker ``worker``."""
+
+    def __init__(self, srv, port: int, worker: str = "w", incarnation: int = 1):
+        self.sock = srv.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.worker, self.incarnation = worker, incarnation
+
+    def send(self, kind: str, seq: int, grad=None, clock: int = 0, meta=None, incarnation=None):
+        segments = [] if grad is None else [Segment(0, grad)]
+        self.sock.send_multipart(encode(Message(
+            type=kind, worker=self.worker, seq=seq, clock=clock, meta=meta or {},
+            incarnation=self.incarnation if incarnation is None else incarnation,
+            segments=segments)))
+
+    def reply(self, timeout: float = 10.0):
+        """The next reply, or None when none comes within ``timeout``."""
+        if not self.sock.poll(int(timeout * 1000)):
+            return None
+        return decode(self.sock.recv_multipart())
+
+    def push(self, seq: int, grad, **kw) -> Message:
+        self.send(PUSH, seq, grad, **kw)
+        reply = self.reply()
+        assert reply is not None, f"no answer to push {seq}"
+        return reply
+
+    def close(self):
+        self.sock.close(0)
+
+
+def grad(*values) -> torch.Tensor:
+    g = torch.zeros(SIZE)
+    g[:len(values)] = torch.tensor(values, dtype=torch.float32)
+    return g
+
+
+def applied(reply: Message) -> bool:
+    assert reply.type in (ACK, ERROR), reply
+    return reply.type == ACK and reply.meta[Key.APPLIED] is True
+
+
+def test_an_older_incarnation_never_touches_the_newer_ones_window(server):
+    srv = server("--task", TASK, "--samples", SIZE, "--no-exit-when-done")
+    port = srv.stats()["shard_ports"][0]
+    new, old = Peer(srv, port, incarnation=3), Peer(srv, port, incarnation=2)
+    g5, g9 = grad(1, 2, 3), grad(0, 0, 0, 7)
+    assert applied(new.push(5, g5))
+    again = new.push(5, g5)
+    assert not applied(again) and again.meta[Key.DUPLICATE] is True
+    refused = old.push(9, g9)  # the replaced process speaks: refused, and changes nothing
+    assert refused.type == ERROR and refused.meta[Key.CODE] == "old-incarnation", refused
+    assert "incarnation 2 was replaced by incarnation 3" in refused.meta[Key.ERROR]
+    assert not applied(new.push(5, g5))  # on main this retry was applied a second time
+    assert torch.equal(observe(srv, port, SIZE), -g5)
+    assert shard_stats(srv, port)["updates"] == 1
+
+
+def test_fresh_pushes_far_below_the_highest_number_are_applied_once(server):
+    srv = server("--task", TASK, "--samples", SIZE, "--no-exit-when-done")
+    port = srv.stats()["shard_ports"][0]
+    peer = Peer(srv, port)
+    pushes = {10: grad(1), 100_000: grad(0, 2), 11: grad(0, 0, 4), 3: grad(0, 0, 0, 8)}
+    for seq, g in pushes.items():  # reordered and far apart: every one is fresh
+        assert applied(peer.push(seq, g)), seq
+    for seq, g in pushes.items():  # every retry is a duplicate
+        reply = peer.push(seq, g)
+        assert not applied(reply) and reply.meta[Key.DUPLICATE] is True, (seq, reply)
+    assert torch.equal(observe(srv, port, SIZE), -sum(pushes.values()))
+
+
+def test_the_window_says_fresh_duplicate_or_cannot_tell_never_guesses():
+    window = SeqWindow(size=3)
+    for seq in (10, 100_000, 11):
+        assert window.classify(seq) == FRESH
+        window.add(seq)
+    assert window.classify(5) == FRESH  # above the floor (-1): never concluded
+    window.add(5)  # four kept > 3: the smallest, 5, is forgotten and becomes the floor
+    assert window.floor == 5 and window.classify(5) == OUT_OF_WINDOW
+    assert window.classify(4) == OUT_OF_WINDOW and window.classify(6) == FRESH
+    assert all(window.classify(s) == DUPLICATE for s in (10, 11, 100_000))
+    restored = SeqWindow.from_state(3, window.state())
+    assert (restored.floor, restored.seqs) == (window.floor, window.seqs)
+    smaller = SeqWindow.from_state(2, window.state())  # a smaller --dedupe-window on resume
+    assert smaller.floor == 10 and smaller.seqs == {11, 100_000}
+
+
+def test_no_lost_updates_without_a_restart(server):
+    srv = server("--task", TASK, "--samples", SIZE, "--no-exit-when-done")
+    port = srv.stats()["shard_ports"][0]
+    peer = Peer(srv, port, worker="late")
+    assert applied(peer.push(1, grad(1), clock=7))  # a new worker may carry any clock
+    assert shard_stats(srv, port)["lost_updates"] == 0  # main reported 7
+
+
+def test_a_sync_push_waiting_for_its_round_survives_a_shard_sigkill(server):
+    srv = server("--task", TASK, "--samples", SIZE, "--no-exit-when-done", "--workers", 2,
+                 "--consistency", "sync", "--checkpoint-every", 0.3, "--heartbeat-timeout", 120)
+    port = srv.stats()["shard_ports"][0]
+    a, b = Peer(srv, port, worker="a"), Peer(srv, port, worker="b")
+    ga, gb = grad(2, 4), grad(0, 2, 6)
+    a.send(PULL, 1)
+    b.send(PULL, 1)
+    assert a.reply().type == b.reply().type == "params"
+    a.send(PUSH, 2, ga)
+    assert a.reply(1.0) is None  # waits for b's push
+    a.send(PUSH, 2, ga)  # a retry of the waiting push: held too (main said duplicate at once)
+    assert a.reply(1.0) is None
+    pushed = time.time()
+    checkpoint = srv.out / "shard-0.pt"
+    wait_for(lambda: checkpoint.exists() and checkpoint.stat().st_mtime > pushed + 0.1, 60,
+             "a checkpoint taken while a's push waits")
+    pid = shard_stats(srv, port)["pid"]
+    os.kill(pid, signal.SIGKILL)
+
+    def restarted():
+        try:
+            return shard_stats(srv, port)["pid"] != pid
+        except TimeoutError:
+            return False
+    wait_for(restarted, 60, "the restarted shard", 0.2)
+    a.close()
+    a = Peer(srv, port, worker="a")  # the worker reconnects and re-sends what is outstanding
+    a.send(PUSH, 2, ga)
+    assert a.reply(1.0) is None  # fresh to the restored shard: in the new round, waiting
+    b.send(PUSH, 2, gb)
+    acks = [a.reply(), b.reply()]
+    assert all(r is not None and applied(r) for r in acks), acks
+    assert torch.equal(observe(srv, port, SIZE), -(ga + gb) / 2)
+    stats = shard_stats(srv, port)
+    assert stats["updates"] == 1 and stats["lost_updates"] == 0
+
+
+def _hello(srv, signature, worker="h") -> Message:
+    front = Peer(srv, srv.port, worker=worker)
+    front.send(HELLO, 1, meta={Key.SIGNATURE: signature, Key.RANK: 0, Key.WORLD: 1})
+    reply = front.reply()
+    front.close()
+    assert reply is not None, "the front did not answer"
+    return reply
+
+
+def test_malformed_and_lying_hellos_are_refused_and_the_server_goes_on(server):
+    srv = server("--task", TASK, "--samples", SIZE, "--no-exit-when-done")
+    ours = Layout.of(index_counter(SIZE).build_model(0)).signature()
+    malformed = [{"names": 7, "shapes": [], "dtypes": []},  # main's front died on this one
+                 {**ours, "names": 7}, {**ours, "shapes": "x"}, {**ours, "dtypes": None},
+                 {**ours, "names": [[1]], "shapes": [{}], "dtypes": [2.5]}, [], 7,
+                 {**ours, "names": ours["names"] * 2}]
+    for signature in malformed:
+        reply = _hello(srv, signature)
+        assert reply.type == ERROR and reply.meta[Key.CODE] == "signature-mismatch", reply
+        assert srv.proc.poll() is None  # main exited 1 on the first of these
+    lying = {  # the server's own digest, copied, over another model's fields
+        "shape": {**ours, "shapes": [[SIZE + 1, 1]]},
+        "float64": {**ours, "dtypes": ["float64"]},
+        "'bias'": {**ours, "names": ["bias"]}}
+    for what, signature in lying.items():
+        reply = _hello(srv, signature)
+        assert reply.type == ERROR and reply.meta[Key.CODE] == "signature-mismatch", reply
+        assert what in reply.meta[Key.ERROR], reply.meta[Key.ERROR]
+    no_digest = {k: v for k, v in ours.items() if k != "digest"}  # the same model: welcomed
+    assert _hello(srv, no_digest).type == WELCOME
+    assert srv.stats()["refused_handshakes"] == len(malformed) + len(lying)

@@ -1,0 +1,104 @@
+"""A seeded protocol fuzzer against a live server with its evaluator on: thousands of worker
+ids, incarnations old and new, retries, far-apart sequence numbers, goodbyes and malformed
+hellos. Oracle throughout: SGD with lr 1 from zeros, so the shard's parameters equal minus
+the sum of exactly the pushes acknowledged as applied; no push applied twice, no fresh one
+answered as a duplicate, the server alive and the shard's memory bounded.
+"""
+
+import random
+
+import psutil
+import torch
+
+from asyncsgd.wire.protocol import ACK, BYE, ERROR, HELLO, Key
+from conftest import read_events, shard_stats
+from faults import observe, record_figure
+from test_exactly_once import SIZE, TASK, Peer
+
+IDS = 3000
+
+
+def test_thousands_of_identities_keep_the_oracle_and_the_shard_bounded(server):
+    rng = random.Random(20261124)
+    srv = server("--task", TASK, "--samples", SIZE, "--no-exit-when-done",
+                 "--heartbeat-timeout", 600)  # nobody is dropped for silence: only goodbyes
+    port = srv.stats()["shard_ports"][0]
+    shard = psutil.Process(shard_stats(srv, port)["pid"])
+    rss_before = shard.memory_info().rss
+    peer, front = Peer(srv, port), Peer(srv, srv.port)
+    expected = torch.zeros(SIZE)
+    newest: dict = {}  # worker id -> its newest incarnation the shard has seen
+    concluded: dict = {}  # (worker id, incarnation) -> sequence numbers applied
+    counts = {"applied": 0, "duplicates": 0, "refused": {}, "byes": 0, "hellos": 0}
+    pool: list = []  # ids in use
+    made = 0
+    for step in range(4 * IDS):
+        if made < IDS and (not pool or rng.random() < 0.35):
+            pool.append(f"id-{made}")
+            made += 1
+        worker = rng.choice(pool)
+        peer.worker = worker
+        top = newest.get(worker, 1)
+        incarnation = rng.choice([top, top, top, top + 1, max(0, top - 1)])
+        if rng.random() < 0.03:  # a malformed hello to the front: refused, nothing stops
+            front.worker = worker
+            front.send(HELLO, step, meta={Key.SIGNATURE: {"names": rng.choice([7, None, [[]]])}})
+            assert front.reply().type == ERROR
+            counts["hellos"] += 1
+            continue
+        if rng.random() < 0.1 and worker in newest:
+            # Goodbye: its record may now be forgotten, so the id is never used again (a
+            # process that said bye sends nothing more; a restart is a new incarnation).
+            peer.send(BYE, step, incarnation=newest[worker])
+            assert peer.reply().type == BYE
+            pool.remove(worker)
+            counts["byes"] += 1
+            continue
+        done = concluded.setdefault((worker, incarnation), set())
+        retry = done and rng.random() < 0.3
+        seq = rng.choice(sorted(done)) if retry else rng.choice(
+            [step + 1, rng.randrange(1, 10 ** 9), max(1, step - rng.randrange(2000))])
+        grad = torch.tensor([rng.randint(-3, 3) for _ in range(SIZE)], dtype=torch.float32)
+        reply = peer.push(seq, grad, incarnation=incarnation)
+        old = incarnation < newest.get(worker, 0)
+        if reply.type == ERROR:
+            code = reply.meta[Key.CODE]
+            counts["refused"][code] = counts["refused"].get(code, 0) + 1
+            assert code in ("old-incarnation", "too-many-workers", "out-of-window"), reply
+            assert code != "old-incarnation" or old, (worker, incarnation, newest.get(worker))
+            if code == "too-many-workers":
+                assert worker not in newest or (worker, newest[worker]) not in concluded
+            continue
+        assert reply.type == ACK and not old, (reply, worker, incarnation, newest.get(worker))
+        if incarnation > newest.get(worker, 0):
+            newest[worker] = incarnation
+        if reply.meta[Key.APPLIED]:
+            assert seq not in done, f"{worker}/{incarnation} push {seq} applied twice"
+            done.add(seq)
+            expected -= grad
+            counts["applied"] += 1
+        else:
+            assert reply.meta[Key.DUPLICATE] is True
+            assert seq in done, f"fresh push {seq} of {worker}/{incarnation} lost as a duplicate"
+            counts["duplicates"] += 1
+        if step % 1000 == 0:
+            assert torch.equal(observe(srv, port, SIZE), expected), step
+    assert torch.equal(observe(srv, port, SIZE), expected)
+    stats = shard_stats(srv, port)
+    assert stats["updates"] == counts["applied"] and counts["applied"] > IDS // 2, counts
+    assert stats["worker_records"] <= 256 and stats["forgotten_workers"] > 0, stats
+    assert len(stats["workers"]) <= 32
+    assert srv.proc.poll() is None
+    rss_after = shard.memory_info().rss
+    # The server's evaluator read the shard's stats all along (main's died past 64 KiB).
+    evals = [e for e in read_events(srv.out) if e["event"] == "eval"]
+    assert len(evals) >= 3 and evals[-1]["updates"] > 0
+    growth = (rss_after - rss_before) / 2 ** 20
+    assert growth < 32, f"the shard grew {growth:.1f} MiB"
+    record_figure("protocol fuzzer: many identities", ids=made, steps=4 * IDS,
+                  applied=counts["applied"], duplicates=counts["duplicates"],
+                  refused=counts["refused"], byes=counts["byes"], malformed_hellos=counts["hellos"],
+                  worker_records=stats["worker_records"],
+                  forgotten_workers=stats["forgotten_workers"],
+                  shard_rss_mib_before=round(rss_before / 2 ** 20, 1),
+                  shard_rss_mib_after=round(rss_after / 2 ** 20, 1), oracle="exact")
