@@ -1,7 +1,8 @@
 """The front: the address workers connect to first.
 
 It checks a worker's model signature in the handshake and welcomes it with
-where the shards listen and which slice each owns; it answers heartbeats,
+where the shards listen, which slice each owns and the session token the
+shards ask for (``sessions.py``); it answers heartbeats,
 ``bye`` and ``stats`` (its own counters with the shards' latest, as the
 evaluator last read them), and keeps the roster of workers that joined and
 left. It runs in the server's main process, between evaluations. The
@@ -27,6 +28,7 @@ from asyncsgd.wire.security import Gatekeeper, ServerKeys
 from asyncsgd.wire.transport import frame_limit, recv_from, router, send
 
 from .evaluator import merged_staleness
+from .sessions import Sessions
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +41,9 @@ class Front:
     """Handshakes, stats and the roster of workers."""
 
     def __init__(self, cfg: ServerConfig, layout: Layout, sock: zmq.Socket, endpoint: str,
-                 gate: Gatekeeper):
+                 gate: Gatekeeper, sessions: Sessions):
         self.cfg, self.layout, self.sock, self.gate = cfg, layout, sock, gate
+        self.sessions = sessions
         self.endpoint = endpoint
         self.signature = layout.signature()
         self.shards: list = []  # [{port, start, end}], once the shards listen
@@ -54,7 +57,7 @@ class Front:
 
     @classmethod
     def listen(cls, ctx: zmq.Context, cfg: ServerConfig, layout: Layout,
-               keys: Optional[ServerKeys]) -> "Front":
+               keys: Optional[ServerKeys], sessions: Sessions) -> "Front":
         """Bind ``--bind`` (a taken port is a ConfigError saying so), with its gatekeeper."""
         gate = Gatekeeper(ctx, keys)
         try:
@@ -64,7 +67,7 @@ class Front:
             raise ConfigError(f"cannot listen on --bind {cfg.bind}: {exc}; choose another "
                               "port or stop the process using it") from exc
         gate.watch(sock)
-        return cls(cfg, layout, sock, endpoint, gate)
+        return cls(cfg, layout, sock, endpoint, gate, sessions)
 
     def open(self, shards: list, shard_stats: Callable[[], list]) -> None:
         """Welcome workers to ``shards``; ``shard_stats()`` gives the shards' latest counters."""
@@ -109,7 +112,8 @@ class Front:
             return Message(type=WELCOME, seq=msg.seq, meta={
                 Key.SHARDS: self.shards, Key.CONSISTENCY: self.cfg.consistency,
                 Key.HEARTBEAT_TIMEOUT: self.cfg.heartbeat_timeout, Key.TOTAL: self.layout.total,
-                Key.TASK: self.cfg.task, Key.INSTANCE: self.instance})
+                Key.TASK: self.cfg.task, Key.INSTANCE: self.instance,
+                Key.TOKEN: self.sessions.token(msg.worker, msg.incarnation)})
         if msg.type == HEARTBEAT:
             if msg.worker in self.joined:
                 self.joined[msg.worker] = now

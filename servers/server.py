@@ -33,6 +33,7 @@ from asyncsgd.wire.transport import parse_endpoint
 
 from .evaluator import Evaluator
 from .front import Front
+from .sessions import Sessions
 from .shard import parse_consistency
 from .supervisor import ShardSupervisor
 
@@ -67,14 +68,15 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
     if warning:
         log.warning(warning)
 
+    sessions = Sessions.new()  # a new key at every start: old tokens are refused
     ctx = zmq.Context()
     try:
-        front = Front.listen(ctx, cfg, layout, keys)
+        front = Front.listen(ctx, cfg, layout, keys, sessions)
     except BaseException:
         ctx.term()
         raise
     supervisor = ShardSupervisor.for_server(cfg, layout.flatten(model), ranges, lr, host,
-                                            str(run.path), keys)
+                                            str(run.path), keys, sessions.key)
     evaluator = Evaluator(model, layout, recorder)
     outcome = Outcome("workers_done")
     summary: dict = {}

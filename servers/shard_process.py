@@ -30,6 +30,7 @@ from asyncsgd.wire.protocol import (BYE, PARAMS, STATS, Code, Key, Message, Prot
 from asyncsgd.wire.security import Gatekeeper, ServerKeys
 from asyncsgd.wire.transport import frame_limit, recv_from, router, send, send_tracked
 
+from .sessions import Sessions
 from .shard import ShardConfig, ShardState
 from .zero_copy import ZeroCopyStore
 
@@ -50,6 +51,7 @@ class ShardProcessSettings:
     resume: bool
     threads: int
     curve: Optional[ServerKeys] = None
+    session_key: bytes = b""  # checks the tokens the front hands out (sessions.py)
 
 
 def checkpoint_path(directory: str, index: int) -> Path:
@@ -73,6 +75,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
     sock, endpoint = _listen(ctx, settings, state.size, saved.get("port"))
     gate.watch(sock)
     port = int(endpoint.rsplit(":", 1)[1])
+    sessions = Sessions(settings.session_key)
     log.info("shard %d serving [%d, %d) on port %d, %s, %d thread(s)", rank,
              settings.config.start, settings.config.end, port, settings.config.consistency,
              settings.threads)
@@ -84,7 +87,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
         while not stop[0]:
             if sock.poll(int(TICK_SECONDS * 1000)):
                 for _ in range(BATCH):
-                    _serve_one(sock, state, gate)
+                    _serve_one(sock, state, gate, sessions)
                     if not sock.poll(0):
                         break
             now = time.monotonic()
@@ -159,10 +162,15 @@ def _reply(sock: zmq.Socket, state: ShardState, peer: bytes, reply: Message) -> 
     send(sock, reply, peer)
 
 
-def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper) -> None:
+def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
+               sessions: Sessions) -> None:
     peer, msg = recv_from(sock)
     if isinstance(msg, ProtocolError):
         replies = state.refuse(peer, msg.code, str(msg))
+    elif not sessions.admits(msg):
+        replies = state.refuse(peer, Code.UNKNOWN_WORKER, (
+            f"no session for worker {msg.worker!r} incarnation {msg.incarnation}: say hello "
+            "to the server's front first and send the token its welcome holds"), msg)
     else:
         try:
             replies = state.handle(peer, msg, time.monotonic())

@@ -49,7 +49,7 @@ class ShardSupervisor:
     @classmethod
     def for_server(cls, cfg: ServerConfig, flat: torch.Tensor, ranges: list, lr: float,
                    host: str, checkpoint_dir: str,
-                   keys: Optional[ServerKeys]) -> "ShardSupervisor":
+                   keys: Optional[ServerKeys], session_key: bytes) -> "ShardSupervisor":
         """The shards of ``ps-server``: shard i owns ``flat[ranges[i]]`` and applies the
         configured rule to it, listening on ``host``, checkpointing into ``checkpoint_dir``."""
         hyper = {"weight_decay": cfg.weight_decay}
@@ -65,7 +65,7 @@ class ShardSupervisor:
                 reject_nonfinite=not cfg.allow_nonfinite, max_grad_norm=cfg.max_grad_norm),
             bind_host=host, port=0, checkpoint_dir=checkpoint_dir,
             checkpoint_every=cfg.checkpoint_every, resume=bool(cfg.resume), threads=threads,
-            curve=keys) for i, (start, end) in enumerate(ranges)]
+            curve=keys, session_key=session_key) for i, (start, end) in enumerate(ranges)]
         return cls(settings, [flat[start:end].clone() for start, end in ranges],
                    cfg.shard_restarts)
 

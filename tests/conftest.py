@@ -14,7 +14,10 @@ import psutil
 import pytest
 import zmq
 
-from asyncsgd.wire.protocol import STATS, Message, decode, encode
+from asyncsgd.config import ServerConfig
+from asyncsgd.core.tasks import load_task
+from asyncsgd.wire.layout import Layout
+from asyncsgd.wire.protocol import HELLO, STATS, WELCOME, Key, Message, decode, encode
 from asyncsgd.wire.security import ClientKeys
 
 TESTS = Path(__file__).parent
@@ -134,6 +137,9 @@ class Server:
         """``port``: the front's (a free one by default); ``own_group``: the server and its
         shards in a process group of their own, which a test may kill whole."""
         self.port = port or free_port()
+        self.args = [str(a) for a in args]
+        self.tokens: dict = {}  # (worker, incarnation) -> session token, for hand-made peers
+        self._signature = None
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.out = out
         where = [] if "--resume" in args else ["--out", out]
@@ -166,6 +172,27 @@ class Server:
             return decode(sock.recv_multipart())
         finally:
             sock.close()
+
+    def signature(self) -> dict:
+        """The model signature of the task this server was started with."""
+        if self._signature is not None:
+            return self._signature
+
+        def arg(flag, default=None):
+            return self.args[self.args.index(flag) + 1] if flag in self.args else default
+        samples = arg("--samples")
+        task = load_task(arg("--task", ServerConfig().task),
+                         samples=int(samples) if samples else None)
+        self._signature = Layout.of(task.build_model(0)).signature()
+        return self._signature
+
+    def admit(self, worker: str, incarnation: int = 1) -> str:
+        """Say hello to the front as ``worker``/``incarnation``, as a worker does: the
+        session token its welcome hands out, which the shards ask for."""
+        reply = self.request(encode(Message(type=HELLO, worker=worker, incarnation=incarnation,
+                                            seq=1, meta={Key.SIGNATURE: self.signature()})))
+        assert reply.type == WELCOME, reply
+        return reply.meta[Key.TOKEN]
 
     def stats(self, timeout=5.0):
         return self.request(encode(Message(type=STATS, seq=1)), timeout=timeout).meta

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import random
 import struct
+from typing import Optional
 
 import msgpack
 import torch
 
-from asyncsgd.wire.protocol import DTYPES, MAX_HEADER_BYTES, PUSH, Message, Segment, encode
+from asyncsgd.wire.protocol import (DTYPES, MAX_HEADER_BYTES, PUSH, VERSION, Message, Segment,
+                                    encode)
 
 BAD_FIELDS = {
     "v": [0, 2, None, "1", 1.5, -1],
@@ -40,21 +42,26 @@ BOMBS = [
     b"\xdf\xff\xff\xff\xff",                    # a map claiming 4 G pairs
     b"\xdb\xff\xff\xff\xff" + b"a" * 10,        # a string claiming 4 GiB
     b"\xc6\xff\xff\xff\xff",                    # bin claiming 4 GiB
-    msgpack.packb({"v": 1, "t": "push", "m": msgpack.ExtType(5, b"payload")}),
+    msgpack.packb({"v": VERSION, "t": "push", "m": msgpack.ExtType(5, b"payload")}),
     b"\x82\xa1v\x01\xa1m\xd7\xff" + b"\x00" * 8,  # a msgpack timestamp (ext type -1)
     b"\xc1",                                    # the never-used msgpack byte
     b"",
 ]
 
 
+WORKERS = ("soak", "other", "w3")  # the ids pushes speak for: admit them for a live shard
+
+
 def valid_push(rng: random.Random, size: int, seq: int, shard: int = 0,
-               worker: str = "soak") -> tuple:
-    """A valid push with small integer gradients (exact in float32) and its gradient."""
+               worker: str = "soak", tokens: Optional[dict] = None) -> tuple:
+    """A valid push with small integer gradients (exact in float32) and its gradient;
+    ``tokens``: each worker's session token, for a live shard (``Server.admit``)."""
     grad = torch.tensor([rng.randint(-3, 3) for _ in range(size)], dtype=torch.float32)
     cut = rng.randrange(0, size + 1)
     segments = [Segment(0, grad[:cut]), Segment(cut, grad[cut:])]
     msg = Message(type=PUSH, worker=worker, incarnation=1, seq=seq, shard=shard,
-                  meta={"loss": 0.5, "samples": 8}, segments=[s for s in segments if len(s.data)])
+                  meta={"loss": 0.5, "samples": 8}, segments=[s for s in segments if len(s.data)],
+                  token=(tokens or {}).get(worker, ""))
     return [bytes(f) for f in encode(msg)], grad
 
 
@@ -66,9 +73,10 @@ def _pack(header: dict, frames: list) -> list:
     return [msgpack.packb(header, use_bin_type=True)] + frames[1:]
 
 
-def malformed(rng: random.Random, size: int, seq: int, shard: int = 0) -> list:
+def malformed(rng: random.Random, size: int, seq: int, shard: int = 0,
+              tokens: Optional[dict] = None) -> list:
     """One broken message (a list of frames) for a shard of ``size`` float32 elements."""
-    frames, _ = valid_push(rng, size, seq, shard, worker=rng.choice(["soak", "other", "w3"]))
+    frames, _ = valid_push(rng, size, seq, shard, worker=rng.choice(WORKERS), tokens=tokens)
     header = _header(frames)
     kind = rng.randrange(12)
     if kind == 0:    # a field of the wrong type or range

@@ -12,8 +12,8 @@ import torch
 import zmq
 
 from asyncsgd.wire.layout import Layout
-from asyncsgd.wire.protocol import (ACK, ERROR, HELLO, PULL, PUSH, WELCOME, Key, Message,
-                                    Segment, decode, encode)
+from asyncsgd.wire.protocol import (ACK, ERROR, HEARTBEAT, HELLO, PULL, PUSH, WELCOME, Key,
+                                    Message, Segment, decode, encode)
 from conftest import shard_stats, wait_for
 from faults import observe
 from servers.dedupe import DUPLICATE, FRESH, OUT_OF_WINDOW, SeqWindow
@@ -24,20 +24,31 @@ SIZE = 16
 
 
 class Peer:
-    """One DEALER to a shard (or the front), speaking for worker ``worker``."""
+    """One DEALER to a shard (or the front), speaking for worker ``worker``: admitted by
+    the front, as a worker is, the first time it speaks for a (worker, incarnation)."""
 
     def __init__(self, srv, port: int, worker: str = "w", incarnation: int = 1):
+        self.srv = srv
         self.sock = srv.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
         self.worker, self.incarnation = worker, incarnation
 
-    def send(self, kind: str, seq: int, grad=None, clock: int = 0, meta=None, incarnation=None):
+    def token(self, incarnation: int) -> str:
+        key = (self.worker, incarnation)
+        if key not in self.srv.tokens:
+            self.srv.tokens[key] = self.srv.admit(self.worker, incarnation)
+        return self.srv.tokens[key]
+
+    def send(self, kind: str, seq: int, grad=None, clock: int = 0, meta=None, incarnation=None,
+             token=None):
+        """``token``: the admitted one by default; a string sends that one instead."""
+        incarnation = self.incarnation if incarnation is None else incarnation
         segments = [] if grad is None else [Segment(0, grad)]
         self.sock.send_multipart(encode(Message(
             type=kind, worker=self.worker, seq=seq, clock=clock, meta=meta or {},
-            incarnation=self.incarnation if incarnation is None else incarnation,
-            segments=segments)))
+            incarnation=incarnation, segments=segments,
+            token=self.token(incarnation) if token is None and kind != HELLO else token or "")))
 
     def reply(self, timeout: float = 10.0):
         """The next reply, or None when none comes within ``timeout``."""
@@ -188,3 +199,29 @@ def test_malformed_and_lying_hellos_are_refused_and_the_server_goes_on(server):
     no_digest = {k: v for k, v in ours.items() if k != "digest"}  # the same model: welcomed
     assert _hello(srv, no_digest).type == WELCOME
     assert srv.stats()["refused_handshakes"] == len(malformed) + len(lying)
+
+
+def test_shards_serve_only_workers_the_front_admitted(server):
+    srv = server("--task", TASK, "--samples", SIZE, "--no-exit-when-done",
+                 "--consistency", "sync", "--heartbeat-timeout", 120)
+    port = srv.stats()["shard_ports"][0]
+    ghost, member = Peer(srv, port, worker="ghost"), Peer(srv, port, worker="a")
+    member.token(1)  # said hello: admitted
+    forged = {"no token": "", "a made-up one": "0" * 32,
+              "another worker's": member.token(1), "another incarnation's": member.token(7)}
+    for what, token in forged.items():  # main applied such pushes and acknowledged them
+        for kind, g in ((PUSH, grad(5)), (HEARTBEAT, None), (PULL, None)):
+            ghost.send(kind, 3, g, token=token)
+            refused = ghost.reply()
+            assert refused.type == ERROR and refused.meta[Key.CODE] == "unknown-worker", (
+                what, kind, refused)
+            assert refused.seq == 3 and refused.shard == 0, refused
+    # A ghost heartbeating all along is no member of the sync barrier (main: every round
+    # waited for it): the one admitted worker's push makes a round on its own.
+    ghost.send(HEARTBEAT, 4, token="")
+    member.send(PULL, 1)
+    assert member.reply().type == "params"
+    assert applied(member.push(2, grad(0, 3)))
+    assert torch.equal(observe(srv, port, SIZE), -grad(0, 3))
+    stats = shard_stats(srv, port)
+    assert stats["updates"] == 1 and set(stats["workers"]) == {"a"}, stats

@@ -19,7 +19,7 @@ from asyncsgd.wire.protocol import (ACK, DTYPES, ERROR, MAX_HEADER_BYTES, STATS,
                                     ProtocolError, decode, encode)
 from conftest import CurveServer
 from faults import observe, record_figure
-from malformed import malformed, valid_push
+from malformed import WORKERS, malformed, valid_push
 from servers.shard import ShardConfig, ShardState
 
 SIZE = 96
@@ -128,16 +128,17 @@ def test_soak_of_malformed_messages_over_curve_keeps_the_exact_oracle(keys, cli_
         sock.setsockopt(zmq.LINGER, 0)
         srv.curve.apply(sock)
         sock.connect(f"tcp://127.0.0.1:{port}")
+        tokens = {w: srv.admit(w) for w in WORKERS}
         expected, sent, counts = torch.zeros(SIZE), [], {"applied": 0, "error": 0, "other": 0}
         started = time.monotonic()
         for seq in range(1, messages + 1):
             if seq % 10 == 0:
-                frames, _ = valid_push(rng, SIZE, seq)
+                frames, _ = valid_push(rng, SIZE, seq, tokens=tokens)
                 sent.append(frames)
             elif seq % 25 == 0:
                 frames = rng.choice(sent)
             else:
-                frames = malformed(rng, SIZE, seq)
+                frames = malformed(rng, SIZE, seq, tokens=tokens)
             sock.send_multipart(frames)
             assert sock.poll(10_000), f"no answer to message {seq}: the shard stalled"
             reply = decode(sock.recv_multipart())

@@ -1,8 +1,9 @@
 """A seeded protocol fuzzer against a live server with its evaluator on: thousands of worker
-ids, incarnations old and new, retries, far-apart sequence numbers, goodbyes and malformed
-hellos. Oracle throughout: SGD with lr 1 from zeros, so the shard's parameters equal minus
-the sum of exactly the pushes acknowledged as applied; no push applied twice, no fresh one
-answered as a duplicate, the server alive and the shard's memory bounded.
+ids, incarnations old and new, retries, far-apart sequence numbers, goodbyes, malformed
+hellos and pushes without admission. Oracle throughout: SGD with lr 1 from zeros, so the
+shard's parameters equal minus the sum of exactly the pushes acknowledged as applied; no
+push applied twice, no fresh one answered as a duplicate, no unadmitted push served, the
+server alive and the shard's memory bounded.
 """
 
 import random
@@ -10,7 +11,7 @@ import random
 import psutil
 import torch
 
-from asyncsgd.wire.protocol import ACK, BYE, ERROR, HELLO, Key
+from asyncsgd.wire.protocol import ACK, BYE, ERROR, HELLO, PUSH, Key
 from conftest import read_events, shard_stats
 from faults import observe, record_figure
 from test_exactly_once import SIZE, TASK, Peer
@@ -29,7 +30,8 @@ def test_thousands_of_identities_keep_the_oracle_and_the_shard_bounded(server):
     expected = torch.zeros(SIZE)
     newest: dict = {}  # worker id -> its newest incarnation the shard has seen
     concluded: dict = {}  # (worker id, incarnation) -> sequence numbers applied
-    counts = {"applied": 0, "duplicates": 0, "refused": {}, "byes": 0, "hellos": 0}
+    counts = {"applied": 0, "duplicates": 0, "refused": {}, "byes": 0, "hellos": 0,
+              "unadmitted": 0}
     pool: list = []  # ids in use
     made = 0
     for step in range(4 * IDS):
@@ -45,6 +47,14 @@ def test_thousands_of_identities_keep_the_oracle_and_the_shard_bounded(server):
             front.send(HELLO, step, meta={Key.SIGNATURE: {"names": rng.choice([7, None, [[]]])}})
             assert front.reply().type == ERROR
             counts["hellos"] += 1
+            continue
+        if rng.random() < 0.03:  # a push without hello, or with someone else's token
+            forged = rng.choice(["", "%032x" % rng.getrandbits(128)] +
+                                [t for (w, _), t in srv.tokens.items() if w != worker][-1:])
+            peer.send(PUSH, step + 1, torch.ones(SIZE), incarnation=incarnation, token=forged)
+            reply = peer.reply()
+            assert reply.type == ERROR and reply.meta[Key.CODE] == "unknown-worker", reply
+            counts["unadmitted"] += 1
             continue
         if rng.random() < 0.1 and worker in newest:
             # Goodbye: its record may now be forgotten, so the id is never used again (a
@@ -98,6 +108,7 @@ def test_thousands_of_identities_keep_the_oracle_and_the_shard_bounded(server):
     record_figure("protocol fuzzer: many identities", ids=made, steps=4 * IDS,
                   applied=counts["applied"], duplicates=counts["duplicates"],
                   refused=counts["refused"], byes=counts["byes"], malformed_hellos=counts["hellos"],
+                  pushes_without_admission=counts["unadmitted"],
                   worker_records=stats["worker_records"],
                   forgotten_workers=stats["forgotten_workers"],
                   shard_rss_mib_before=round(rss_before / 2 ** 20, 1),

@@ -4,8 +4,8 @@ import msgpack
 import pytest
 import torch
 
-from asyncsgd.wire.protocol import (ACK, BYE, ERROR, HEARTBEAT, PARAMS, PULL, PUSH, STATS, Message,
-                                    ProtocolError, Segment, decode, encode, split)
+from asyncsgd.wire.protocol import (ACK, BYE, ERROR, HEARTBEAT, PARAMS, PULL, PUSH, STATS, VERSION,
+                                    Message, ProtocolError, Segment, decode, encode, split)
 from servers.shard import ShardConfig, ShardState, parse_consistency
 
 
@@ -35,7 +35,7 @@ def test_split_keeps_frames_at_most_4_mib():
 
 
 def _header(**fields):
-    base = {"v": 1, "t": PUSH, "w": "w", "i": 0, "s": 1, "c": 0, "sh": 0, "m": {}, "d": []}
+    base = {"v": VERSION, "t": PUSH, "w": "w", "i": 0, "s": 1, "c": 0, "sh": 0, "m": {}, "d": []}
     base.update(fields)
     return msgpack.packb(base)
 
@@ -44,7 +44,7 @@ def _header(**fields):
     ([], "empty"),
     ([_header()[:-3]], "bad-header"),                              # truncated header
     ([b"\x00" * (65 * 1024)], "header-too-large"),
-    ([_header(v=2)], "bad-version"),
+    ([_header(v=VERSION + 1)], "bad-version"),
     ([_header(t="launch")], "bad-type"),
     ([msgpack.packb([1, 2, 3])], "bad-header"),                    # not a map
     ([_header(d=[[0, "float32", [4]]]), b"\x00" * 15], "length-mismatch"),
@@ -53,7 +53,7 @@ def _header(**fields):
     ([_header(d=[[0, "float32", [1]]])], "frame-count"),
     ([_header(d=[[-1, "float32", [1]]]), b"\x00" * 4], "bad-descriptor"),
     ([_header(s="7")], "bad-field"),
-    ([msgpack.packb({"v": 1, "t": PUSH, "m": msgpack.ExtType(1, b"x")})], "bad-header"),
+    ([msgpack.packb({"v": VERSION, "t": PUSH, "m": msgpack.ExtType(1, b"x")})], "bad-header"),
 ])
 def test_malformed_messages_raise_protocol_errors(frames, code):
     with pytest.raises(ProtocolError) as info:

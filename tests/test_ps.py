@@ -11,7 +11,8 @@ import torch
 
 from asyncsgd.run.checkpoint import load_checkpoint
 from asyncsgd.wire.layout import Layout
-from asyncsgd.wire.protocol import (ERROR, HELLO, PUSH, STATS, WELCOME, Message, Segment, encode)
+from asyncsgd.wire.protocol import (ERROR, HELLO, PUSH, STATS, VERSION, WELCOME, Message, Segment,
+                                    encode)
 from conftest import (Server, asyncsgd_cmd, finish, free_port, read_events, read_json, wait_for,
                       worker)
 
@@ -64,13 +65,15 @@ def test_malformed_input_is_refused_and_the_server_keeps_serving(server, cli_env
     shard = welcome.meta["shards"][0]["port"]
 
     def header(**fields):
-        base = {"v": 1, "t": PUSH, "w": "bad", "i": 1, "s": 1, "c": 0, "sh": 0, "m": {}, "d": []}
+        base = {"v": VERSION, "t": PUSH, "w": "bad", "i": 1, "s": 1, "c": 0, "sh": 0, "m": {},
+                "d": []}
         base.update(fields)
         return msgpack.packb(base)
 
-    nan = encode(Message(type=PUSH, worker="bad", incarnation=1, seq=9, shard=0,
+    token = welcome.meta["token"]  # admitted: the shard checks what it holds, not who sent it
+    nan = encode(Message(type=PUSH, worker="probe", incarnation=0, seq=9, shard=0, token=token,
                          segments=[Segment(0, torch.full((10,), float("nan")))]))
-    inf = encode(Message(type=PUSH, worker="bad", incarnation=1, seq=10, shard=0,
+    inf = encode(Message(type=PUSH, worker="probe", incarnation=0, seq=10, shard=0, token=token,
                          segments=[Segment(0, torch.full((10,), float("inf")))]))
     cases = [
         ([header()[:-4]], "bad-header"),

@@ -39,7 +39,8 @@ import zmq
 
 from asyncsgd.errors import AsyncSGDError
 from asyncsgd.wire.protocol import (ACK, BYE, ERROR, HEARTBEAT, HELLO, PARAMS, PULL, PUSH, WELCOME,
-                                    Key, Message, ParamsIntake, ProtocolError, in_parts, split)
+                                    Code, Key, Message, ParamsIntake, ProtocolError, in_parts,
+                                    split)
 from asyncsgd.wire.security import ClientKeys, await_handshake
 from asyncsgd.wire.transport import dealer, frame_limit, parse_endpoint, recv, send
 
@@ -87,6 +88,8 @@ class PSClient:
         self.curve = curve
         self.ctx = zmq.Context()
         self.seq = 0
+        self.info: dict = {}  # the latest welcome: shards, instance, session token
+        self._readmitting = False  # a shard did not know our session: hello sent again
         self.stats = {"retries": 0, "duplicate_acks": 0, "reconnects": 0, "rejoins": 0}
         try:  # wrong or missing keys: one clear error now, not retries until the timeout
             if not await_handshake(self.ctx, server, curve, server_timeout):
@@ -131,7 +134,7 @@ class PSClient:
     def _msg(self, kind: str, **kw) -> Message:
         self.seq += 1
         return Message(type=kind, worker=self.worker, incarnation=self.incarnation,
-                       seq=self.seq, **kw)
+                       seq=self.seq, token=self.info.get(Key.TOKEN, ""), **kw)
 
     def _request_front(self, template: Message) -> Message:
         msg = self._msg(template.type, meta=template.meta)
@@ -295,6 +298,10 @@ class PSClient:
                     and reply.meta.get(Key.INSTANCE) != self.info.get(Key.INSTANCE)):
                 self._rejoin(reply.meta, outstanding)
                 rejoined = True
+            elif reply.type == WELCOME and self._readmitting:
+                raise ServerRefused(
+                    f"a shard of {self.server} does not know this worker's session, yet the "
+                    "server did not restart; start the worker again")
         return rejoined
 
     def _rejoin(self, welcome: dict, outstanding: dict) -> None:
@@ -308,6 +315,9 @@ class PSClient:
         ports = [s[Key.PORT] for s in welcome[Key.SHARDS]]
         before = [s[Key.PORT] for s in self.info[Key.SHARDS]]
         self.info, self.shard_addrs = welcome, addrs
+        self._readmitting = False
+        for msg, _owed in outstanding.values():  # the restarted server's session
+            msg.token = self.info.get(Key.TOKEN, "")
         for i in range(len(self.shards)):  # even on an unchanged port: the old link is dead
             self._reopen(i, outstanding)
         self.stats["rejoins"] += 1
@@ -337,6 +347,13 @@ class PSClient:
         if reply.type == HEARTBEAT or key not in outstanding:
             return  # a heartbeat, or a late answer to something already settled
         request, owed = outstanding[key]
+        if reply.type == ERROR and reply.meta.get(Key.CODE) == Code.UNKNOWN_WORKER:
+            # A server started again has a new session key: hello again; its welcome
+            # (a new instance) moves this client over and re-sends what is outstanding.
+            if not self._readmitting:
+                self._readmitting = True
+                self._hello_again()
+            return
         if reply.type == ERROR:
             raise ServerRefused(f"shard {i} refused {request.type}: {reply.meta.get(Key.ERROR)}")
         if reply.type == BYE and reply.meta.get(Key.STOPPING):

@@ -24,10 +24,11 @@ import torch
 
 from ..errors import AsyncSGDError
 
-VERSION = 1
+VERSION = 2
 MAX_HEADER_BYTES = 64 * 1024
 MAX_SEGMENTS = 4096
 MAX_META_ITEMS = 1024
+MAX_TOKEN_CHARS = 64
 FRAME_BYTES = 4 * 1024 * 1024  # tensors travel in frames of at most 4 MiB (see PROTOCOL.md)
 
 HELLO, WELCOME, PULL, PARAMS, PUSH, ACK, ERROR, HEARTBEAT, STATS, BYE = (
@@ -42,8 +43,8 @@ class Key:
     SIGNATURE, RANK, WORLD, HOST, REJOIN = "signature", "rank", "world", "host", "rejoin"
     # welcome; SHARDS is a list of {PORT, START, END}
     SHARDS, PORT, START, END = "shards", "port", "start", "end"
-    CONSISTENCY, HEARTBEAT_TIMEOUT, TOTAL, TASK, INSTANCE = (
-        "consistency", "heartbeat_timeout", "total", "task", "instance")
+    CONSISTENCY, HEARTBEAT_TIMEOUT, TOTAL, TASK, INSTANCE, TOKEN = (
+        "consistency", "heartbeat_timeout", "total", "task", "instance", "token")
     # pull
     OBSERVER = "observer"
     # params (and PART, PARTS of a message sent in parts)
@@ -111,6 +112,7 @@ class Message:
     shard: int = -1
     meta: dict = field(default_factory=dict)
     segments: list = field(default_factory=list)
+    token: str = ""  # the session a welcome handed out; shards serve no one without it
 
 
 # Views of the same memory are sent step after step (a worker's gradient buffer, a
@@ -150,6 +152,8 @@ def encode(msg: Message) -> list:
         "d": [[seg.offset, DTYPE_NAMES[seg.data.dtype], list(seg.data.shape)]
               for seg in msg.segments],
     }
+    if msg.token:
+        header["k"] = msg.token
     return [msgpack.packb(header, use_bin_type=True)] + [_raw(seg.data) for seg in msg.segments]
 
 
@@ -214,8 +218,13 @@ def decode(frames: Sequence[Any]) -> Message:
     if len(descriptors) != len(frames) - 1:
         raise ProtocolError(Code.FRAME_COUNT, f"{len(descriptors)} descriptors but "
                                               f"{len(frames) - 1} tensor frames")
+    token = header.get("k", "")
+    if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS:
+        raise ProtocolError(Code.BAD_FIELD, f"field 'k' must be a string of at most "
+                                            f"{MAX_TOKEN_CHARS} characters")
     msg = Message(type=kind, worker=worker, incarnation=_int(header, "i"), seq=_int(header, "s"),
-                  clock=_int(header, "c"), shard=_int(header, "sh", -1, 1 << 20), meta=meta)
+                  clock=_int(header, "c"), shard=_int(header, "sh", -1, 1 << 20), meta=meta,
+                  token=token)
     for desc, frame in zip(descriptors, frames[1:]):
         msg.segments.append(_segment(desc, _buffer(frame)))
     return msg
@@ -259,7 +268,7 @@ def in_parts(msg: Message) -> list:
     return [Message(type=msg.type, worker=msg.worker, incarnation=msg.incarnation,
                     seq=msg.seq, clock=msg.clock, shard=msg.shard,
                     meta={**(msg.meta if j == 0 else rest), Key.PART: j, Key.PARTS: parts},
-                    segments=[seg])
+                    segments=[seg], token=msg.token)
             for j, seg in enumerate(msg.segments)]
 
 

@@ -1,0 +1,52 @@
+"""Admission: the session tokens the front hands out and the shards check.
+
+A worker reaches the shards only after the front checked its model signature
+(PROTOCOL.md, Admission). The front's ``welcome`` carries a token, the HMAC of
+the worker's (id, incarnation) under a key that only this server's processes
+know; the worker puts it in every request to a shard. A shard checks it
+without asking anyone (the key was handed to it at start, and again at every
+restart by the supervisor), so a peer that skipped the handshake, or speaks
+for another id or incarnation than the one it was welcomed as, changes
+nothing and joins no barrier. A server started again has a new key: old
+tokens are refused and the workers say hello again.
+
+Admission is not authentication: anyone who can reach the front with the
+right model signature is welcomed. Keep the server on a private network, or
+turn on CURVE (``--curve-secret``) to admit only known keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+from asyncsgd.wire.protocol import BYE, HEARTBEAT, PULL, PUSH, Key, Message
+
+TOKEN_BYTES = 16  # 128 bits: cannot be guessed, and keeps each header small
+ADMITTED_TYPES = frozenset({PUSH, PULL, HEARTBEAT, BYE})  # what a shard serves only to members
+
+
+class Sessions:
+    """Tokens for (worker id, incarnation) under one server start's key."""
+
+    def __init__(self, key: bytes):
+        self.key = key
+
+    @classmethod
+    def new(cls) -> "Sessions":
+        return cls(secrets.token_bytes(32))
+
+    def token(self, worker: str, incarnation: int) -> str:
+        mac = hmac.new(self.key, f"{incarnation}:{worker}".encode(), hashlib.sha256)
+        return mac.hexdigest()[:2 * TOKEN_BYTES]
+
+    def admits(self, msg: Message) -> bool:
+        """Whether a shard may serve ``msg``: its token is the one its (id, incarnation) was
+        welcomed with. Stats, and pulls of observers (which read and join nothing), are
+        open to anyone; everything a worker does as a member needs the token."""
+        observer = msg.type == PULL and msg.meta.get(Key.OBSERVER) is True
+        if msg.type not in ADMITTED_TYPES or observer:
+            return True
+        return bool(msg.worker) and hmac.compare_digest(
+            msg.token, self.token(msg.worker, msg.incarnation))
