@@ -80,7 +80,7 @@ class Front:
         for _ in range(BATCH):
             peer, msg = recv_from(self.sock)
             if isinstance(msg, ProtocolError):
-                send(self.sock, error_message(msg.code, str(msg)), peer)
+                send(self.sock, error_message(msg.code, str(msg), msg), peer)
                 continue
             try:
                 reply = self._handle(msg)

@@ -205,9 +205,10 @@ class ShardState:
             return self._push(record, msg, checked)
         return [(peer, error_message(Code.BAD_TYPE, f"a shard does not serve {msg.type!r}", msg))]
 
-    def refuse(self, peer: bytes, code: str, detail: str, msg: Optional[Message] = None) -> list:
+    def refuse(self, peer: bytes, code: str, detail: str, msg=None) -> list:
         """The reply to a request that is refused (malformed, or one the shard failed on):
-        an error, counted; nothing of it is applied."""
+        an error, counted; nothing of it is applied. ``msg``: the request, or the
+        ProtocolError that remembers its readable ``s`` and ``w``."""
         self.counters["rejected"] += 1
         return [(peer, error_message(code, detail, msg))]
 

@@ -140,7 +140,7 @@ def _drain(sock: zmq.Socket, state: ShardState) -> None:
             continue
         peer, msg = recv_from(sock)
         if isinstance(msg, ProtocolError):
-            send(sock, error_message(msg.code, str(msg)), peer)
+            send(sock, error_message(msg.code, str(msg), msg), peer)
         else:
             send(sock, over(msg.seq), peer)
 
@@ -166,7 +166,7 @@ def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
                sessions: Sessions) -> None:
     peer, msg = recv_from(sock)
     if isinstance(msg, ProtocolError):
-        replies = state.refuse(peer, msg.code, str(msg))
+        replies = state.refuse(peer, msg.code, str(msg), msg)
     elif not sessions.admits(msg):
         replies = state.refuse(peer, Code.UNKNOWN_WORKER, (
             f"no session for worker {msg.worker!r} incarnation {msg.incarnation}: say hello "

@@ -8,12 +8,13 @@ import os
 import signal
 import time
 
+import msgpack
 import torch
 import zmq
 
 from asyncsgd.wire.layout import Layout
 from asyncsgd.wire.protocol import (ACK, ERROR, HEARTBEAT, HELLO, PULL, PUSH, WELCOME, Key,
-                                    Message, Segment, decode, encode)
+                                    VERSION, Message, Segment, decode, encode)
 from conftest import shard_stats, wait_for
 from faults import observe
 from servers.dedupe import DUPLICATE, FRESH, OUT_OF_WINDOW, SeqWindow
@@ -225,3 +226,26 @@ def test_shards_serve_only_workers_the_front_admitted(server):
     assert torch.equal(observe(srv, port, SIZE), -grad(0, 3))
     stats = shard_stats(srv, port)
     assert stats["updates"] == 1 and set(stats["workers"]) == {"a"}, stats
+
+
+def test_error_replies_echo_the_request_and_name_the_shard(server):
+    """Wherever a refused request's header could be read, its error names its ``s`` and
+    ``w``, and a shard's error its ``sh`` (a worker matches answers by them)."""
+    srv = server("--task", TASK, "--samples", SIZE, "--no-exit-when-done")
+    port = srv.stats()["shard_ports"][0]
+    peer = Peer(srv, port, worker="echo")
+    token = peer.token(1)
+    header = {"v": VERSION, "t": PUSH, "w": "echo", "i": 1, "s": 42, "c": 0, "sh": 0,
+              "m": {}, "k": token}
+    bad = {"bad-dtype": ({**header, "d": [[0, "complex64", [1]]]}, b"\x00" * 8),
+           "length-mismatch": ({**header, "d": [[0, "float32", [4]]]}, b"\x00" * 3),
+           "bad-type": ({**header, "t": "reboot", "d": []}, None),
+           "bad-field": ({**header, "c": -5, "d": []}, None)}
+    for code, (head, frame) in bad.items():
+        for to, shard in ((port, 0), (srv.port, -1)):
+            frames = [msgpack.packb(head)] + ([frame] if frame is not None else [])
+            reply = srv.request(frames, port=to)
+            assert reply.type == ERROR and reply.meta[Key.CODE] == code, (code, reply)
+            assert (reply.seq, reply.worker, reply.shard) == (42, "echo", shard), (code, reply)
+    assert srv.request([b"\xc1"], port=port).seq == 0  # nothing readable: nothing to echo
+    assert torch.equal(observe(srv, port, SIZE), torch.zeros(SIZE))

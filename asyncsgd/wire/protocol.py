@@ -91,7 +91,17 @@ class ProtocolError(AsyncSGDError):
 
     def __init__(self, code: str, detail: str):
         self.code = code
+        self.seq, self.worker = 0, ""  # the request's, when its header could be read
         super().__init__(f"{code}: {detail}")
+
+    def echo(self, header: dict) -> "ProtocolError":
+        """Remember the readable ``s`` and ``w`` of ``header``, for the error reply."""
+        seq, worker = header.get("s"), header.get("w")
+        if type(seq) is int and 0 <= seq < 2 ** 63:
+            self.seq = seq
+        if isinstance(worker, str) and len(worker) <= 256:
+            self.worker = worker
+        return self
 
 
 @dataclass
@@ -200,6 +210,14 @@ def decode(frames: Sequence[Any]) -> Message:
         raise ProtocolError(Code.BAD_HEADER, f"undecodable msgpack: {type(exc).__name__}") from None
     if not isinstance(header, dict):
         raise ProtocolError(Code.BAD_HEADER, "header is not a map")
+    try:
+        return _message(header, frames)
+    except ProtocolError as err:
+        raise err.echo(header)
+
+
+def _message(header: dict, frames: Sequence[Any]) -> Message:
+    """The message a decoded header map and its tensor frames describe, checked."""
     if type(header.get("v")) is not int or header["v"] != VERSION:
         raise ProtocolError(Code.BAD_VERSION, f"protocol version {header.get('v')!r}; "
                                               f"this build speaks {VERSION}")
@@ -316,8 +334,9 @@ class ParamsIntake:
             del self._left[key]
 
 
-def error_message(code: str, detail: str, reply_to: Message = None) -> Message:
-    """The ERROR reply: what was wrong, echoing the offending message's sequence number."""
+def error_message(code: str, detail: str, reply_to: Any = None) -> Message:
+    """The ERROR reply: what was wrong, echoing the offending message's sequence number
+    and worker id (``reply_to``: the Message, or the ProtocolError that remembers them)."""
     return Message(type=ERROR, seq=reply_to.seq if reply_to else 0,
                    worker=reply_to.worker if reply_to else "",
                    meta={Key.CODE: code, Key.ERROR: detail[:1000]})
