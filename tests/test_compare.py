@@ -413,10 +413,11 @@ def test_compare_stops_a_run_with_sigint_then_sigterm_then_sigkill(tmp_path, ign
         stop_all([Child("stubborn", proc.args, proc, tmp_path / "out", tmp_path / "err")],
                  grace=1)
         took = time.monotonic() - started
+        stopped_by_compare = proc.poll()  # read before the clean-up below may kill it
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-    assert proc.returncode == killed_by
+    assert stopped_by_compare == killed_by
     assert (log.read_text().split() if log.exists() else []) == received
     assert waited <= took < waited + 10, took
