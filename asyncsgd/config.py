@@ -76,7 +76,8 @@ class RunConfig:
         "cpu", "Where the model lives: cpu, or cuda to share it on a GPU.",
         type=click.Choice(["cpu", "cuda"]))
     threads: int = knob(
-        0, "Torch threads per process; 0 means CPU cores // processes (at least 1).",
+        0, "Torch threads per process; 0 means CPU cores // processes (at least 1); for "
+        "single, the cores not busy with other work (less the 1-minute load average).",
         type=click.IntRange(min=0))
     out: Optional[str] = knob(
         None, "Run directory to write (config.json, metrics.jsonl, summary.json, "
@@ -272,9 +273,14 @@ class WorkerConfig:
     device: str = knob("cpu", "Where the gradients are computed.",
                        type=click.Choice(["cpu", "cuda"]))
     threads: int = knob(
-        0, "Torch threads; 0 means CPU cores // workers on this host ($LOCAL_WORLD_SIZE or "
-        "$SLURM_NTASKS_PER_NODE, else 1). Several workers on one host each starting one "
-        "thread per core slow every step ~20x.", type=click.IntRange(min=0))
+        0, "Torch threads; 0 means CPU cores // the server's processes on this host (its "
+        "workers, --local-workers, and its shards when the server runs here too), at least "
+        "1. Several workers on one host each starting one thread per core slowed every "
+        "step 16x in the README's setup.", type=click.IntRange(min=0))
+    local_workers: int = knob(
+        0, "Workers on this host, for the default --threads; 0 means $LOCAL_WORLD_SIZE or "
+        "$SLURM_NTASKS_PER_NODE, else all --world workers when the server runs on this "
+        "host (its address is local), else 1.", type=click.IntRange(min=0))
     heartbeat: float = knob(1.0, "Seconds between heartbeats while waiting on the server.",
                             type=click.FloatRange(min=0.05))
     server_timeout: float = knob(

@@ -58,6 +58,14 @@ SCENARIOS = [
     ("checkpoints", "9. Checkpoints: malicious pickle refused; SIGKILL during a save harmless",
      ["tests/test_data_and_parts.py::test_malicious_checkpoint_is_refused_and_runs_nothing",
       "tests/test_checkpoint_faults.py"]),
+    ("exactly-once", "10. Exactly once through incarnations, far-apart and reordered sequence "
+                     "numbers and a sync shard SIGKILL; lying hellos refused; shards serve only "
+                     "admitted workers; errors echo the request",
+     ["tests/test_exactly_once.py"]),
+    ("identities", "11. Protocol fuzzer: thousands of worker ids, incarnations, goodbyes, "
+                   "malformed hellos, pushes without admission: exact oracle, server alive, "
+                   "shard memory bounded",
+     ["tests/test_hostile_peers.py"]),
 ]
 
 LIMITS = """\
@@ -66,10 +74,14 @@ LIMITS = """\
 - libzmq bounds each *frame* (ZMQ_MAXMSGSIZE) and counts its high-water marks in
   whole messages, so a peer that streams an endless multipart message is buffered
   until it ends. With CURVE on, only a peer holding an admitted key can try.
-- An admitted (authenticated) peer is trusted with its worker ids: it can create
-  worker records, and report a version that inflates `lost_updates`; it cannot
-  corrupt parameters beyond what its own pushes do (NaN/Inf and `--max-grad-norm`
-  guard those).
+- Admission is not authentication: any peer that can reach the front with the
+  model's signature is welcomed under ids of its choosing. It can take the free
+  worker records (at most max(256, 4 x --workers) per shard; new ids are then
+  refused with `too-many-workers` until records go silent or say bye), and after
+  a restore report a version that inflates `lost_updates`; it cannot corrupt
+  parameters beyond what its own pushes do (NaN/Inf and `--max-grad-norm` guard
+  those), touch another id's or incarnation's state, or stop the server. Turn on
+  CURVE to admit only known keys.
 - Lost updates are counted from the versions workers report after a restart:
   exact for acknowledgements delivered in order; a worker that never reconnects
   reports nothing.

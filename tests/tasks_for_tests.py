@@ -210,3 +210,18 @@ class SeedProbe(Scalars):
 
 def seed_probe(samples=None):
     return _rows_task("seed-probe", SeedProbe, samples or 160)
+
+
+class SlowScalars(Scalars):
+    """``Scalars`` whose training forward takes $ASYNCSGD_TEST_STEP_SECONDS: a long step
+    (a big model, many local steps) without the compute; evaluation is not slowed."""
+
+    def forward(self, x):
+        if self.training:
+            time.sleep(float(os.environ.get("ASYNCSGD_TEST_STEP_SECONDS", "0")))
+        return super().forward(x)
+
+
+def slow_counter(samples=None):
+    """dense_counter whose every step takes $ASYNCSGD_TEST_STEP_SECONDS."""
+    return _rows_task("slow-counter", SlowScalars, samples or 2000)

@@ -5,9 +5,14 @@ its slice of the gradient and a pull in one go (no round trip in between) and
 then waits for all the acknowledgements and parameters, so shards work in
 parallel and a step costs one round trip.
 
-Liveness (ZeroMQ guide ch. 4, Lazy/Paranoid Pirate): while waiting, the
-client sends a heartbeat to every shard it waits on each ``heartbeat``
-seconds; any reply proves the shard alive, so a pull held by ``ssp``/``sync``
+Liveness (ZeroMQ guide ch. 4, Lazy/Paranoid Pirate): heartbeats flow
+independently of the work. While the worker computes, a thread sends one to
+every shard each ``heartbeat`` seconds, so a step (or a run of local steps)
+longer than the server's heartbeat timeout never gets a healthy worker
+dropped from barriers; the sockets are used by one thread at a time (a lock,
+held by a whole exchange). While waiting, the client sends a heartbeat to
+every shard it waits on each ``heartbeat`` seconds; any reply proves the
+shard alive, so a pull held by ``ssp``/``sync``
 may wait as long as it must. A shard silent for ``3 * heartbeat`` is assumed
 gone: the client says so, reopens its socket and re-sends what is
 outstanding (same sequence numbers, so a push is never applied twice), with
@@ -31,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Optional
 
@@ -111,6 +117,30 @@ class PSClient:
         self.versions = [0] * len(self.shards)
         self._intake = ParamsIntake()  # PARAMS replies by (shard, seq), part by part
         self._grads, self._grads_key, self._grad_segments = None, None, []
+        # ZeroMQ sockets are not thread-safe: whoever uses them holds this lock.
+        self._sockets = threading.Lock()
+        self._closing = threading.Event()
+        self._pulse = threading.Thread(target=self._beat_while_computing, daemon=True,
+                                       name="ps-heartbeat")
+        self._pulse.start()
+
+    def _beat_while_computing(self) -> None:
+        """Every ``heartbeat`` s, a heartbeat to every shard unless an exchange is in flight
+        (it heartbeats itself): the worker stays a live barrier member however long it
+        computes. Replies wait in the sockets until the next exchange reads and skips them."""
+        while not self._closing.wait(self.heartbeat):
+            if not self._sockets.acquire(timeout=self.heartbeat / 10):
+                continue
+            try:
+                if self._closing.is_set():  # said goodbye meanwhile: a heartbeat would revive us
+                    return
+                for i, sock in enumerate(self.shards):
+                    send(sock, self._msg(HEARTBEAT, shard=i))
+            except zmq.ZMQError as exc:  # sockets closing under us: nothing left to keep alive
+                log.debug("heartbeat thread stops: %s", exc)
+                return
+            finally:
+                self._sockets.release()
 
     def _unavailable(self) -> ServerUnavailable:
         return ServerUnavailable(
@@ -163,6 +193,11 @@ class PSClient:
     def push_pull(self, grads: Optional[torch.Tensor], params: torch.Tensor,
                   meta: Optional[dict] = None) -> None:
         """Push ``grads`` (flat, or None for a pull only) and pull into ``params`` (flat)."""
+        with self._sockets:
+            self._push_pull(grads, params, meta)
+
+    def _push_pull(self, grads: Optional[torch.Tensor], params: torch.Tensor,
+                   meta: Optional[dict]) -> None:
         # One request per shard: a push that also asks for the parameters (or a pull).
         outstanding = {}  # (shard, seq) -> [message, replies still owed]; re-sent after reconnects
         segments = self._segments_of(grads) if grads is not None else None
@@ -370,24 +405,41 @@ class PSClient:
         if not owed:
             del outstanding[key]
 
-    def bye(self) -> None:
-        """Tell the shards and the front this worker is leaving (best effort, bounded)."""
-        for i, sock in enumerate(self.shards):
-            send(sock, self._msg(BYE, shard=i))
-        send(self.front, self._msg(BYE))
-        deadline = time.monotonic() + min(2.0, self.server_timeout)
-        pending = set(range(len(self.shards))) | {-1}
-        while pending and time.monotonic() < deadline:
-            for i in list(pending):
-                sock = self.front if i == -1 else self.shards[i]
-                if sock.poll(10):
-                    try:
-                        if recv(sock).type == BYE:
-                            pending.discard(i)
-                    except ProtocolError:
-                        pending.discard(i)
+    def bye(self, interrupted: bool = False) -> None:
+        """Tell the shards and the front this worker is leaving (best effort, bounded), so
+        barriers drop it at once rather than after the heartbeat timeout.
+
+        ``interrupted``: a signal may have cut an exchange short, even between the
+        frames of one message, so the goodbye goes on fresh sockets of its own."""
+        self._closing.set()
+        with self._sockets:
+            if interrupted:
+                socks = [self._shard_socket(i) for i in range(len(self.shards))]
+                socks.append(self._front_socket())
+            else:
+                socks = [*self.shards, self.front]
+            try:
+                for i, sock in enumerate(socks[:-1]):
+                    send(sock, self._msg(BYE, shard=i))
+                send(socks[-1], self._msg(BYE))
+                deadline = time.monotonic() + min(2.0, self.server_timeout)
+                pending = set(range(len(socks)))
+                while pending and time.monotonic() < deadline:
+                    for i in list(pending):
+                        if socks[i].poll(10):
+                            try:
+                                if recv(socks[i]).type == BYE:
+                                    pending.discard(i)
+                            except ProtocolError:
+                                pending.discard(i)
+            finally:
+                if interrupted:
+                    for sock in socks:
+                        sock.close(0)
 
     def close(self) -> None:
+        self._closing.set()
+        self._pulse.join(timeout=self.heartbeat + 5)
         for sock in [self.front, *self.shards]:
             sock.close(0)
         self.ctx.term()

@@ -8,23 +8,25 @@
 or from Python: ``asyncsgd.modes.single.train(SingleConfig(epochs=20))``.
 
 The same task, data order, SGD (``modes.optim.SGD``), run directory and
-stop conditions as every other mode, with all cores' threads (``--threads``)
-in one process. It is the one-rank case of the loop every DDP rank runs
-(``modes.syncloop``), so single and ddp differ only in the all-reduce:
-DDP with N processes and ``--batch-size B`` averages N gradients of B samples,
-the same update as single with ``--batch-size N*B`` (and the same lr).
+stop conditions as every other mode, in one process with a torch thread per
+core not busy with other work (``--threads`` to choose). It is the one-rank
+case of the loop every DDP rank runs (``modes.syncloop``), so single and
+ddp differ only in the all-reduce: DDP with N processes and ``--batch-size
+B`` averages N gradients of B samples, the same update as single with
+``--batch-size N*B`` (and the same lr).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
 
 from ..config import SingleConfig
 from ..core.tasks import Task, task_of
-from ..run.process_group import threads_per_process
+from ..run.process_group import available_cores, idle_cores
 from ..run.recorder import Recorder, RunResult
 from .syncloop import check_settings, train_process
 
@@ -36,7 +38,17 @@ def train(cfg: SingleConfig, task: Optional[Task] = None, argv: Optional[list] =
     check_settings(cfg)
     run = Recorder.open_run(cfg)
     task = task or task_of(cfg)
-    threads = threads_per_process(1, cfg.threads)
+    threads = cfg.threads or idle_cores()
+    cores = available_cores()
+    if threads > cores:
+        log.warning("--threads %d exceeds this machine's %d core(s): steps slow down; use "
+                    "--threads %d or fewer", threads, cores, cores)
+    elif threads < cores and not cfg.threads:
+        # On 2 cores with other work running, 2 threads ran 284 samples/s against 13,678
+        # with 1: a thread that waits for a busy core stalls every step.
+        log.info("single: %d of %d cores are busy with other work (load average %.1f): "
+                    "%d torch thread(s); --threads N to choose", cores - threads, cores,
+                    os.getloadavg()[0], threads)
     torch.set_num_threads(threads)
     log.info("single: 1 process x %d thread(s), task %s, lr %g, batch %d, amp %s", threads,
              task.name, cfg.lr or task.lr, cfg.batch_size or task.batch_size, cfg.amp)

@@ -114,6 +114,16 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def idle_cores() -> int:
+    """Cores not busy with other work now: the available cores less the 1-minute load
+    average (rounded down), at least 1."""
+    try:
+        busy = int(os.getloadavg()[0])
+    except OSError:  # no load average on this platform
+        busy = 0
+    return max(1, available_cores() - busy)
+
+
 def threads_per_process(procs: int, override: int = 0) -> int:
     """Torch threads for each of ``procs`` processes: cores // procs, at least 1.
 

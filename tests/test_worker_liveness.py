@@ -1,0 +1,99 @@
+"""A worker's liveness is independent of its work: heartbeats flow while it computes, so a
+step longer than the server's heartbeat timeout never gets a healthy worker dropped; and a
+worker stopped with Ctrl-C or SIGTERM says goodbye, so the barriers drop it at once.
+"""
+
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from asyncsgd.run.process_group import available_cores
+from conftest import asyncsgd_cmd, finish, shard_stats, wait_for, worker
+from faults import observe, record_figure
+
+SLOW = "tasks_for_tests:slow_counter"
+
+
+def test_a_worker_computing_longer_than_the_heartbeat_timeout_stays_a_member(server, cli_env):
+    """Sync, two workers, steps of 3 s against a 1.5 s heartbeat timeout. Summed rounds of
+    exactly both workers' pushes leave the counter at minus every sample trained on; a
+    worker dropped meanwhile would have cut a round short and seen its push refused as
+    stale (the old client sent heartbeats only while it waited on the server)."""
+    rows, step = 32, 3.0  # two workers, 16 rows each, batch 8: 2 steps each
+    srv = server("--task", SLOW, "--samples", rows, "--workers", 2, "--consistency", "sync",
+                 "--sync-reduce", "sum", "--heartbeat-timeout", 1.5, "--no-exit-when-done",
+                 "--eval-every", 1000)
+    env = dict(cli_env, ASYNCSGD_TEST_STEP_SECONDS=str(step))
+    procs = [worker(env, srv.address, r, 2, "--task", SLOW, "--samples", rows, "--epochs", 1,
+                    "--heartbeat", 0.2) for r in range(2)]
+    results = finish(procs, timeout=120)
+    assert all(code == 0 for code, _, _ in results), results
+    port = srv.stats()["shard_ports"][0]
+    stats = shard_stats(srv, port)
+    assert stats["dropped_workers"] == 0, stats
+    assert stats["stale"] == 0 and stats["updates"] == 2, stats
+    assert observe(srv, port, 1).item() == -rows
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_worker_says_goodbye_and_the_survivor_goes_on(server, cli_env, sig):
+    """Sync with a heartbeat timeout of 60 s: without a goodbye the survivor's rounds would
+    stall for a minute after the other worker is stopped."""
+    task = ("--task", "tasks_for_tests:dense_counter", "--samples", 4000)
+    srv = server(*task, "--workers", 2, "--consistency", "sync", "--heartbeat-timeout", 60,
+                 "--no-exit-when-done", "--eval-every", 1000)
+    procs = [worker(cli_env, srv.address, r, 2, *task, "--epochs", 1000, "--heartbeat", 0.2)
+             for r in range(2)]
+    survivor, stopped = procs
+    try:
+        port = srv.stats()["shard_ports"][0]
+        wait_for(lambda: shard_stats(srv, port)["updates"] >= 20, 120, "20 sync rounds")
+        stopped.send_signal(sig)
+        _, err = stopped.communicate(timeout=60)
+        said_bye = time.monotonic()
+        assert stopped.returncode == 130, err
+        assert "Traceback" not in err, err
+        before = shard_stats(srv, port)["updates"]
+        wait_for(lambda: shard_stats(srv, port)["updates"] >= before + 50, 20,
+                 "the survivor's rounds going on without the stopped worker")
+        going_on = time.monotonic() - said_bye
+        stats = shard_stats(srv, port)
+        assert stats["dropped_workers"] == 0 and stats["live_workers"] == 1, stats
+        assert survivor.poll() is None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    record_figure(f"worker stopped by {sig.name}", exit_code=130, heartbeat_timeout_s=60,
+                  survivor_rounds_again_within_s=round(going_on, 2))
+
+
+def _threads_seen(err: str) -> int:
+    return int(re.search(r"(\d+) torch thread\(s\);", err).group(1))
+
+
+def test_workers_beside_their_server_share_its_cores_by_default(server, cli_env):
+    """The README's setup on one host: by default each worker takes cores // (workers +
+    shards here) threads (the old default took cores // 1 each: 16x slower steps on 2
+    cores); more than the cores is warned about, naming the fix."""
+    task = ("--task", "tasks_for_tests:dense_pair", "--samples", 400)
+    srv = server(*task, "--shards", 2, "--workers", 2, "--no-exit-when-done")
+    runs = {"default": ("--threads", 0), "too many": ("--threads", available_cores() + 1)}
+    for what, flags in runs.items():
+        procs = [subprocess.Popen(  # -v: the worker logs the threads it chose
+            asyncsgd_cmd("-v", "worker", "--server", srv.address, "--rank", r, "--world", 2,
+                         *task, "--epochs", 1, "--progress", "off", *flags),
+            env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdin=subprocess.DEVNULL) for r in range(2)]
+        for code, _, err in finish(procs):
+            assert code == 0, err
+            warned = "exceed its" in err and "use --threads" in err
+            if what == "default":
+                assert _threads_seen(err) == max(1, available_cores() // 4), err
+                assert not warned, err
+            else:
+                assert _threads_seen(err) == available_cores() + 1 and warned, err
