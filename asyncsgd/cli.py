@@ -21,6 +21,7 @@ import click
 from .config import (CompareConfig, DDPConfig, HogwildConfig, PlotConfig, ServerConfig,
                      SingleConfig, WorkerConfig, click_options, config_from_dict)
 from .errors import AsyncSGDError, ConfigError
+from .run.signals import defer_sigint, sigint_now
 from .version import __version__
 
 INTERRUPTED = 130
@@ -112,6 +113,7 @@ def hogwild(ctx: click.Context, **_: object) -> None:
     without pausing them. --lock gives the locked baseline.
     """
     from .modes import hogwild as hogwild_mode
+    sigint_now()
     cfg = _build_config(HogwildConfig, ctx)
     result = hogwild_mode.train(cfg, argv=sys.argv)
     _report(result.summary)
@@ -136,6 +138,7 @@ def ps_server(ctx: click.Context, **_: object) -> None:
     format as every mode's, with updates/s and staleness added.
     """
     from servers.server import serve
+    sigint_now()
     cfg = _build_config(ServerConfig, ctx)
     result = serve(cfg, argv=sys.argv)
     _report(result.summary)
@@ -154,6 +157,7 @@ def worker(**params: object) -> None:
     RANK/WORLD_SIZE that torchrun sets, or SLURM_PROCID/SLURM_NTASKS).
     """
     from workers.worker import run_worker
+    sigint_now()
     result = run_worker(WorkerConfig(**params))
     if result.stats.get("ended_by_server"):
         click.echo("the server ended training")
@@ -237,6 +241,7 @@ def single(ctx: click.Context, **_: object) -> None:
     every core's threads (--threads) in one process.
     """
     from .modes import single as single_mode
+    sigint_now()
     _finish(ctx, "single", single_mode.train(_build_config(SingleConfig, ctx), argv=sys.argv))
 
 
@@ -258,6 +263,7 @@ def ddp(ctx: click.Context, **_: object) -> None:
     seconds between steps, and all ranks stop together.
     """
     from .modes import ddp as ddp_mode
+    sigint_now()
     result = ddp_mode.train(_build_config(DDPConfig, ctx), argv=sys.argv)
     if result is not None:  # None: a rank other than 0 under torchrun; rank 0 reports
         _finish(ctx, "ddp", result)
@@ -287,6 +293,7 @@ def compare(**params: object) -> None:
     Exits 1 when any run failed.
     """
     from .analysis.compare import compare as run_compare
+    sigint_now()
     result = run_compare(CompareConfig(**params), argv=sys.argv)
     click.echo(result.table)
     click.echo(f"report: {result.out / 'report.md'}")
@@ -308,6 +315,7 @@ def plot(run_dirs: tuple, **params: object) -> None:
     samples, throughput) and report.md into --out, and prints the table.
     """
     from .analysis.publish import report_runs
+    sigint_now()
     cfg = PlotConfig(**params)
     out = Path(cfg.out)
     click.echo(report_runs(list(run_dirs), out, cfg.target_accuracy))
@@ -316,6 +324,7 @@ def plot(run_dirs: tuple, **params: object) -> None:
 
 def main(argv: Optional[list] = None) -> None:
     """Console entry point: one clear line for every error a user can fix."""
+    defer_sigint()  # until a command's imports are done (run.signals says why)
     try:
         code = cli.main(args=argv, prog_name="asyncsgd", standalone_mode=False)
         if isinstance(code, int) and code:  # click returns ctx.exit(code) in this mode
@@ -323,7 +332,7 @@ def main(argv: Optional[list] = None) -> None:
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.Abort:
-        click.echo("aborted", err=True)
+        click.echo("interrupted", err=True)
         sys.exit(INTERRUPTED)
     except click.ClickException as exc:
         hint = ""

@@ -66,6 +66,10 @@ SCENARIOS = [
                    "malformed hellos, pushes without admission: exact oracle, server alive, "
                    "shard memory bounded",
      ["tests/test_hostile_peers.py"]),
+    ("liveness", "12. Liveness independent of compute: a 3 s step against a 1.5 s heartbeat "
+                 "timeout is no drop; a worker stopped by Ctrl-C/SIGTERM says goodbye; threads "
+                 "share the host",
+     ["tests/test_worker_liveness.py"]),
 ]
 
 LIMITS = """\
@@ -87,6 +91,10 @@ LIMITS = """\
   reports nothing.
 - A push reaches each shard exactly once, but a worker killed between its shards
   leaves one step applied on some shards only (each shard still holds whole pushes).
+- SIGKILL of a whole process group, multiprocessing's resource tracker included,
+  leaves its named semaphores (2 of 32 bytes per process group) in /dev/shm: no
+  process is left to remove them. Ctrl-C, SIGTERM and a SIGKILL of the parent
+  alone leave nothing (`experiments/load_test.py`, `tests/test_hogwild_failures.py`).
 """
 
 

@@ -2,13 +2,16 @@
 
 import dataclasses
 import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from asyncsgd import HogwildConfig
-from conftest import one_line_error, read_json
+from conftest import asyncsgd_cmd, free_port, one_line_error, read_json
 
 ROOT = Path(__file__).parent.parent
 
@@ -144,3 +147,22 @@ def test_without_verbose_children_log_only_warnings(run_cli, tmp_path):
                   "--progress", "off")
     assert res.returncode == 0, res.stderr
     assert "worker 0:" not in res.stderr and "asyncsgd.modes.hogwild" not in res.stderr
+
+
+@pytest.mark.parametrize("delay", [0.2, 0.4, 0.7, 1.0])
+def test_ctrl_c_while_a_command_starts_is_never_lost(cli_env, delay):
+    """Ctrl-C while the command still imports torch: torch and numpy swallow a
+    KeyboardInterrupt raised inside their imports (main's worker then ran on and ended
+    with 'no answer from the server' after --server-timeout). It ends the command as
+    Ctrl-C does, at once: 130, or killed by SIGINT if it came before Python started ours."""
+    proc = subprocess.Popen(asyncsgd_cmd("worker", "--server", f"tcp://127.0.0.1:{free_port()}",
+                                         "--server-timeout", 30, "--progress", "off"),
+                            env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode in (130, -signal.SIGINT), err
+    assert time.monotonic() - sent < 20, err  # not the 30 s of --server-timeout
+    assert "no answer from the server" not in err, err

@@ -117,3 +117,20 @@ def test_child_killed_by_sigkill_is_reported_clearly(tmp_path, cli_env):
     assert read_json(out / "summary.json")["status"] == "failed"
     record_figure("Hogwild child SIGKILL", reported="was killed by signal SIGKILL",
                   run_stopped_s=round(stopped_in, 1), orphans=0, shm_leaks=0)
+
+
+def test_a_budget_shorter_than_start_up_ends_the_run_as_completed(tmp_path, run_cli):
+    """--max-seconds 1 with 8 spawned workers, which take several seconds to import torch on
+    2 cores: the workers still starting are stopped at once, and the parent's own SIGTERM is
+    never reported as their failure (main: 'worker 0 was killed by signal SIGTERM', exit 1)."""
+    started = time.monotonic()
+    res = run_cli("hogwild", "--task", "tasks_for_tests:dense_counter", "--procs", 8,
+                  "--epochs", 1000, "--max-seconds", 1, "--out", tmp_path / "run",
+                  "--progress", "off", timeout=180)
+    took = time.monotonic() - started
+    assert res.returncode == 0, res.stderr
+    assert "killed by signal" not in res.stderr and "still running" not in res.stderr, res.stderr
+    summary = read_json(tmp_path / "run" / "summary.json")
+    assert (summary["status"], summary["stopped_by"]) == ("ok", "max_seconds")
+    record_figure("hogwild budget shorter than start-up", max_seconds=1, procs=8,
+                  wall_seconds=round(took, 1), status=summary["status"])

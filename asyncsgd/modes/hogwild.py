@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 SAMPLES, STEPS, EPOCHS, READY, DONE = range(5)
 POLL_SECONDS = 0.25
 TRAIN_EVENT_SECONDS = 1.0
+STOP_GRACE = 10.0  # seconds for training workers to see the stop flag and exit
 
 
 @dataclass
@@ -252,7 +253,9 @@ def _supervise(cfg: HogwildConfig, recorder: Recorder, group: WorkerGroup, contr
     finally:
         control[0] = 1
         throughput = events.throughput()
-        group.stop(grace=5.0)
+        # A worker still starting (importing torch: 8 of them took over 10 s on 2 loaded
+        # cores) holds nothing yet and is ended at once; one training stops at its next step.
+        group.stop(grace=STOP_GRACE, starting=lambda rank: not counters[rank, READY])
     if outcome.error is None:
         try:
             group.check()

@@ -209,6 +209,7 @@ class WorkerGroup:
         self.name = name
         self._errors = self.ctx.SimpleQueue()
         self._stopped = False
+        self._signalled: set = set()  # pids this group's stop() signalled: not failures
         self._tracebacks: dict = {}
         self._logging = log_settings()
         self.processes = [self._process(rank, args[rank]) for rank in range(procs)]
@@ -238,8 +239,7 @@ class WorkerGroup:
         raised, so when one failure causes others (a DDP rank whose peer died), the
         cause is reported, not its consequences.
         """
-        failed = {r: p for r, p in enumerate(self.processes)
-                  if p.exitcode is not None and p.exitcode != 0}
+        failed = {r: p for r, p in enumerate(self.processes) if self._failed(p)}
         if not failed:
             return
         self._drain_errors()
@@ -252,8 +252,14 @@ class WorkerGroup:
         raise WorkerError(rank, f"{self.name} {rank} {describe_exit(proc.exitcode)}")
 
     def failed(self) -> list:
-        """Ranks whose process exited with an error or was killed."""
-        return [r for r, p in enumerate(self.processes) if p.exitcode not in (None, 0)]
+        """Ranks whose process exited with an error or was killed (not by our own stop)."""
+        return [r for r, p in enumerate(self.processes) if self._failed(p)]
+
+    def _failed(self, p) -> bool:
+        if p.exitcode in (None, 0):
+            return False
+        # Our own stop's SIGTERM/SIGKILL ended it: the parent's doing, not the child's failure.
+        return not (p.pid in self._signalled and -p.exitcode in (signal.SIGTERM, signal.SIGKILL))
 
     def restart(self, rank: int, args: tuple) -> str:
         """Start ``rank`` afresh with ``args`` after it failed; returns how it had ended."""
@@ -280,16 +286,29 @@ class WorkerGroup:
     def _started(self) -> list:
         return [p for p in self.processes if p.pid is not None]
 
-    def stop(self, grace: float = 5.0) -> None:
-        """End every child: wait ``grace`` s, then SIGTERM, then SIGKILL. Always bounded."""
+    def stop(self, grace: float = 5.0, starting: Callable[[int], bool] = lambda rank: False
+             ) -> None:
+        """End every child once told to stop (the caller's flag): wait ``grace`` s, then
+        SIGTERM, then SIGKILL. Always bounded, and never reported as the children's failure.
+
+        ``starting(rank)``: the child is still starting (importing torch: seconds on a
+        loaded machine) and holds nothing yet; it gets SIGTERM at once, without a warning,
+        instead of delaying the stop by ``grace``."""
+        early = [p for r, p in enumerate(self.processes)
+                 if p.pid is not None and p.exitcode is None and starting(r)]
+        for p in early:
+            self._signalled.add(p.pid)
+            p.terminate()
         self.wait_all(grace)
         for sig_step in ("terminate", "kill"):
             stragglers = [p for p in self._started() if p.exitcode is None]
             if not stragglers:
                 break
-            log.warning("%d %s process(es) still running; sending %s", len(stragglers),
-                        self.name, "SIGTERM" if sig_step == "terminate" else "SIGKILL")
+            log.warning("%d %s process(es) still running %.0f s after the stop; sending %s",
+                        len(stragglers), self.name, grace,
+                        "SIGTERM" if sig_step == "terminate" else "SIGKILL")
             for p in stragglers:
+                self._signalled.add(p.pid)
                 getattr(p, sig_step)()
             self.wait_all(2.0)
         self._drain_errors()
