@@ -21,7 +21,7 @@ import click
 from .config import (CompareConfig, DDPConfig, HogwildConfig, PlotConfig, ServerConfig,
                      SingleConfig, WorkerConfig, click_options, config_from_dict)
 from .errors import AsyncSGDError, ConfigError
-from .run.signals import defer_sigint, sigint_now
+from .run.signals import defer_sigint, restore_sigint, sigint_now
 from .version import __version__
 
 INTERRUPTED = 130
@@ -94,6 +94,7 @@ def cli(verbose: int) -> None:
 def tasks() -> None:
     """List the built-in tasks with their default learning rate and batch size."""
     from .core.tasks import BUILTIN_TASKS
+    sigint_now()
     for name, factory in BUILTIN_TASKS.items():
         click.echo(f"{name:14s} {(factory.__doc__ or '').strip().splitlines()[0]}")
     click.echo("\nyour own: --task package.module:function returning an asyncsgd.Task "
@@ -184,6 +185,7 @@ def ps_stats(server: str, timeout: float, curve_server_key: Optional[str],
 
     from .wire.security import ClientKeys
     from .wire.stats import fetch_stats
+    sigint_now()
     keys = ClientKeys.load(curve_server_key, curve_secret)
     click.echo(json.dumps(fetch_stats(server, timeout, keys), indent=2, sort_keys=True))
 
@@ -212,6 +214,7 @@ def keygen(directory: str, clients: int, names: tuple, force: bool) -> None:
     certificates.
     """
     from .wire.security import keygen as write_keys
+    sigint_now()
     wanted = [f"worker-{i}" for i in range(clients)] + list(names)
     if not wanted and not force and (Path(directory) / "server.key_secret").exists():
         raise ConfigError(f"{directory} has a server key already; add workers with --name "
@@ -325,6 +328,13 @@ def plot(run_dirs: tuple, **params: object) -> None:
 def main(argv: Optional[list] = None) -> None:
     """Console entry point: one clear line for every error a user can fix."""
     defer_sigint()  # until a command's imports are done (run.signals says why)
+    try:
+        _run(argv)
+    finally:
+        restore_sigint()  # a caller in this process gets Ctrl-C back as it was
+
+
+def _run(argv: Optional[list]) -> None:
     try:
         code = cli.main(args=argv, prog_name="asyncsgd", standalone_mode=False)
         if isinstance(code, int) and code:  # click returns ctx.exit(code) in this mode

@@ -63,6 +63,13 @@ def defer_sigint() -> None:
         signal.signal(signal.SIGINT, _note)
 
 
+def restore_sigint() -> None:
+    """Ctrl-C raises KeyboardInterrupt again; one noted and not raised is dropped."""
+    if signal.getsignal(signal.SIGINT) is _note:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    _noted.clear()
+
+
 def sigint_now() -> None:
     """The imports are done: Ctrl-C raises KeyboardInterrupt again, at once if one came."""
     if signal.getsignal(signal.SIGINT) is _note:
