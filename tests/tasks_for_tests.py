@@ -225,3 +225,17 @@ class SlowScalars(Scalars):
 def slow_counter(samples=None):
     """dense_counter whose every step takes $ASYNCSGD_TEST_STEP_SECONDS."""
     return _rows_task("slow-counter", SlowScalars, samples or 2000)
+
+
+class OrderProbe(Scalars):
+    """dense_counter's scalar; each training forward appends the rows of its batch to a file
+    of its process in $ASYNCSGD_TEST_PROBE_DIR: the data order a mode really trains in."""
+
+    def forward(self, x):
+        if torch.is_grad_enabled():  # not an evaluation
+            _note(" ".join(str(int(v)) for v in x.view(-1)))
+        return super().forward(x)
+
+
+def order_probe(samples=None):
+    return _rows_task("order-probe", OrderProbe, samples or 40)

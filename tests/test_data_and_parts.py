@@ -27,7 +27,7 @@ def test_partitions_disjoint_cover_and_balanced(n, parts):
         assert not torch.equal(chunks[0], partition_indices(n, parts, 0, seed=6))
 
 
-def test_each_epoch_reshuffles_a_partition_the_same_way_in_every_mode():
+def test_each_epoch_reshuffles_a_partition_the_same_way():
     part = partition_indices(1000, 4, 1, seed=3)
     orders = [epoch_order(part, 3, 1, epoch) for epoch in range(3)]
     for order in orders:
@@ -35,6 +35,30 @@ def test_each_epoch_reshuffles_a_partition_the_same_way_in_every_mode():
     assert not torch.equal(orders[0], orders[1]) and not torch.equal(orders[1], orders[2])
     assert torch.equal(orders[2], epoch_order(part, 3, 1, 2))  # a function of (seed, rank, epoch)
     assert not torch.equal(orders[0], epoch_order(part, 3, 2, 0))  # ranks shuffle differently
+
+
+@pytest.mark.parametrize("mode", ["hogwild", "single", "worker"])
+def test_every_mode_trains_in_the_order_of_seed_rank_and_epoch(run_cli, cli_env, tmp_path,
+                                                                server, mode):
+    """The rows each mode really trains on, step by step, over 2 epochs: exactly
+    epoch_order(its partition, seed, rank 0, epoch) for each epoch in turn."""
+    rows, seed = 40, 5
+    cli_env["ASYNCSGD_TEST_PROBE_DIR"] = str(tmp_path)
+    task = ("--task", "tasks_for_tests:order_probe", "--samples", rows, "--epochs", 2,
+            "--seed", seed, "--progress", "off")
+    if mode == "worker":  # a PS worker's partition uses the server's seed 0
+        srv = server("--task", "tasks_for_tests:order_probe", "--samples", rows)
+        res = run_cli("worker", "--server", srv.address, "--rank", 0, "--world", 1,
+                      "--threads", 1, *task, timeout=120)
+        part = partition_indices(rows, 1, 0, 0)
+    else:
+        procs = ("--procs", 1) if mode == "hogwild" else ()
+        res = run_cli(mode, *procs, *task, "--out", tmp_path / "run", timeout=120)
+        part = partition_indices(rows, 1, 0, seed)
+    assert res.returncode == 0, res.stderr
+    seen, = [f.read_text().split() for f in tmp_path.iterdir() if f.name.isdigit()]
+    expected = torch.cat([epoch_order(part, seed, 0, epoch) for epoch in range(2)])
+    assert [int(r) for r in seen] == expected.tolist()
 
 
 def test_mnist1d_is_generated_once_then_cached(tmp_path):
