@@ -47,8 +47,8 @@ def train(cfg: SingleConfig, task: Optional[Task] = None, argv: Optional[list] =
         # On 2 cores with other work running, 2 threads ran 284 samples/s against 13,678
         # with 1: a thread that waits for a busy core stalls every step.
         log.info("single: %d of %d cores are busy with other work (load average %.1f): "
-                    "%d torch thread(s); --threads N to choose", cores - threads, cores,
-                    os.getloadavg()[0], threads)
+                 "%d torch thread(s); --threads N to choose", cores - threads, cores,
+                 os.getloadavg()[0], threads)
     torch.set_num_threads(threads)
     log.info("single: 1 process x %d thread(s), task %s, lr %g, batch %d, amp %s", threads,
              task.name, cfg.lr or task.lr, cfg.batch_size or task.batch_size, cfg.amp)
