@@ -109,7 +109,7 @@ class WorkerRecord:
     pushes: int = 0
     alive: bool = True
     window: Optional[SeqWindow] = None  # the pushes of this incarnation concluded
-    waiting: dict = field(default_factory=dict)  # sync: seq -> its ACK, held for the round
+    waiting: set = field(default_factory=set)  # sync: seqs summed into the open round
     reported_clock: bool = False  # its first push/pull in this shard process was seen
     round_pushed: Optional[int] = None
     held_pull: Optional[Message] = None
@@ -451,7 +451,7 @@ class ShardState:
         record.pushes += 1
         # Concluded only when its round is applied: a round cut short by a crash is not in
         # the checkpoint, so its pushes must count as fresh when re-sent to the restored shard.
-        record.waiting[msg.seq] = True
+        record.waiting.add(msg.seq)
         self.round_acks.append((record, Message(type=ACK, shard=self.cfg.index, seq=msg.seq,
                                                 meta={Key.APPLIED: True, Key.STALENESS: 0})))
         return self._maybe_finish_round()
@@ -471,7 +471,7 @@ class ShardState:
         acks = []
         for record, ack in self.round_acks:
             record.window.add(ack.seq)
-            record.waiting.pop(ack.seq, None)
+            record.waiting.discard(ack.seq)
             # To the peer it spoke from last: a retry may have come on a new connection.
             acks.append((record.peer, Message(type=ack.type, shard=ack.shard, seq=ack.seq,
                                               clock=self.version, meta=ack.meta)))

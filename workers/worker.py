@@ -81,32 +81,36 @@ def is_local(host: str) -> bool:
         return False
 
 
-def local_processes(cfg: WorkerConfig, world: int, server_local: bool, shards: int) -> tuple:
-    """(workers, shards) of the server's on this host: what shares its cores."""
-    workers = cfg.local_workers
+def _launcher_local_workers() -> int:
+    """Workers on this host as torchrun or Slurm says; 0 when neither does."""
     for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
         value = os.environ.get(name, "").split("(")[0]
-        if not workers and value.isdigit() and int(value) > 0:
-            workers = int(value)
-    if not workers:  # started by hand: beside a local server, all of them are likely here
-        workers = world if server_local else 1
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 0
+
+
+def local_processes(cfg: WorkerConfig, world: int, server_local: bool, shards: int) -> tuple:
+    """(workers, shards) of the server's on this host: what shares its cores. Started by
+    hand beside a local server, all --world workers are likely here."""
+    workers = cfg.local_workers or _launcher_local_workers() or (world if server_local else 1)
     return workers, shards if server_local else 0
 
 
 def set_threads(cfg: WorkerConfig, world: int, server_local: bool, shards: int) -> int:
     """Torch threads of this worker: --threads, or cores // the server's processes here.
 
-    Measured on 2 cores (README setup: 2 shards and 2 workers on one host, 20 s): 761
-    samples/s when each worker took a thread per core, 12,134 with one each."""
+    Measured on 2 cores (README setup: 2 shards and 2 workers on one host, 20 s): 681-1,870
+    samples/s when each worker took a thread per core, 20,469-24,006 with this default."""
     workers, local_shards = local_processes(cfg, world, server_local, shards)
-    cores, sharing = available_cores(), workers + local_shards
-    threads = cfg.threads or max(1, cores // sharing)
+    cores = available_cores()
+    fair = max(1, cores // (workers + local_shards))
+    threads = cfg.threads or fair
     if threads * workers > cores:
         log.warning("%d torch thread(s) x %d worker(s) on this host exceed its %d core(s)%s: "
                     "steps slow down many-fold; use --threads %d (or --local-workers N if "
                     "fewer workers run here)", threads, workers, cores,
-                    f" (and {local_shards} shard(s) run here)" if local_shards else "",
-                    max(1, cores // sharing))
+                    f" (and {local_shards} shard(s) run here)" if local_shards else "", fair)
     torch.set_num_threads(threads)
     log.info("worker: %d torch thread(s); %d worker(s) and %d shard(s) on this host, %d core(s)",
              threads, workers, local_shards, cores)

@@ -72,8 +72,7 @@ def restore_sigint() -> None:
 
 def sigint_now() -> None:
     """The imports are done: Ctrl-C raises KeyboardInterrupt again, at once if one came."""
-    if signal.getsignal(signal.SIGINT) is _note:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if _noted:
-        _noted.clear()
+    came = bool(_noted)
+    restore_sigint()
+    if came:
         raise KeyboardInterrupt("Ctrl-C while starting")
