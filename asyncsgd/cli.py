@@ -21,6 +21,7 @@ import click
 from .config import (CompareConfig, DDPConfig, HogwildConfig, PlotConfig, ServerConfig,
                      SingleConfig, WorkerConfig, click_options, config_from_dict)
 from .errors import AsyncSGDError, ConfigError
+from .run.lifetime import exit_now, start_command_clock
 from .run.signals import defer_sigint, restore_sigint, sigint_now
 from .version import __version__
 
@@ -166,6 +167,10 @@ def worker(**params: object) -> None:
                f"{result.samples:,} samples in {result.seconds:.1f} s "
                f"(retries {result.stats['retries']}, duplicate acks "
                f"{result.stats['duplicate_acks']})")
+    if result.stats["waited_seconds"]:
+        click.echo(f"worker {result.worker}: {result.stats['compute_seconds']:.1f} s computing "
+                   f"gradients, {result.stats['waited_seconds']:.1f} s waited on purpose "
+                   "(--slowdown, --delay)")
 
 
 @cli.command("ps-stats")
@@ -326,33 +331,37 @@ def plot(run_dirs: tuple, **params: object) -> None:
 
 
 def main(argv: Optional[list] = None) -> None:
-    """Console entry point: one clear line for every error a user can fix."""
+    """Console entry point: one clear line for every error a user can fix. It ends the
+    process once the command is done (``run.lifetime.exit_now`` says why): from Python,
+    call what the commands call (``asyncsgd.modes.hogwild.train``...), not this."""
+    start_command_clock()  # --max-seconds counts the start-up a user waits for
     defer_sigint()  # until a command's imports are done (run.signals says why)
     try:
-        _run(argv)
+        code = _run(argv)
     finally:
-        restore_sigint()  # a caller in this process gets Ctrl-C back as it was
+        restore_sigint()
+    exit_now(code)
 
 
-def _run(argv: Optional[list]) -> None:
+def _run(argv: Optional[list]) -> int:
+    """The command's exit status."""
     try:
         code = cli.main(args=argv, prog_name="asyncsgd", standalone_mode=False)
-        if isinstance(code, int) and code:  # click returns ctx.exit(code) in this mode
-            sys.exit(code)
+        return code if isinstance(code, int) else 0  # click returns ctx.exit(code) here
     except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
+        return exc.exit_code
     except click.Abort:
         click.echo("interrupted", err=True)
-        sys.exit(INTERRUPTED)
+        return INTERRUPTED
     except click.ClickException as exc:
         hint = ""
         if isinstance(exc, click.UsageError) and exc.ctx is not None:
             hint = f" (see '{exc.ctx.command_path} --help')"
         click.echo(f"error: {exc.format_message()}{hint}", err=True)
-        sys.exit(exc.exit_code)
+        return exc.exit_code
     except AsyncSGDError as exc:
         click.echo(f"error: {exc}", err=True)
-        sys.exit(exc.exit_code)
+        return exc.exit_code
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
-        sys.exit(INTERRUPTED)
+        return INTERRUPTED

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import click
 
+from .core.pacing import parse_delay, parse_slowdown
 from .errors import ConfigError
 
 
@@ -43,6 +44,37 @@ def _start_method() -> Any:
         "with many processes).", type=click.Choice(["spawn", "forkserver"]))
 
 
+class _PaceSpec(click.ParamType):
+    """A --slowdown or --delay value: checked when parsed, kept as the text given."""
+
+    def __init__(self, name: str, parse: Any):
+        self.name, self._parse = name, parse
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            self._parse(str(value))
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+        return str(value)
+
+
+def _slowdown() -> Any:
+    """The straggler knobs of every mode that trains (core.pacing says how they work)."""
+    return knob(
+        None, "Make ranks stragglers: RANK:FACTOR[,...]; e.g. 1:4 has rank 1 wait 3x its "
+        "step's compute time after each step, so it takes 4x as long.",
+        type=_PaceSpec("RANK:FACTOR", parse_slowdown), metavar="RANK:FACTOR", show="none")
+
+
+def _delay() -> Any:
+    return knob(
+        None, "Random per-step delays: KIND:MEAN[@RANKS], KIND exp or const, MEAN in ms or "
+        "s; e.g. exp:20ms (every rank), exp:0.5s@1,2. Seeded by --seed and rank.",
+        type=_PaceSpec("KIND:MEAN", parse_delay), metavar="KIND:MEAN[@RANKS]", show="none")
+
+
 @dataclass
 class RunConfig:
     """Settings of every run that evaluates a model and writes a run directory."""
@@ -63,7 +95,8 @@ class RunConfig:
         None, "Where generated data sets are cached.", metavar="DIR",
         show="$ASYNCSGD_CACHE or ~/.cache/asyncsgd")
     max_seconds: Optional[float] = knob(
-        None, "Stop after this many seconds of training.",
+        None, "Stop this many seconds after the command started (its start-up counts: it "
+        "is time you wait too); from Python, after the run started.",
         type=click.FloatRange(min=0, min_open=True), show="no limit")
     target_accuracy: Optional[float] = knob(
         None, "Stop once the test accuracy reaches this fraction (e.g. 0.9).",
@@ -117,6 +150,8 @@ class TrainConfig(RunConfig):
     epochs: int = knob(
         20, "Passes over the training data (each process passes over its own partition).",
         type=click.IntRange(min=1))
+    slowdown: Optional[str] = _slowdown()
+    delay: Optional[str] = _delay()
     mode = "train"
 
 
@@ -266,10 +301,13 @@ class WorkerConfig:
     local_lr: Optional[float] = knob(None, "Learning rate of local steps (--push-every > 1).",
                                      type=click.FloatRange(min=0, min_open=True),
                                      show="task's default")
-    max_seconds: Optional[float] = knob(None, "Stop after this many seconds.",
+    max_seconds: Optional[float] = knob(None, "Stop this many seconds after the command "
+                                        "started (its start-up counts).",
                                         type=click.FloatRange(min=0, min_open=True),
                                         show="no limit")
     seed: int = knob(0, "Seed of the data order (the partition uses the server's seed 0).")
+    slowdown: Optional[str] = _slowdown()
+    delay: Optional[str] = _delay()
     device: str = knob("cpu", "Where the gradients are computed.",
                        type=click.Choice(["cpu", "cuda"]))
     threads: int = knob(
@@ -323,8 +361,8 @@ class CompareConfig:
         "many threads as each of these (one of them alone).",
         type=click.IntRange(min=1), show="CPU cores")
     budget: float = knob(
-        60.0, "Seconds of training each run gets (its --max-seconds; start-up counts, as a "
-        "user waits for it too).", type=click.FloatRange(min=0, min_open=True),
+        60.0, "Seconds each run gets (its --max-seconds; start-up counts, as a user waits "
+        "for it too).", type=click.FloatRange(min=0, min_open=True),
         metavar="SECONDS")
     target_accuracy: Optional[float] = knob(
         None, "Test accuracy whose first crossing the report times (e.g. 0.9); runs go on "
@@ -360,6 +398,8 @@ class CompareConfig:
     eval_every: float = knob(
         1.0, "Seconds between test-set evaluations in every run (the resolution of the "
         "time to target).", type=click.FloatRange(min=0.05))
+    slowdown: Optional[str] = _slowdown()  # ranks of every parallel mode; single is rank 0
+    delay: Optional[str] = _delay()
     shards: int = knob(1, "Parameter-server shard processes in the ps-* modes.",
                        type=click.IntRange(min=1))
     ddp_backend: str = knob("auto", "torch.distributed backend of the ddp mode.",

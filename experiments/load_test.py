@@ -175,6 +175,8 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: "
                         + ", ".join(MODES))
     parser.add_argument("--spinners", type=int, default=6, help="busy processes beside")
+    parser.add_argument("--scenarios", default="done,budget,ctrl-c", help="comma-separated: "
+                        "done, budget, ctrl-c (at 1 s, 3 s and mid-training)")
     parser.add_argument("--no-save", action="store_true", help="print only")
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
@@ -188,6 +190,8 @@ def main() -> None:
         for mode in modes:
             for kind, at in (("done", 0), ("budget", 0), ("ctrl-c", 1), ("ctrl-c", 3),
                              ("ctrl-c", MID)):
+                if kind not in args.scenarios.split(","):
+                    continue
                 rows.append(scenario(mode, kind, at))
                 print(json.dumps(rows[-1]), flush=True)
     finally:

@@ -63,13 +63,17 @@ SCENARIOS = [
                      "admitted workers; errors echo the request",
      ["tests/test_exactly_once.py"]),
     ("identities", "11. Protocol fuzzer: thousands of worker ids, incarnations, goodbyes, "
-                   "malformed hellos, pushes without admission: exact oracle, server alive, "
-                   "shard memory bounded",
+                   "malformed hellos, pushes without admission; DC-ASGD copies under 200 ids: "
+                   "exact oracle, server alive, shard memory bounded",
      ["tests/test_hostile_peers.py"]),
     ("liveness", "12. Liveness independent of compute: a 3 s step against a 1.5 s heartbeat "
                  "timeout is no drop; a worker stopped by Ctrl-C/SIGTERM says goodbye; threads "
                  "share the host",
      ["tests/test_worker_liveness.py"]),
+    ("lifecycle", "13. Beside busy processes: --max-seconds is the command's time, start-up "
+                  "and stop included; every mode ends exit 0 without forcing a process; "
+                  "single leaves busy cores alone",
+     ["tests/test_lifecycle.py"]),
 ]
 
 LIMITS = """\

@@ -114,7 +114,7 @@ def _serve_until_stopped(cfg: ServerConfig, front: Front, supervisor: ShardSuper
                 continue
             if recorder.target_reached():
                 return "target_accuracy"
-        if cfg.max_seconds and recorder.elapsed() >= cfg.max_seconds:
+        if recorder.out_of_time():
             return "max_seconds"
         if cfg.exit_when_done and front.joined and front.all_left():
             return "workers_done"
@@ -124,7 +124,9 @@ def _serve_until_stopped(cfg: ServerConfig, front: Front, supervisor: ShardSuper
 def _summary(cfg: ServerConfig, lr: float, obs: dict, front: Front, supervisor: ShardSupervisor,
              evaluator: Evaluator) -> dict:
     """What summary.json adds for a parameter server."""
-    return {"updates": obs["updates"], "staleness_p50": obs["staleness_p50"],
+    dc = {} if cfg.dc_asgd is None else {  # pushes whose worker's copy was given up
+        "dc_uncompensated": sum(s.get("dc_uncompensated", 0) for s in evaluator.latest)}
+    return {**dc, "updates": obs["updates"], "staleness_p50": obs["staleness_p50"],
             "staleness_p99": obs["staleness_p99"], "staleness_hist": obs["staleness_hist"],
             "shards": cfg.shards, "consistency": cfg.consistency, "optimizer": cfg.optimizer,
             "lr": lr, "workers_joined": sorted(front.joined),

@@ -98,6 +98,10 @@ class ShardConfig:
     # DC-ASGD). Departed and silent workers are forgotten first; past the cap a new id
     # is refused. 0: 256 or 4 x the expected workers, whichever is larger.
     max_workers: int = 0
+    # DC-ASGD copies of the slice (one per worker, refreshed on each pull). Past the cap
+    # the least recently pulled copy is given up, and that worker's next push is applied
+    # uncompensated (counted). 0: 2 x the expected workers, at least 8.
+    max_dc_copies: int = 0
 
 
 @dataclass
@@ -114,6 +118,7 @@ class WorkerRecord:
     round_pushed: Optional[int] = None
     held_pull: Optional[Message] = None
     backup: Optional[torch.Tensor] = None
+    backup_at: int = 0  # the shard's pull count when ``backup`` was taken
 
 
 class ShardState:
@@ -129,6 +134,7 @@ class ShardState:
             raise ConfigError(f"sync reduce {cfg.sync_reduce!r}: use mean or sum")
         self.size = len(params)
         self.max_workers = cfg.max_workers or max(256, 4 * cfg.expected_workers)
+        self.max_dc_copies = cfg.max_dc_copies or max(8, 2 * cfg.expected_workers)
         self.store = store(params.detach().clone().float(),
                            make_rule(cfg.rule, self.size, cfg.lr, **cfg.hyper))
         self.version = 0
@@ -138,7 +144,8 @@ class ShardState:
         self.counters = {"updates": 0, "pushes": 0, "duplicates": 0, "rejected": 0,
                          "nonfinite": 0, "too_large": 0, "pulls": 0, "held_pulls": 0,
                          "dropped_workers": 0, "max_pull_lead": 0, "stale": 0,
-                         "lost_updates": 0, "refused_workers": 0, "forgotten_workers": 0}
+                         "lost_updates": 0, "refused_workers": 0, "forgotten_workers": 0,
+                         "dc_uncompensated": 0}
         self.staleness = [0] * STALENESS_BUCKETS
         self.restored: Optional[dict] = None  # version and digest of the checkpoint loaded
         self.lost_before = 0  # updates lost by earlier lives of this shard
@@ -315,12 +322,24 @@ class ShardState:
             lead = record.pushes - (self._min_live_clock() or 0)
             self.counters["max_pull_lead"] = max(self.counters["max_pull_lead"], lead)
         if record is not None and self.cfg.dc_lambda is not None:
-            if record.backup is None:  # DC-ASGD compensates against what was pulled
-                record.backup = torch.empty_like(self.params)
-            record.backup.copy_(self.params)
+            self._keep_copy(record)
         return Message(type=PARAMS, shard=self.cfg.index, seq=msg.seq, clock=self.version,
                        meta={Key.VERSION: self.version, Key.UPDATES: self.counters["updates"]},
                        segments=self.store.views())
+
+    def _keep_copy(self, record: WorkerRecord) -> None:
+        """DC-ASGD compensates a push against the parameters its worker pulled: a copy of
+        the slice per worker (mnist1d-mlp: 300 KB), so at most ``max_dc_copies`` of them,
+        the least recently pulled given up first (600 ids once cost 185 MB)."""
+        if record.backup is None:
+            holders = [r for r in self.workers.values() if r.backup is not None]
+            if len(holders) >= self.max_dc_copies:
+                oldest = min(holders, key=lambda r: r.backup_at)
+                record.backup, oldest.backup = oldest.backup, None
+            else:
+                record.backup = torch.empty_like(self.params)
+        record.backup.copy_(self.params)
+        record.backup_at = self.counters["pulls"]
 
     def _release(self) -> list:
         """Answer every held pull that is now allowed."""
@@ -430,6 +449,8 @@ class ShardState:
 
     def _compensated(self, record: WorkerRecord, msg: Message) -> list:
         if self.cfg.dc_lambda is None or record.backup is None:
+            if self.cfg.dc_lambda is not None:
+                self.counters["dc_uncompensated"] += 1  # it never pulled, or its copy was given up
             return [(s.offset, s.data) for s in msg.segments]
         return [(s.offset, dc_asgd(s.data, self.params[s.offset:s.offset + len(s.data)],
                                    record.backup[s.offset:s.offset + len(s.data)],
@@ -518,6 +539,7 @@ class ShardState:
             "staleness": list(self.staleness),
             "worker_records": len(self.workers),
             "live_workers": sum(w.alive for w in self.workers.values()),
+            "dc_copies": sum(w.backup is not None for w in self.workers.values()),
             "workers": {w.worker: {"alive": w.alive, "pushes": w.pushes,
                                    "last_seen_s": round(now - w.last_seen, 3)} for w in recent},
             "train": {w.worker: list(self.train[w.worker]) for w in recent

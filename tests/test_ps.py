@@ -245,6 +245,7 @@ def test_push_every_with_dc_asgd_and_staleness_lr_trains(server, cli_env):
     assert srv.wait()[0] == 0
     summary = read_json(srv.out / "summary.json")
     assert summary["updates"] == 2 * 48
+    assert summary["dc_uncompensated"] == 0  # each worker pulled first, and 8 copies fit both
     assert summary["final_accuracy"] > 0.2  # chance is 0.1
 
 

@@ -23,8 +23,10 @@ from typing import Optional
 import torch
 
 from asyncsgd.config import WorkerConfig
+from asyncsgd.core.pacing import Pacer, Pacing
 from asyncsgd.core.tasks import epoch_order, load_task, partition_indices
 from asyncsgd.errors import ConfigError
+from asyncsgd.run.lifetime import command_started_at
 from asyncsgd.run.process_group import available_cores
 from asyncsgd.run.progress import Progress
 from asyncsgd.run.signals import sigterm_as_interrupt
@@ -122,6 +124,8 @@ def run_worker(cfg: WorkerConfig) -> WorkerResult:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
     rank, world = rank_and_world(cfg)
+    pacing = Pacing.parse(cfg.slowdown, cfg.delay)
+    pacing.check_ranks(world, "--world")
     keys = ClientKeys.load(cfg.curve_server_key, cfg.curve_secret)
     keep_freed_memory()
     task = load_task(cfg.task, samples=cfg.samples, data_dir=cfg.data_dir,
@@ -133,7 +137,9 @@ def run_worker(cfg: WorkerConfig) -> WorkerResult:
                       server_timeout=cfg.server_timeout, curve=keys)
     set_threads(cfg, world, is_local(client.host), len(client.shards))
     part = partition_indices(len(task.train), world, rank, 0)
-    loop = _Loop(cfg, task, model, layout, client, part, rank)
+    loop = _Loop(cfg, task, model, layout, client, part, rank, pacing)
+    if pacing.active:
+        log.info("worker %d: stragglers: %s", rank, pacing.describe())
     try:
         with sigterm_as_interrupt():
             return loop.run()
@@ -155,10 +161,12 @@ class _Loop:
     """The training loop of one worker and its counters."""
 
     def __init__(self, cfg: WorkerConfig, task, model, layout: Layout, client: PSClient,
-                 part: torch.Tensor, rank: int):
+                 part: torch.Tensor, rank: int, pacing: Pacing):
         self.cfg, self.task, self.model, self.layout, self.client = cfg, task, model, layout, client
         self.part, self.rank = part, rank
         self.device = torch.device(cfg.device)
+        self.pacer = Pacer(pacing, rank, cfg.seed,
+                           torch.cuda.synchronize if self.device.type == "cuda" else None)
         self.flat_params = torch.zeros(layout.total)
         self.flat_grads = torch.zeros(layout.total)
         model.to(self.device)
@@ -171,6 +179,7 @@ class _Loop:
         self.steps = self.pushes = self.samples = 0
         self.loss_sum, self.loss_steps, self.unpushed = 0.0, 0, 0
         self.started = time.monotonic()
+        self._budget_from = command_started_at() or self.started  # as the Recorder's
 
     def run(self) -> WorkerResult:
         self.client.push_pull(None, self.flat_params)
@@ -178,7 +187,7 @@ class _Loop:
         for epoch in range(self.cfg.epochs):
             order = epoch_order(self.part, self.cfg.seed, self.rank, epoch)
             for start in range(0, len(order), self.batch_size):
-                if self.cfg.max_seconds and self.elapsed() >= self.cfg.max_seconds:
+                if self.out_of_time():
                     return self._finish()
                 self._step(order[start:start + self.batch_size])
         return self._finish()
@@ -186,7 +195,12 @@ class _Loop:
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
+    def out_of_time(self) -> bool:
+        limit = self.cfg.max_seconds
+        return bool(limit) and time.monotonic() - self._budget_from >= limit
+
     def _step(self, index: torch.Tensor) -> None:
+        self.pacer.begin()
         inputs, targets = self.task.train.rows(index)
         inputs = tuple(t.to(self.device) for t in inputs)
         loss = self.task.loss_fn(self.model(*inputs), targets.to(self.device))
@@ -194,6 +208,7 @@ class _Loop:
         loss.backward()
         if self.device.type != "cpu":
             _gather_grads(self.model, self.layout, self.flat_grads)
+        self.pacer.end()  # a straggler waits here: its gradient reaches the server late
         self.steps += 1
         self.samples += len(targets)
         self.unpushed += len(targets)
@@ -242,7 +257,8 @@ class _Loop:
     def result(self, ended_by_server: bool = False) -> WorkerResult:
         return WorkerResult(self.client.worker, self.steps, self.pushes, self.samples,
                             round(self.elapsed(), 3),
-                            {**self.client.stats, "ended_by_server": ended_by_server})
+                            {**self.client.stats, "ended_by_server": ended_by_server,
+                             **self.pacer.figures()})
 
 
 def _gather_grads(model, layout: Layout, flat_grads: torch.Tensor) -> None:

@@ -9,7 +9,9 @@ are isolated and a failing one is recorded and skipped. Runs never overlap:
 they would steal each other's cores. Every run gets the same task and data,
 the same seed (repeat r: seed + r, hence the same model initialisation and
 data order), the same batch size per process, plain SGD with the same
-learning rate, and the same budget of training seconds (``--max-seconds``).
+learning rate, and the same budget of seconds (``--max-seconds``), counted from
+each command's start: what a mode spends starting (importing torch, spawning
+processes, joining a group) is time its user waits too.
 "The same batch per process" holds for single too: it steps on B samples like
 each Hogwild process or PS worker, so every mode computes gradients of the
 same size and only how they are combined differs. DDP with N ranks averages
@@ -45,6 +47,7 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from ..config import CompareConfig
+from ..core.pacing import Pacing
 from ..errors import AsyncSGDError, ConfigError
 from ..run.process_group import available_cores
 from ..run.progress import Progress
@@ -156,9 +159,12 @@ class ModeRun:
             "--target-accuracy": c.target_accuracy if c.stop_at_target else None,
             "--out": self.run_dir, "--progress": "off", "--checkpoint-every": 0})
 
-    def _train_flags(self) -> list:
+    def _train_flags(self, world: int) -> list:
+        """What every training process takes; ``world``: its mode's processes (stragglers
+        are named by rank: single, one process, is rank 0)."""
         c = self.cfg
-        return _present({"--epochs": c.epochs or NO_EPOCH_LIMIT, "--batch-size": c.batch_size})
+        return _present({"--epochs": c.epochs or NO_EPOCH_LIMIT, "--batch-size": c.batch_size}
+                        ) + Pacing.parse(c.slowdown, c.delay).flags(world)
 
     def command(self) -> list:
         """Flags of the mode's (first) command."""
@@ -168,7 +174,8 @@ class ModeRun:
                 "--workers": self.procs, "--shards": c.shards, "--consistency": spec.consistency,
                 "--optimizer": "sgd", "--lr": c.lr})
         else:
-            flags = self._run_flags() + self._train_flags() + _present({"--lr": c.lr})
+            world = 1 if spec.command == "single" else self.procs
+            flags = self._run_flags() + self._train_flags(world) + _present({"--lr": c.lr})
             flags += ["--threads", str(self.threads)]
             if spec.command != "single":
                 flags += ["--procs", str(self.procs)]
@@ -179,7 +186,7 @@ class ModeRun:
     def worker_command(self, server: str, rank: int) -> list:
         """No --max-seconds: the server's budget ends the run and it tells the workers
         (their own clocks would end them at other moments)."""
-        return self._data_flags() + self._train_flags() + _present({
+        return self._data_flags() + self._train_flags(self.procs) + _present({
             "--server": server, "--rank": rank, "--world": self.procs, "--seed": self.seed,
             "--threads": self.threads, "--progress": "off",
         }) + self.extra.get("worker", [])
@@ -355,6 +362,7 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
     """Run every mode of ``cfg.modes`` ``cfg.repeats`` times and write the report."""
     specs = parse_modes(cfg.modes)
     extra = parse_mode_args(cfg.mode_args, specs)
+    Pacing.parse(cfg.slowdown, cfg.delay).check_ranks(cfg.procs or available_cores(), "--procs")
     from ..core.tasks import task_of  # torch: only once the options are known to be good
     # Fails early on a bad task, and generates and caches its data outside every budget.
     task = task_of(cfg)
@@ -393,7 +401,9 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
 
 
 def _title(cfg: CompareConfig, task: str) -> str:
-    return f"asyncsgd compare: {task}, {cfg.procs or available_cores()} processes"
+    pacing = Pacing.parse(cfg.slowdown, cfg.delay)
+    return (f"asyncsgd compare: {task}, {cfg.procs or available_cores()} processes"
+            + (f", {pacing.describe()}" if pacing.active else ""))
 
 
 def _intro(cfg: CompareConfig, header: dict) -> list:
@@ -401,14 +411,16 @@ def _intro(cfg: CompareConfig, header: dict) -> list:
     task = header["task"]
     return [
         f"Every mode trained `{task['name']}` ({task['train_samples']:,} training / "
-        f"{task['test_samples']:,} test samples) for a budget of {cfg.budget:g} s, one run "
-        f"after another, with plain SGD (lr {task['lr']:g}, batch {task['batch_size']} per "
-        f"process), seeds {cfg.seed}..{cfg.seed + cfg.repeats - 1} (same model initialisation "
-        f"and data order in every mode), evaluating every {cfg.eval_every:g} s. single steps "
-        f"on the same batch as each process; ddp averages one per rank into each update "
+        f"{task['test_samples']:,} test samples) for a budget of {cfg.budget:g} s (start-up "
+        f"included), one run after another, with plain SGD (lr {task['lr']:g}, batch "
+        f"{task['batch_size']} per process), seeds {cfg.seed}..{cfg.seed + cfg.repeats - 1} "
+        f"(same model initialisation and data order in every mode), evaluating every "
+        f"{cfg.eval_every:g} s. single steps on the same batch as each process; ddp averages "
+        f"one per rank into each update "
         f"(global batch {task['batch_size']} x ranks), Hogwild and the PS apply every "
         f"process's gradient on its own. Every process, single's too, runs "
-        f"{max(1, available_cores() // (cfg.procs or available_cores()))} torch thread(s).",
+        f"{max(1, available_cores() // (cfg.procs or available_cores()))} torch thread(s)."
+        + _stragglers(cfg),
         "",
         f"Host: {host['hostname']}, {host['cpus']} CPUs, "
         f"{'GPUs: ' + ', '.join(host['gpus']) if host.get('gpus') else 'no GPU'}; "
@@ -416,3 +428,12 @@ def _intro(cfg: CompareConfig, header: dict) -> list:
         "",
         "Command: `" + " ".join(shlex.quote(str(a)) for a in header["command"]) + "`",
     ]
+
+
+def _stragglers(cfg: CompareConfig) -> str:
+    pacing = Pacing.parse(cfg.slowdown, cfg.delay)
+    if not pacing.active:
+        return ""
+    return (f" Stragglers staged in every parallel mode: {pacing.describe()} (a slowed rank "
+            "waits after computing each gradient; single, rank 0 alone, gets what rank 0 is "
+            "given).")

@@ -1,1 +1,2 @@
-"""What is trained: the task abstraction every mode uses, its data and its models."""
+"""What is trained: the task abstraction every mode uses, its data and its models, and
+the pace each rank is held to (stragglers staged on purpose)."""

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from ..config import HogwildConfig
+from ..core.pacing import Pacer, Pacing, pace_event
 from ..core.tasks import Task, epoch_order, partition_indices, task_of
 from ..errors import ConfigError, WorkerError
 from ..run.process_group import WorkerGroup, available_cores, context, threads_per_process
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 
 # Columns of the shared per-worker counters (one row per worker, written only by it).
 SAMPLES, STEPS, EPOCHS, READY, DONE = range(5)
+# Columns of the shared per-worker sums: training loss, its steps, and (core.pacing)
+# seconds computing and seconds waited on purpose.
+LOSS_SUM, LOSS_STEPS, COMPUTED, WAITED = range(4)
 POLL_SECONDS = 0.25
 TRAIN_EVENT_SECONDS = 1.0
 STOP_GRACE = 10.0  # seconds for training workers to see the stop flag and exit
@@ -63,6 +67,7 @@ class WorkerSettings:
     start_epoch: int
     device: str
     quantum: float
+    pacing: Pacing
 
 
 def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lock,
@@ -75,6 +80,8 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
     opt = SGD(model.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
     count = counters.numpy()[rank]  # views of shared memory: plain stores, no tensor op per step
     loss_acc = losses.numpy()[rank]
+    pacer = Pacer(s.pacing, rank, s.seed, torch.cuda.synchronize if device.type == "cuda"
+                  else None)
     stop = control.numpy()
     ring = TokenRing(rank, ring_sems, counters.numpy()[:, DONE], stop, s.quantum) \
         if ring_sems else None
@@ -88,6 +95,7 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
             for start in range(0, len(order), s.batch_size):
                 if stop[0] or not holding:
                     return
+                pacer.begin()
                 inputs, targets = task.train.rows(order[start:start + s.batch_size])
                 if device.type != "cpu":
                     inputs = tuple(t.to(device, non_blocking=True) for t in inputs)
@@ -95,13 +103,15 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
                 loss = task.loss_fn(model(*inputs), targets)
                 opt.zero_grad()
                 loss.backward()
+                pacer.end()  # a straggler waits here: its gradient lands late
+                loss_acc[COMPUTED], loss_acc[WAITED] = pacer.computed, pacer.waited
                 if lock is None:
                     opt.step()
                 else:
                     with lock:
                         opt.step()
-                loss_acc[0] += loss.item()
-                loss_acc[1] += 1
+                loss_acc[LOSS_SUM] += loss.item()
+                loss_acc[LOSS_STEPS] += 1
                 count[SAMPLES] += len(targets)
                 count[STEPS] += 1
                 if ring:
@@ -133,6 +143,8 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
     lr = cfg.lr or task.lr
     batch_size = cfg.batch_size or task.batch_size
     total = len(task.train) * cfg.epochs
+    pacing = Pacing.parse(cfg.slowdown, cfg.delay)
+    pacing.check_ranks(procs, "--procs")
     recorder = Recorder(cfg, task, model, run, total_samples=total, argv=argv)
     model.to(cfg.device)
     model.share_memory()
@@ -143,11 +155,12 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
     settings = WorkerSettings(
         procs=procs, threads=threads, seed=cfg.seed, lr=lr, momentum=cfg.momentum,
         weight_decay=cfg.weight_decay, batch_size=batch_size, epochs=cfg.epochs,
-        start_epoch=recorder.epochs_done, device=cfg.device, quantum=cfg.quantum_ms / 1000)
+        start_epoch=recorder.epochs_done, device=cfg.device, quantum=cfg.quantum_ms / 1000,
+        pacing=pacing)
     control = torch.zeros(1, dtype=torch.int64).share_memory_()
     counters = torch.zeros(procs, 5, dtype=torch.int64).share_memory_()
     counters[:, EPOCHS] = recorder.epochs_done
-    losses = torch.zeros(procs, 2, dtype=torch.float64).share_memory_()
+    losses = torch.zeros(procs, 4, dtype=torch.float64).share_memory_()
     ctx = context(cfg.start_method, preload=[__name__])
     lock = ctx.Lock() if cfg.lock else None
     ring_sems = _ring_semaphores(ctx, cfg, procs, threads)
@@ -157,9 +170,12 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
              threads, task.name, lr, batch_size, ", locked updates" if cfg.lock else "",
              f", {len(TokenRing.first_holders(procs, available_cores()))} run tokens"
              if ring_sems else "")
+    if pacing.active:
+        log.info("hogwild: stragglers: %s", pacing.describe())
     return _supervise(cfg, recorder, group, control, counters, losses,
                       extra={"procs": procs, "threads": threads, "lock": cfg.lock, "lr": lr,
-                             "batch_size": batch_size, "token_ring": bool(ring_sems)})
+                             "batch_size": batch_size, "token_ring": bool(ring_sems),
+                             "pacing": pacing.to_dict()})
 
 
 def _ring_semaphores(ctx, cfg: HogwildConfig, procs: int, threads: int) -> Optional[list]:
@@ -216,11 +232,18 @@ class _TrainEvents:
         counts = self.counters.clone()
         samples = self.offset + int(counts[:, SAMPLES].sum())
         for rank in range(len(now)):
-            steps = int(now[rank, 1] - self.seen[rank, 1])
+            delta = (now[rank] - self.seen[rank]).tolist()
+            steps = int(delta[LOSS_STEPS])
             if steps > 0:
-                loss = float(now[rank, 0] - self.seen[rank, 0]) / steps
-                self.recorder.train(samples, rank, loss, steps, int(counts[rank, EPOCHS]))
+                self.recorder.train(samples, rank, delta[LOSS_SUM] / steps, steps,
+                                    int(counts[rank, EPOCHS]),
+                                    **pace_event(delta[COMPUTED], delta[WAITED]))
         self.seen = now
+
+    def pace(self) -> list:
+        """Per worker: steps, seconds computing and seconds waited on purpose."""
+        return [{"steps": int(row[LOSS_STEPS]), "compute_seconds": round(row[COMPUTED], 3),
+                 "waited_seconds": round(row[WAITED], 3)} for row in self.losses.tolist()]
 
 
 def _supervise(cfg: HogwildConfig, recorder: Recorder, group: WorkerGroup, control: torch.Tensor,
@@ -243,7 +266,7 @@ def _supervise(cfg: HogwildConfig, recorder: Recorder, group: WorkerGroup, contr
                 if recorder.evaluate_if_due(samples) and recorder.target_reached():
                     outcome.stopped_by = "target_accuracy"
                     break
-                if cfg.max_seconds and recorder.elapsed() >= cfg.max_seconds:
+                if recorder.out_of_time():
                     outcome.stopped_by = "max_seconds"
                     break
                 if finished:
@@ -263,5 +286,6 @@ def _supervise(cfg: HogwildConfig, recorder: Recorder, group: WorkerGroup, contr
             outcome.failed(exc)
     events.emit()
     samples = events.samples()
+    extra["pacing"]["ranks"] = events.pace()
     return recorder.conclude(samples, int(counters[:, EPOCHS].min()), outcome,
                              rate=throughput["steady_samples_per_second"], **throughput, **extra)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Callable, Optional
 
 import torch
 
@@ -53,12 +54,18 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
 
-    def backward_and_step(self, loss: torch.Tensor, optimizer) -> None:
+    def backward_and_step(self, loss: torch.Tensor, optimizer,
+                          between: Optional[Callable[[], object]] = None) -> None:
+        """``between``: called once the gradients are computed, before the step."""
         if self.scaler is None:
             loss.backward()
+            if between is not None:
+                between()
             optimizer.step()
             return
         self.scaler.scale(loss).backward()
+        if between is not None:
+            between()
         self.scaler.step(optimizer)
         self.scaler.update()
 

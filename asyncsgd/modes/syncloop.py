@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from ..config import SingleConfig
+from ..core.pacing import Pacer, Pacing, pace_event
 from ..core.tasks import Task, epoch_order, partition_indices
 from ..errors import ConfigError, WorkerError
 from ..run.recorder import Outcome, Recorder, RunResult
@@ -52,8 +53,9 @@ MAX_STEPS_BETWEEN_CHECKS = 100_000
 TRAIN_EVENT_SECONDS = 1.0
 STOP_REASONS = {1: "max_seconds", 2: "target_accuracy"}
 MAX_SECONDS, TARGET_ACCURACY = 1, 2
-# Slots of the vector the ranks sum at every check.
-CODE, PACE, INTERRUPTS, LOSS_SUM, LOSS_STEPS = range(5)
+# Slots of the vector the ranks sum at every check; then each rank's seconds computing
+# and waited on purpose (core.pacing), in two slots per rank from FIRST_RANK_SLOT.
+CODE, PACE, INTERRUPTS, LOSS_SUM, LOSS_STEPS, FIRST_RANK_SLOT = range(6)
 
 Agree = Callable[[torch.Tensor], torch.Tensor]
 
@@ -105,6 +107,22 @@ class SyncLoop:
         self._pace_mark = (time.monotonic(), 0)
         self._pace = 1
         self.ready_at: Optional[tuple] = None  # rank 0: (elapsed, samples) at the first check
+        self.pacing = Pacing.parse(cfg.slowdown, cfg.delay)
+        self.pacing.check_ranks(world, "single" if world == 1 else "--procs (WORLD_SIZE)")
+        self.pacer = Pacer(self.pacing, rank, cfg.seed,
+                           torch.cuda.synchronize if device.type == "cuda" else None)
+        self._pace_after_backward = self.pacer.end
+        # Whether steps are timed: DDP's are only when paced (a hook in its reducer)
+        self.timed = True
+        if hasattr(net, "register_comm_hook"):  # DDP: the wait goes before the all-reduce
+            self._pace_after_backward = None
+            self.timed = self.pacing.active
+            if self.timed:
+                net.register_comm_hook(self.pacer, _paced_allreduce)
+        if self.pacing.active and recorder is not None:
+            log.info("stragglers: %s", self.pacing.describe())
+        self.ranks_paced = [0.0] * (2 * world)  # rank 0: the agreed per-rank seconds
+        self._paced_seen = [0.0, 0.0]  # rank 0: summed (computed, waited) at the last event
 
     def samples(self) -> int:
         """Samples trained on by all ranks, across resumes (equal on every rank by padding)."""
@@ -128,6 +146,7 @@ class SyncLoop:
         return "epochs"
 
     def _step(self, index: torch.Tensor) -> None:
+        self.pacer.begin()
         inputs, targets = self.task.train.rows(index)
         if self.device.type != "cpu":
             inputs = tuple(t.to(self.device, non_blocking=True) for t in inputs)
@@ -135,7 +154,7 @@ class SyncLoop:
         with self.precision.autocast():
             loss = self.task.loss_fn(self.net(*inputs), targets)
         self.opt.zero_grad()
-        self.precision.backward_and_step(loss, self.opt)
+        self.precision.backward_and_step(loss, self.opt, between=self._pace_after_backward)
         self._loss_sum += loss.detach()  # no .item() per step: it would wait for the GPU
         self._loss_steps += 1
         self.local_samples += len(targets)
@@ -143,18 +162,21 @@ class SyncLoop:
 
     def _check(self, epoch: int) -> tuple:
         """All ranks: agree on (reason to stop or None, steps until the next check)."""
-        vector = torch.zeros(5, dtype=torch.float64)
+        vector = torch.zeros(FIRST_RANK_SLOT + 2 * self.world, dtype=torch.float64)
         if self.recorder is not None:
             vector[CODE] = self._decide()
             vector[PACE] = self._next_pace()
         vector[INTERRUPTS] = float(self.interrupted())
         vector[LOSS_SUM] = float(self._loss_sum)
         vector[LOSS_STEPS] = self._loss_steps
+        vector[FIRST_RANK_SLOT + 2 * self.rank] = self.pacer.computed
+        vector[FIRST_RANK_SLOT + 2 * self.rank + 1] = self.pacer.waited
         agreed = self.agree(vector.to(self.device)).cpu().tolist()
         self._loss_sum.zero_()
         self._loss_steps = 0
         self._pace_mark = (time.monotonic(), self.steps)
         if self.recorder is not None:
+            self.ranks_paced = agreed[FIRST_RANK_SLOT:]
             self._record(agreed[LOSS_SUM], int(agreed[LOSS_STEPS]), epoch)
         if agreed[INTERRUPTS]:
             return "interrupted", 0
@@ -165,7 +187,7 @@ class SyncLoop:
         rec, samples = self.recorder, self.samples()
         if rec.evaluate_if_due(samples) and rec.target_reached():
             return TARGET_ACCURACY
-        if self.cfg.max_seconds and rec.elapsed() >= self.cfg.max_seconds:
+        if rec.out_of_time():
             return MAX_SECONDS
         rec.checkpoint_if_due(samples, self.epochs_done)
         return 0
@@ -190,8 +212,13 @@ class SyncLoop:
         self._pending[1] += loss_steps
         if self._pending[1] and (force or rec.elapsed() >= self._next_train_event):
             # worker 0 stands for the whole group: one model, its loss averaged over ranks
+            paced = [sum(self.ranks_paced[0::2]), sum(self.ranks_paced[1::2])]
             rec.train(samples, 0, self._pending[0] / self._pending[1],
-                      steps=self._pending[1] // self.world, epoch=epoch, ranks=self.world)
+                      steps=self._pending[1] // self.world, epoch=epoch, ranks=self.world,
+                      **(pace_event(*((now - seen) / self.world  # per rank
+                                      for now, seen in zip(paced, self._paced_seen)))
+                         if self.timed else {}))
+            self._paced_seen = paced
             self._pending = [0.0, 0]
             self._next_train_event = rec.elapsed() + TRAIN_EVENT_SECONDS
         rec.show(samples, self.steady_rate() or 0.0)
@@ -204,10 +231,27 @@ class SyncLoop:
         dt = self.recorder.elapsed() - t0
         return (self.samples() - s0) / dt if dt > 0 else None
 
+    def pace(self) -> dict:
+        """Rank 0: the stragglers asked for, and each rank's seconds computing and waiting."""
+        return {**self.pacing.to_dict(), "ranks": [
+            {"compute_seconds": round(c, 3), "waited_seconds": round(w, 3)}
+            for c, w in zip(self.ranks_paced[0::2], self.ranks_paced[1::2])]
+            if self.timed else None}
+
     def throughput(self) -> dict:
         rate = self.steady_rate()
         return {"startup_seconds": round(self.ready_at[0], 3) if self.ready_at else None,
                 "steady_samples_per_second": round(rate, 1) if rate else None}
+
+
+def _paced_allreduce(pacer: Pacer, bucket):  # no annotations: DDP checks them as objects
+    """DDP's all-reduce, after this rank's pace: a straggler's gradients reach the others
+    late. The last bucket is handed over once every gradient of the step is computed."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    if bucket.is_last():
+        pacer.end()
+    return allreduce_hook(None, bucket)
 
 
 def _raising(who: str, rank: int, fn: Callable[[], str]) -> str:
@@ -267,5 +311,6 @@ def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: 
                              rate=throughput["steady_samples_per_second"], **throughput,
                              **precision.state(), procs=world, lr=loop.opt.lr,
                              batch_size=loop.batch_size, global_batch_size=loop.batch_size * world,
+                             pacing=loop.pace(),
                              **(extra or {}))
 

@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch.multiprocessing as mp
 
 from ..errors import WorkerError
+from .lifetime import command_started_at, exit_now, start_command_clock
 
 log = logging.getLogger(__name__)
 
@@ -154,10 +155,13 @@ def configure_logging(settings: Optional[tuple]) -> None:
 
 
 def _child_main(target: Callable, rank: int, errors: Any, parent_pid: int,
-                logging_of_parent: Optional[tuple], args: tuple) -> None:
+                logging_of_parent: Optional[tuple], command_started: Optional[float],
+                args: tuple) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
     configure_logging(logging_of_parent)
+    if command_started is not None:
+        start_command_clock(command_started)  # the parent's budget is this child's too
     try:
         target(rank, *args)
     except BaseException:
@@ -165,7 +169,8 @@ def _child_main(target: Callable, rank: int, errors: Any, parent_pid: int,
         if len(text) > _MAX_TRACEBACK:
             text = "...\n" + text[-_MAX_TRACEBACK:]
         errors.put((rank, text))
-        sys.exit(1)
+        exit_now(1)
+    exit_now(0)  # its work is saved; the parent waits for this exit (run.lifetime)
 
 
 def describe_exit(code: Optional[int]) -> str:
@@ -218,7 +223,7 @@ class WorkerGroup:
         return self.ctx.Process(target=_child_main, name=f"asyncsgd-{self.name}-{rank}",
                                 daemon=True,
                                 args=(self.target, rank, self._errors, self.parent_pid,
-                                      self._logging, args))
+                                      self._logging, command_started_at(), args))
 
     def start(self) -> None:
         with _sigint_ignored():

@@ -22,6 +22,7 @@ from ..config import TrainConfig, identity_fields
 from ..core.tasks import Task
 from ..errors import CheckpointError, ConfigError, WorkerError
 from .checkpoint import load_checkpoint, save_checkpoint
+from .lifetime import command_started_at
 from .metrics import MetricsLog, summarize
 from .progress import Progress
 from .rundir import RunDir
@@ -89,6 +90,9 @@ class Recorder:
         self.best_accuracy: Optional[float] = None
         self.last_eval: Optional[dict] = None
         self._t0 = time.monotonic() if started_at is None else started_at
+        # --max-seconds: the time a user waits, so from the command's start where a command
+        # runs this (run.lifetime), else from here
+        self._budget_from = command_started_at() or self._t0
         self._next_eval = 0.0
         self._next_checkpoint = cfg.checkpoint_every or math.inf
         self.metrics.write("start" if not cfg.resume else "resume", self.t(), self.samples_offset,
@@ -122,8 +126,13 @@ class Recorder:
         return self.t_offset + time.monotonic() - self._t0
 
     def elapsed(self) -> float:
-        """Seconds since this process started training (for --max-seconds)."""
+        """Seconds since this process started training."""
         return time.monotonic() - self._t0
+
+    def out_of_time(self) -> bool:
+        """--max-seconds have passed since the command started (see ``_budget_from``)."""
+        limit = self.cfg.max_seconds
+        return bool(limit) and time.monotonic() - self._budget_from >= limit
 
     def train(self, samples: int, worker: int, loss: float, steps: int, epoch: int,
               **extra) -> None:

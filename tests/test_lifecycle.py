@@ -1,0 +1,116 @@
+"""Runs that end as asked on a busy machine, started through the installed CLI.
+
+Beside ``SPINNERS`` busy processes on this host (on two cores a load average of
+4 and more, as other work often makes it): ``--max-seconds`` is the time the
+command takes, start-up and stop included, within ``OVERRUN`` seconds; a run
+that met it ends exit 0, status ok, without stopping any process by force; and
+``single`` leaves the busy cores to the work that holds them.
+
+Before ``run/lifetime.py``, ``hogwild --procs 8 --max-seconds 15`` beside 6
+busy processes ended 25 s after it started: 5.3 s of imports before its clock
+started, 3.1 s for 8 workers to tear torch down, 1.7 s for the parent's.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from asyncsgd.run.process_group import available_cores
+from conftest import Server, asyncsgd_cmd, finish, read_json, worker
+from faults import record_figure
+
+SPINNERS = 4
+BUDGET = 12
+OVERRUN = 6  # seconds; measured beside 4 spinners: hogwild 0.4, ddp 0.8, ps-server 1.8
+FORCED = ("still running", "SIGTERM", "SIGKILL", "killed by signal")
+TASK = ("--task", "tasks_for_tests:dense_rows", "--epochs", 1_000_000, "--progress", "off")
+
+
+@pytest.fixture(scope="module")
+def busy_machine():
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(SPINNERS)]
+    try:
+        yield
+    finally:
+        for s in spinners:
+            s.kill()
+            s.wait()
+
+
+def _timed(cli_env, *args) -> tuple:
+    started = time.monotonic()
+    res = subprocess.run(asyncsgd_cmd(*args), env=cli_env, capture_output=True, text=True,
+                         timeout=180, stdin=subprocess.DEVNULL)
+    return res, time.monotonic() - started
+
+
+def _ended_on_budget(res, seconds: float, out) -> dict:
+    assert res.returncode == 0, res.stderr
+    summary = read_json(out / "summary.json")
+    assert (summary["status"], summary["stopped_by"]) == ("ok", "max_seconds"), summary
+    assert seconds <= BUDGET + OVERRUN, (seconds, res.stderr)
+    forced = [line for line in res.stderr.splitlines() if any(f in line for f in FORCED)]
+    assert not forced, res.stderr
+    return summary
+
+
+@pytest.mark.parametrize("mode, args", [
+    ("hogwild", ("--procs", 8)),
+    ("ddp", ("--procs", 2, "--dist-timeout", 120)),
+])
+def test_max_seconds_is_the_commands_time_on_a_busy_machine(busy_machine, cli_env, tmp_path,
+                                                            mode, args):
+    out = tmp_path / "run"
+    res, seconds = _timed(cli_env, mode, *args, *TASK, "--max-seconds", BUDGET, "--out", out)
+    summary = _ended_on_budget(res, seconds, out)
+    assert summary["samples"] > 0  # it trained within the budget, start-up and all
+    record_figure(f"{mode} --max-seconds {BUDGET} beside {SPINNERS} busy processes",
+                  seconds=round(seconds, 1), training_seconds=summary.get("train_seconds"))
+
+
+def test_ps_server_stops_its_shards_and_workers_without_force(busy_machine, cli_env, tmp_path):
+    """The server's budget holds its shards' start-up; at the end every shard drains and
+    saves on its own (no 'still running; sending SIGTERM'), and the workers, told 'bye',
+    end exit 0."""
+    started = time.monotonic()
+    srv = Server(cli_env, tmp_path / "run", "--task", TASK[1], "--shards", 2, "--workers", 2,
+                 "--max-seconds", BUDGET)
+    try:
+        workers = [worker(cli_env, srv.address, r, 2, *TASK) for r in range(2)]
+        code, _, err = srv.wait(timeout=180)
+        seconds = time.monotonic() - started
+        results = finish(workers, timeout=60)
+    finally:
+        srv.close()
+    res = subprocess.CompletedProcess([], code, "", err)
+    summary = _ended_on_budget(res, seconds, tmp_path / "run")
+    assert summary["updates"] > 0
+    for w_code, _, w_err in results:
+        assert w_code == 0, w_err
+        assert not any(f in w_err for f in FORCED), w_err
+    record_figure(f"ps-server --max-seconds {BUDGET} beside {SPINNERS} busy processes",
+                  seconds=round(seconds, 1), updates=summary["updates"])
+
+
+def test_single_leaves_busy_cores_alone(busy_machine, run_cli, tmp_path):
+    """Default --threads: the cores not busy with other work (the 1-minute load average),
+    at least 1. Two threads on two busy cores ran 284 samples/s, one ran 13,678."""
+    deadline = time.monotonic() + 90
+    while os.getloadavg()[0] < 1.0 and time.monotonic() < deadline:
+        time.sleep(1)  # the 1-minute average rises by about 1 in 20 s beside 4 spinners
+    before = os.getloadavg()[0]
+    assert before >= 1.0, "the spinners did not raise the load average"
+    res = run_cli("single", "--task", "tasks_for_tests:dense_rows", "--epochs", 1,
+                  "--progress", "off", "--out", tmp_path / "run")
+    after = os.getloadavg()[0]
+    assert res.returncode == 0, res.stderr
+    threads = read_json(tmp_path / "run" / "summary.json")["threads"]
+    cores = available_cores()
+    assert threads in {max(1, cores - int(load)) for load in (before, after)}, (threads, cores,
+                                                                              before, after)
+    if cores > 1:
+        assert threads < cores

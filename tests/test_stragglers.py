@@ -1,0 +1,173 @@
+"""Stragglers on purpose (``--slowdown``, ``--delay``; core.pacing), the same in every mode.
+
+Every step of ``tasks_for_tests:slow_counter`` sleeps STEP seconds in its forward: a
+compute time that does not depend on how busy the machine is. A rank slowed 4x then
+takes about 4 x STEP per step, measured from the run's metrics (event times and step
+counts), not from the wait itself. DDP and the sync parameter server follow their
+slowest rank; Hogwild's and the async server's fast ranks do not wait.
+"""
+
+import re
+import subprocess
+
+import pytest
+
+from asyncsgd.core.pacing import Pacer, Pacing, parse_delay, parse_slowdown
+from asyncsgd.errors import ConfigError
+from conftest import Server, asyncsgd_cmd, finish, read_events, read_json, worker
+from faults import record_figure
+
+STEP = 0.01
+TASK = ("--task", "tasks_for_tests:slow_counter", "--epochs", 1_000_000, "--progress", "off")
+SLOW = 4
+
+
+@pytest.fixture
+def slow_env(cli_env):
+    return dict(cli_env, ASYNCSGD_TEST_STEP_SECONDS=str(STEP))
+
+
+def _run(env, *args) -> subprocess.CompletedProcess:
+    return subprocess.run(asyncsgd_cmd(*args), env=env, capture_output=True, text=True,
+                          timeout=180, stdin=subprocess.DEVNULL)
+
+
+def _per_step(events: list, worker) -> float:
+    """Seconds per step of ``worker`` from its train events, its first one (start-up)
+    left out."""
+    mine = [e for e in events if e["event"] == "train" and e["worker"] == worker]
+    assert len(mine) >= 3, mine
+    steps = sum(e["steps"] for e in mine[1:])
+    return (mine[-1]["t"] - mine[0]["t"]) / steps
+
+
+def _compute_per_step(events: list, worker) -> float:
+    mine = [e for e in events if e["event"] == "train" and e["worker"] == worker][1:]
+    return sum(e["compute_s"] for e in mine) / sum(e["steps"] for e in mine)
+
+
+def test_specs_parse_or_say_what_is_wrong():
+    assert parse_slowdown("1:4,3:2.5") == ((1, 4.0), (3, 2.5))
+    assert parse_delay("exp:20ms") == {"delay_kind": "exp", "delay_mean": 0.02,
+                                       "delay_ranks": None}
+    assert parse_delay("const:0.5s@1, 2")["delay_ranks"] == {1, 2}
+    pacing = Pacing.parse("1:4,3:2", "exp:20ms@0,3")
+    assert pacing.describe() == ("rank 1 4x slower, rank 3 2x slower, Exp(mean 20 ms) delay "
+                                 "per step on rank(s) 0,3")
+    assert pacing.flags(2) == ["--slowdown", "1:4", "--delay", "exp:0.02s@0"]
+    assert pacing.flags(1) == ["--delay", "exp:0.02s@0"]  # single: rank 0 alone
+    assert Pacing.parse("1:4", "exp:1ms@1").flags(1) == []
+    for bad, words in [("1", "RANK:FACTOR"), ("1:0.5", "below 1"), ("1:2,1:3", "twice"),
+                       ("a:2", "RANK:FACTOR")]:
+        with pytest.raises(ConfigError, match=words):
+            parse_slowdown(bad)
+    for bad in ("exp", "gauss:1ms", "exp:5", "exp:5ms@x"):
+        with pytest.raises(ConfigError, match="--delay"):
+            parse_delay(bad)
+    with pytest.raises(ConfigError, match=r"rank\(s\) 3, but --procs runs 2 process\(es\)"):
+        pacing.check_ranks(2, "--procs")
+
+
+def test_delays_are_seeded_per_rank_and_have_the_mean_asked():
+    pacing = Pacing.parse(None, "exp:0.2ms")
+
+    def draws(seed, rank):
+        pacer = Pacer(pacing, rank, seed)
+        return [pacer.rng.expovariate(1 / pacer.mean) for _ in range(4000)]
+
+    assert draws(0, 1) == draws(0, 1)
+    assert draws(0, 1) != draws(0, 2) and draws(0, 1) != draws(1, 1)
+    mean = sum(draws(0, 0)) / 4000
+    assert 0.00018 < mean < 0.00022  # 4000 exponential draws: within 3 standard errors
+    pacer = Pacer(pacing, 0, 0)
+    for _ in range(20):
+        pacer.begin()
+        pacer.end()
+    assert pacer.steps == 20 and pacer.waited > 20 * 0.0001
+
+
+def test_bad_straggler_flags_are_one_clear_line(run_cli, tmp_path):
+    res = run_cli("hogwild", "--slowdown", "1:0.5", "--out", tmp_path / "a")
+    assert res.returncode == 2 and "below 1" in res.stderr, res.stderr
+    res = run_cli("hogwild", "--procs", 2, "--slowdown", "5:2", *TASK, "--out", tmp_path / "b")
+    assert res.returncode != 0 and "rank(s) 5, but --procs runs 2" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_hogwild_single_and_ddp_ranks_take_their_pace(slow_env, tmp_path):
+    """Hogwild: rank 1 slowed 4x takes 4x per step, rank 0 does not wait. single: 4x.
+    DDP: every step waits for the slowed rank."""
+    figures = {}
+    for mode, args in [("hogwild", ("--procs", 2)), ("single", ()), ("ddp", ("--procs", 2))]:
+        out = tmp_path / mode
+        slowed = 0 if mode == "single" else 1
+        res = _run(slow_env, mode, *args, *TASK, "--threads", 1, "--slowdown",
+                   f"{slowed}:{SLOW}", "--max-seconds", 10, "--eval-every", 0.5, "--out", out)
+        assert res.returncode == 0, res.stderr
+        events, summary = read_events(out), read_json(out / "summary.json")
+        pace = summary["pacing"]
+        assert pace["slowdown"] == {str(slowed): SLOW}
+        ranks = pace["ranks"]
+        waited, computed = ranks[slowed]["waited_seconds"], ranks[slowed]["compute_seconds"]
+        assert 2.7 < waited / computed < 3.3, ranks  # (4 - 1) x what it computed
+        if mode == "hogwild":
+            fast, slow = _per_step(events, 0), _per_step(events, 1)
+            assert ranks[0]["waited_seconds"] == 0
+            assert slow / _compute_per_step(events, 1) > 3.3
+            assert fast / _compute_per_step(events, 0) < 1.6  # rank 0 never waits for rank 1
+            assert 2.8 < slow / fast < 5.5, (slow, fast)
+            figures[mode] = {"fast_ms": round(fast * 1e3, 1), "slowed_ms": round(slow * 1e3, 1)}
+        else:  # one train event per step group: its compute is the mean over ranks
+            group = _per_step(events, 0)
+            ratio = group / _compute_per_step(events, 0)
+            assert 3.0 < ratio < 5.5, (group, ratio)
+            assert group > SLOW * STEP * 0.9
+            figures[mode] = {"step_ms": round(group * 1e3, 1)}
+    record_figure(f"rank slowed {SLOW}x, {STEP * 1e3:g} ms steps", **figures)
+
+
+@pytest.mark.parametrize("consistency", ["async", "sync"])
+def test_ps_sync_follows_the_slowest_worker_and_async_does_not(slow_env, tmp_path,
+                                                               consistency):
+    srv = Server(slow_env, tmp_path / "run", "--task", TASK[1], "--workers", 2,
+                 "--consistency", consistency, "--max-seconds", 12)
+    try:
+        procs = [worker(slow_env, srv.address, r, 2, *TASK, "--slowdown", f"1:{SLOW}")
+                 for r in range(2)]
+        code, _, err = srv.wait(timeout=120)
+        results = finish(procs, timeout=60)
+    finally:
+        srv.close()
+    assert code == 0, err
+    for w_code, out, w_err in results:
+        assert w_code == 0, w_err
+    assert re.search(r"s computing gradients, \d+\.\d s waited on purpose", results[1][1])
+    assert "waited on purpose" not in results[0][1]
+    events = read_events(tmp_path / "run")
+    names = {e["worker"] for e in events if e["event"] == "train"}
+    fast = _per_step(events, next(n for n in names if n.endswith("-r0")))
+    slow = _per_step(events, next(n for n in names if n.endswith("-r1")))
+    if consistency == "async":
+        assert 2.8 < slow / fast < 5.5, (slow, fast)  # the fast worker does not wait
+    else:
+        assert 0.8 < slow / fast < 1.25, (slow, fast)  # every round waits for the slowest
+        assert fast > SLOW * STEP * 0.9
+    record_figure(f"ps-{consistency}: worker 1 slowed {SLOW}x, {STEP * 1e3:g} ms steps",
+                  fast_ms=round(fast * 1e3, 1), slowed_ms=round(slow * 1e3, 1))
+
+
+def test_compare_stages_the_same_stragglers_in_every_mode(tmp_path):
+    """Each mode's command carries the stragglers; single, one process, gets rank 0's."""
+    from asyncsgd.analysis.compare import ModeRun, parse_modes
+    from asyncsgd.config import CompareConfig
+
+    cfg = CompareConfig(procs=2, slowdown="1:4", delay="exp:20ms@0,1")
+    flags = {}
+    for spec in parse_modes("single,hogwild,ddp,ps-async"):
+        run = ModeRun(cfg, spec, 0, tmp_path, {}, shown=None)
+        flags[spec.name] = run.command() if spec.command != "ps-server" else \
+            run.worker_command("tcp://127.0.0.1:1", 1)
+    for mode in ("hogwild", "ddp", "ps-async"):
+        assert " --slowdown 1:4 --delay exp:0.02s@0,1" in " ".join(flags[mode]), flags[mode]
+    assert "--slowdown" not in flags["single"]
+    assert " --delay exp:0.02s@0" in " ".join(flags["single"])
