@@ -239,6 +239,11 @@ class ServerConfig(RunConfig):
                         type=click.IntRange(min=1))
     sync_reduce: str = knob("mean", "How sync combines a round's pushes.",
                             type=click.Choice(["mean", "sum"]))
+    backup_workers: int = knob(
+        0, "sync: apply each round once all live workers but this many have pushed (Chen et "
+        "al. 2016); a push that comes after its round is stale, counted, never applied. "
+        "Each shard takes the first pushes to reach it, as TensorFlow's SyncReplicas did.",
+        type=click.IntRange(min=0))
     staleness_lr: bool = knob(
         False, "Divide the learning rate by a push's staleness (Zhang et al. 2016).")
     dc_asgd: Optional[float] = knob(
@@ -353,7 +358,8 @@ class CompareConfig:
         "'package.module:function' returning an asyncsgd.Task.", metavar="NAME|MODULE:FUNC")
     modes: str = knob(
         COMPARE_MODES, "Comma-separated modes to run, in this order: single, hogwild, ps-async, "
-        "ps-ssp (bounded staleness 2; ps-ssp:K for another bound), ps-sync, ddp.",
+        "ps-ssp (bounded staleness 2; ps-ssp:K for another bound), ps-sync, ps-backup (sync "
+        "rounds that do not wait for 1 worker; ps-backup:B for B), ddp.",
         metavar="MODE,...")
     procs: Optional[int] = knob(
         None, "Processes (Hogwild, DDP) or parameter-server workers of every parallel mode; "

@@ -148,7 +148,7 @@ def scenario(mode: str, kind: str, at: float) -> dict:
     ok = row["exit"] == expect_exit and row["orphans"] == 0 and not shm_left and \
         row["helpers_orphans"] == 0 and saved
     if kind == "budget":
-        ok = ok and row["stopped_by"] == "max_seconds" and row["seconds"] <= BUDGET + 8
+        ok = ok and row["stopped_by"] == "max_seconds" and row["seconds"] <= BUDGET + 5
     # A worker stopped with Ctrl-C exits 130; one whose server stopped first ends 0.
     ok = ok and all(e in ((0, 130) if kind == "ctrl-c" else (0,)) for e in row["helpers_exit"])
     row["ok"] = ok
@@ -179,6 +179,9 @@ def main() -> None:
                         "done, budget, ctrl-c (at 1 s, 3 s and mid-training)")
     parser.add_argument("--no-save", action="store_true", help="print only")
     args = parser.parse_args()
+    # A shell starts a background job ('cmd &', no job control) with SIGINT ignored, and
+    # commands inherit that: their Ctrl-C rows would test nothing. A terminal's are live.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     modes = [m for m in args.modes.split(",") if m]
     if set(modes) - set(MODES):
         parser.error(f"unknown mode(s) {sorted(set(modes) - set(MODES))}")

@@ -24,6 +24,7 @@ import zmq
 
 from asyncsgd.config import ServerConfig
 from asyncsgd.core.tasks import task_of
+from asyncsgd.errors import ConfigError
 from asyncsgd.run.recorder import Outcome, Recorder, RunResult
 from asyncsgd.wire.layout import Layout
 from asyncsgd.wire.memory import keep_freed_memory
@@ -52,7 +53,12 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
     close every socket, then conclude the run (final evaluation, checkpoint,
     summary.json), also after Ctrl-C or a failure.
     """
-    parse_consistency(cfg.consistency)
+    mode, _ = parse_consistency(cfg.consistency)
+    if cfg.backup_workers and (mode != "sync" or cfg.backup_workers >= cfg.workers):
+        raise ConfigError(
+            f"--backup-workers {cfg.backup_workers}: backup workers are those a sync round "
+            f"does not wait for, so it needs --consistency sync (got {cfg.consistency}) and "
+            f"fewer than --workers ({cfg.workers})")
     host, _ = parse_endpoint(cfg.bind, "--bind")
     keys = ServerKeys.load(cfg.curve_secret, cfg.allowed_clients)
     keep_freed_memory()

@@ -102,6 +102,9 @@ class ShardConfig:
     # the least recently pulled copy is given up, and that worker's next push is applied
     # uncompensated (counted). 0: 2 x the expected workers, at least 8.
     max_dc_copies: int = 0
+    # sync: a round is applied once all live workers but this many have pushed (Chen et
+    # al. 2016's backup workers); the pushes that come after it are stale, never applied.
+    backup_workers: int = 0
 
 
 @dataclass
@@ -480,7 +483,8 @@ class ShardState:
     def _maybe_finish_round(self) -> list:
         if not self.round_acks or len(self.workers) < self.cfg.expected_workers:
             return []
-        if any(w.round_pushed != self.version for w in self._live()):
+        pushed = sum(w.round_pushed == self.version for w in self._live())
+        if pushed < max(1, len(self._live()) - self.cfg.backup_workers):
             return []
         contributors = len(self.round_acks)
         if self.cfg.sync_reduce == "mean" and contributors > 1:

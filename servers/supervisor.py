@@ -62,6 +62,7 @@ class ShardSupervisor:
                 consistency=cfg.consistency, expected_workers=cfg.workers,
                 heartbeat_timeout=cfg.heartbeat_timeout, staleness_lr=cfg.staleness_lr,
                 dc_lambda=cfg.dc_asgd, sync_reduce=cfg.sync_reduce,
+                backup_workers=cfg.backup_workers,
                 reject_nonfinite=not cfg.allow_nonfinite, max_grad_norm=cfg.max_grad_norm),
             bind_host=host, port=0, checkpoint_dir=checkpoint_dir,
             checkpoint_every=cfg.checkpoint_every, resume=bool(cfg.resume), threads=threads,

@@ -21,7 +21,8 @@ import pytest
 
 from asyncsgd.analysis.cli_launcher import Child, stop_all
 from asyncsgd.analysis.compare import parse_modes
-from asyncsgd.analysis.report import Attempt, Run, mode_rows, parse_table, table_cells
+from asyncsgd.analysis.report import (Attempt, Run, mode_rows, parse_table, table_cells,
+                                     verdict)
 from asyncsgd.errors import ConfigError
 from asyncsgd.run.metrics import (MetricsLog, first_progress, steady_throughput, summarize,
                                   train_curve)
@@ -280,6 +281,14 @@ def test_repeats_fold_into_mean_and_spread_with_speedups_over_single(tmp_path):
     ps = table_cells(rows["ps-async"], 0.5)
     assert ps["runs ok"] == "1/2" and ps["staleness p50 / p99"] == "1 / 4"
     assert ps["time to 50%"] == "not reached" and ps["speed-up (time)"] == "—"
+    # single: 4 s and 900 samples to 50% on average; hogwild: 1 s and 100 samples
+    assert cells["samples to 50%"] == "100"
+    assert table_cells(rows["single"], 0.5)["samples to 50%"] == "900 ± 566"
+    assert verdict(list(rows.values()), 0.5) == (
+        "hogwild reached 50% first, in 1.0 s: 4.00x sooner than the next, single (4.0 s), "
+        "with 0.11x its samples (100 vs 900). Not reached within the budget: ps-async.")
+    assert verdict(mode_rows(attempts, target=0.99), 0.99) == (
+        "No mode reached 99% within the budget; the closest was single (best 50.00 ± 0.00%).")
 
 
 def test_train_curve_merges_the_workers_of_one_report():
@@ -300,6 +309,11 @@ def test_modes_parse_into_commands():
         ("ps-server", "sync"), ("ddp", None)]
     with pytest.raises(ConfigError, match="unknown mode 'ps-ssp:x'"):
         parse_modes("ps-ssp:x")
+    backups = parse_modes("ps-backup,ps-backup:2")
+    assert [(s.consistency, s.backup_workers, s.slug) for s in backups] == [
+        ("sync", 1, "ps-backup"), ("sync", 2, "ps-backup-2")]
+    with pytest.raises(ConfigError, match="unknown mode 'ps-backup:0'"):
+        parse_modes("ps-backup:0")
 
 
 @pytest.mark.parametrize("args, fragments", [

@@ -1,11 +1,13 @@
 """The wire protocol and the shard's state object, without sockets or processes."""
 
+import random
+
 import msgpack
 import pytest
 import torch
 
 from asyncsgd.wire.protocol import (ACK, BYE, ERROR, HEARTBEAT, PARAMS, PULL, PUSH, STATS, VERSION,
-                                    Message, ProtocolError, Segment, decode, encode, split)
+                                    Key, Message, ProtocolError, Segment, decode, encode, split)
 from servers.shard import ShardConfig, ShardState, parse_consistency
 
 
@@ -230,3 +232,32 @@ def test_bad_consistency_is_a_clear_error(text):
     from asyncsgd.errors import ConfigError
     with pytest.raises(ConfigError, match="async, ssp:K"):
         parse_consistency(text)
+
+
+def test_backup_workers_apply_the_first_pushes_of_each_round_and_drop_the_late():
+    """--backup-workers 1 of 3, sum reduce: each round is the sum of the first two pushes
+    to reach the shard; the third, computed on the round's starting version, comes after
+    it: acknowledged as stale, counted, never applied. 30 rounds in seeded arrival orders."""
+    rng = random.Random(5)
+    state = _state("sync", workers=3, sync_reduce="sum", backup_workers=1)
+    expected = state.params.clone()
+    names = ["a", "b", "c"]
+    for name in names:
+        state.handle(name.encode(), _pull(name, 1), 0.0)
+    seqs = dict.fromkeys(names, 1)
+    for _ in range(30):
+        version = state.version
+        for i, name in enumerate(rng.sample(names, 3)):
+            seqs[name] += 1
+            grad = torch.tensor([float(rng.randint(-3, 3)) for _ in range(6)])
+            out = state.handle(name.encode(), _push(name, seqs[name], grad, clock=version), 0.0)
+            if i < 2:
+                expected -= grad
+                assert state.version == version + i, "the round waited for the backup worker"
+                if i == 1:
+                    assert sorted(r.meta[Key.APPLIED] for _, r in out) == [True, True]
+            else:
+                (_, ack), = out
+                assert ack.meta == {Key.APPLIED: False, Key.STALE: True}, ack
+        assert torch.equal(state.params, expected)
+    assert (state.counters["updates"], state.counters["stale"]) == (30, 30)

@@ -9,6 +9,7 @@ slowest rank; Hogwild's and the async server's fast ranks do not wait.
 
 import re
 import subprocess
+import time
 
 import pytest
 
@@ -92,6 +93,11 @@ def test_bad_straggler_flags_are_one_clear_line(run_cli, tmp_path):
     res = run_cli("hogwild", "--procs", 2, "--slowdown", "5:2", *TASK, "--out", tmp_path / "b")
     assert res.returncode != 0 and "rank(s) 5, but --procs runs 2" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+    for args in (("--workers", 2), ("--workers", 2, "--consistency", "sync", "--backup-workers",
+                                    2)):
+        res = run_cli("ps-server", "--backup-workers", 1, *args, "--out", tmp_path / "c")
+        assert res.returncode != 0 and "needs --consistency sync" in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
 def test_hogwild_single_and_ddp_ranks_take_their_pace(slow_env, tmp_path):
@@ -163,11 +169,42 @@ def test_compare_stages_the_same_stragglers_in_every_mode(tmp_path):
 
     cfg = CompareConfig(procs=2, slowdown="1:4", delay="exp:20ms@0,1")
     flags = {}
-    for spec in parse_modes("single,hogwild,ddp,ps-async"):
+    for spec in parse_modes("single,hogwild,ddp,ps-async,ps-backup"):
         run = ModeRun(cfg, spec, 0, tmp_path, {}, shown=None)
         flags[spec.name] = run.command() if spec.command != "ps-server" else \
             run.worker_command("tcp://127.0.0.1:1", 1)
     for mode in ("hogwild", "ddp", "ps-async"):
         assert " --slowdown 1:4 --delay exp:0.02s@0,1" in " ".join(flags[mode]), flags[mode]
     assert "--slowdown" not in flags["single"]
+    assert " --consistency sync --backup-workers 1 " in " ".join(
+        ModeRun(cfg, parse_modes("ps-backup")[0], 0, tmp_path, {}, shown=None).command())
     assert " --delay exp:0.02s@0" in " ".join(flags["single"])
+
+
+def test_a_permanently_slow_worker_does_not_slow_sync_rounds_with_a_backup(slow_env, tmp_path):
+    """ps-sync, 3 workers, worker 2 slowed 8x, --backup-workers 1: every round is applied
+    once the two others pushed, so they keep their own pace; the slow worker's pushes come
+    after their round and are dropped as stale (and counted)."""
+    srv = Server(slow_env, tmp_path / "run", "--task", TASK[1], "--workers", 3,
+                 "--consistency", "sync", "--backup-workers", 1, "--max-seconds", 12)
+    try:
+        procs = [worker(slow_env, srv.address, r, 3, *TASK, "--slowdown", "2:8")
+                 for r in range(3)]
+        time.sleep(8)
+        stats = srv.stats()["shard_stats"][0]
+        code, _, err = srv.wait(timeout=120)
+        results = finish(procs, timeout=60)
+    finally:
+        srv.close()
+    assert code == 0, err
+    assert all(r[0] == 0 for r in results), [r[2] for r in results]
+    events = read_events(tmp_path / "run")
+    names = {e["worker"] for e in events if e["event"] == "train"}
+    fast = [_per_step(events, next(n for n in names if n.endswith(f"-r{r}"))) for r in (0, 1)]
+    slow = _per_step(events, next(n for n in names if n.endswith("-r2")))
+    assert max(fast) < 2.5 * STEP, fast  # without a backup every round took the slow 8 x
+    assert slow > 6 * STEP, slow
+    assert stats["stale"] > 0 and stats["updates"] > 5 * stats["stale"], stats
+    record_figure("ps-sync --backup-workers 1, worker 2 slowed 8x", fast_ms=[
+        round(f * 1e3, 1) for f in fast], slowed_ms=round(slow * 1e3, 1),
+        updates=stats["updates"], stale=stats["stale"])

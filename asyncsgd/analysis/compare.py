@@ -74,6 +74,7 @@ class ModeSpec:
     name: str
     command: str  # single | hogwild | ddp | ps-server
     consistency: Optional[str] = None
+    backup_workers: int = 0  # ps-backup:B: sync rounds that do not wait for B workers
 
     @property
     def slug(self) -> str:
@@ -81,21 +82,25 @@ class ModeSpec:
 
 
 def parse_modes(text: str) -> list:
-    """``single,hogwild,ps-async,ps-ssp,ps-ssp:4,ps-sync,ddp`` -> [ModeSpec]."""
+    """``single,hogwild,ps-async,ps-ssp,ps-ssp:4,ps-sync,ps-backup:1,ddp`` -> [ModeSpec]."""
     specs, seen = [], set()
     for name in (m.strip() for m in text.split(",")):
         if not name:
             continue
         ssp = re.fullmatch(r"ps-ssp(?::(\d+))?", name)
+        backup = re.fullmatch(r"ps-backup(?::(\d+))?", name)
         if name in ("single", "hogwild", "ddp"):
             spec = ModeSpec(name, name)
         elif name in ("ps-async", "ps-sync"):
             spec = ModeSpec(name, "ps-server", name[3:])
         elif ssp:
             spec = ModeSpec(name, "ps-server", f"ssp:{ssp.group(1) or SSP_DEFAULT}")
+        elif backup and int(backup.group(1) or 1) > 0:
+            spec = ModeSpec(name, "ps-server", "sync", int(backup.group(1) or 1))
         else:
             raise ConfigError(f"--modes: unknown mode {name!r}; choose from single, hogwild, "
-                              "ps-async, ps-ssp (or ps-ssp:K), ps-sync, ddp")
+                              "ps-async, ps-ssp (or ps-ssp:K), ps-sync, ps-backup (or "
+                              "ps-backup:B), ddp")
         if name in seen:
             raise ConfigError(f"--modes: {name} is listed twice; use --repeats to run it again")
         seen.add(name)
@@ -172,7 +177,8 @@ class ModeRun:
         if spec.command == "ps-server":
             flags = self._run_flags() + _present({
                 "--workers": self.procs, "--shards": c.shards, "--consistency": spec.consistency,
-                "--optimizer": "sgd", "--lr": c.lr})
+                "--backup-workers": spec.backup_workers or None, "--optimizer": "sgd",
+                "--lr": c.lr})
         else:
             world = 1 if spec.command == "single" else self.procs
             flags = self._run_flags() + self._train_flags(world) + _present({"--lr": c.lr})

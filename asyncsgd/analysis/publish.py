@@ -17,7 +17,8 @@ from typing import Optional
 
 from ..errors import ConfigError
 from .plots import draw_all
-from .report import Attempt, Run, mode_rows, render_report, render_table, run_label
+from .report import (Attempt, Run, mode_rows, render_report, render_table, run_label,
+                     verdict)
 
 
 def write_results(path: Path, header: dict, rows: list, target: Optional[float]) -> None:
@@ -39,7 +40,7 @@ def publish(out_dir: Path, title: str, intro: list, attempts: list, target: Opti
     (out_dir / "report.md").write_text(
         render_report(title, intro, rows, target, plots, out_dir))
     write_results(out_dir / "results.json", header, rows, target)
-    return render_table(rows, target)
+    return render_table(rows, target) + "\n\n" + verdict(rows, target)
 
 
 def report_runs(paths: list, out: Path, target: Optional[float]) -> str:

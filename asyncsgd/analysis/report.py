@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import CheckpointError
-from ..run.metrics import first_progress, steady_throughput, summarize, time_to_target
+from ..run.metrics import (first_progress, samples_to_target, steady_throughput, summarize,
+                           time_to_target)
 from ..run.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class Run:
             "final_accuracy": self.summary.get("final_accuracy"),
             "best_accuracy": self.summary.get("best_accuracy"),
             "time_to_target": time_to_target(self.events, target),
+            "samples_to_target": samples_to_target(self.events, target),
             "samples_per_second": steady_throughput(self.events),
             "startup_seconds": start["t"] if start else None,
             "samples": self.summary.get("samples"),
@@ -235,6 +237,8 @@ def table_cells(row: Row, target: Optional[float]) -> dict:
             text += f" ({ttt.n}/{row.succeeded} reached)"
         cells[f"time to {target * 100:g}%"] = text
         cells["speed-up (time)"] = _times(row.speedup_time)
+        cells[f"samples to {target * 100:g}%"] = _fmt(s["samples_to_target"], _rate) \
+            if ttt.n else DASH
     cells.update({
         "samples/s": _fmt(s["samples_per_second"], _rate),
         "speed-up (samples/s)": _times(row.speedup_throughput),
@@ -250,7 +254,7 @@ def table_cells(row: Row, target: Optional[float]) -> dict:
 def columns(target: Optional[float]) -> list:
     names = ["mode", "final acc. %", "best acc. %"]
     if target is not None:
-        names += [f"time to {target * 100:g}%", "speed-up (time)"]
+        names += [f"time to {target * 100:g}%", "speed-up (time)", f"samples to {target * 100:g}%"]
     return names + ["samples/s", "speed-up (samples/s)", "start-up s", "staleness p50 / p99",
                     "runs ok"]
 
@@ -290,6 +294,8 @@ How to read this table:
   (summary.json).
 - *time to X%*: training seconds until the first evaluation at or above X%
   (metrics.jsonl; resolution: the evaluation interval).
+- *samples to X%*: training samples (all processes together) until that evaluation: what
+  reaching the target cost in gradients, whatever the speed (stale updates cost more).
 - *samples/s*: training samples processed per second from the end of start-up to the
   end of the run (metrics.jsonl); *start-up s*: seconds until the first samples were
   processed (spawning processes, connecting workers, building process groups).
@@ -300,10 +306,50 @@ How to read this table:
 - With several repeats: mean ± sample standard deviation over the runs that succeeded.
 """
 
+def verdict(rows: list, target: Optional[float]) -> str:
+    """Which mode did best under these conditions, by how much, at what cost in samples:
+    sentences computed from the table's means, never canned."""
+    ok = [r for r in rows if r.succeeded]
+    if not ok:
+        return "No run succeeded: nothing to compare."
+    if target is None:
+        best = max(ok, key=lambda r: r.stats["final_accuracy"].mean or 0.0)
+        fast = max(ok, key=lambda r: r.stats["samples_per_second"].mean or 0.0)
+        return (f"Best final accuracy: {best.label} "
+                f"({_fmt(best.stats['final_accuracy'], _pct)}%); most samples/s: {fast.label} "
+                f"({_fmt(fast.stats['samples_per_second'], _rate)}). Give --target-accuracy "
+                "to compare times to a target.")
+    pct = f"{target * 100:g}%"
+    reached = sorted((r for r in ok if r.stats["time_to_target"].n),
+                     key=lambda r: r.stats["time_to_target"].mean)
+    missed = [r.label for r in ok if not r.stats["time_to_target"].n]
+    if not reached:
+        best = max(ok, key=lambda r: r.stats["best_accuracy"].mean or 0.0)
+        return (f"No mode reached {pct} within the budget; the closest was {best.label} "
+                f"(best {_fmt(best.stats['best_accuracy'], _pct)}%).")
+    first = reached[0]
+    t1, s1 = first.stats["time_to_target"].mean, first.stats["samples_to_target"].mean
+    text = f"{first.label} reached {pct} first, in {t1:.1f} s"
+    if len(reached) > 1:
+        second = reached[1]
+        t2, s2 = second.stats["time_to_target"].mean, second.stats["samples_to_target"].mean
+        text += (f": {t2 / t1:.2f}x sooner than the next, {second.label} ({t2:.1f} s), "
+                 f"with {s1 / s2:.2f}x its samples ({s1:,.0f} vs {s2:,.0f})")
+        thrifty = min(reached, key=lambda r: r.stats["samples_to_target"].mean)
+        if thrifty is not first:
+            text += (f"; the fewest samples to {pct}: {thrifty.label} "
+                     f"({thrifty.stats['samples_to_target'].mean:,.0f})")
+    text += "."
+    if missed:
+        text += f" Not reached within the budget: {', '.join(missed)}."
+    return text
+
+
 def render_report(title: str, intro: list, rows: list, target: Optional[float],
                   plots: list, out_dir: Path) -> str:
     """report.md: the table, failed runs with their errors, the plots, every run's directory."""
-    parts = [f"# {title}", "", *intro, "", render_table(rows, target), "", NOTES]
+    parts = [f"# {title}", "", *intro, "", render_table(rows, target), "",
+             f"**Verdict** (computed from the table): {verdict(rows, target)}", "", NOTES]
     failed = [a for r in rows for a in r.attempts if not a.ok]
     if failed:
         parts += ["## Failed runs", ""]

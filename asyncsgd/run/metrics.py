@@ -63,14 +63,25 @@ class MetricsLog:
             self._fh.close()
 
 
-def time_to_target(events: Iterable[dict], target: Optional[float]) -> Optional[float]:
-    """Training seconds until the first evaluation at or above ``target``."""
+def first_at_target(events: Iterable[dict], target: Optional[float]) -> Optional[dict]:
+    """The first evaluation at or above ``target``, or None."""
     if target is None:
         return None
-    for e in events:
-        if e.get("event") == "eval" and e.get("accuracy", -1) >= target:
-            return e["t"]
-    return None
+    return next((e for e in events
+                 if e.get("event") == "eval" and e.get("accuracy", -1) >= target), None)
+
+
+def time_to_target(events: Iterable[dict], target: Optional[float]) -> Optional[float]:
+    """Training seconds until the first evaluation at or above ``target``."""
+    hit = first_at_target(events, target)
+    return None if hit is None else hit["t"]
+
+
+def samples_to_target(events: Iterable[dict], target: Optional[float]) -> Optional[int]:
+    """Training samples (all workers together) until the first evaluation at or above
+    ``target``: what reaching it cost, whatever the speed."""
+    hit = first_at_target(events, target)
+    return None if hit is None else hit["samples"]
 
 
 def summarize(events: list, *, mode: str, task: str, target: Optional[float],

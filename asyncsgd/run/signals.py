@@ -72,7 +72,9 @@ def restore_sigint() -> None:
 
 def sigint_now() -> None:
     """The imports are done: Ctrl-C raises KeyboardInterrupt again, at once if one came."""
-    came = bool(_noted)
-    restore_sigint()
+    if signal.getsignal(signal.SIGINT) is _note:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    came = bool(_noted)  # read after the handler is back: one noted in between still counts
+    _noted.clear()
     if came:
         raise KeyboardInterrupt("Ctrl-C while starting")
