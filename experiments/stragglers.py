@@ -1,6 +1,6 @@
 """Stragglers: time to target as one of 4 workers is slowed 1x, 2x, 4x and 8x, in every mode.
 
-    python experiments/stragglers.py                          # 4 slowdowns x 6 modes, ~25 min
+    python experiments/stragglers.py                          # 4 slowdowns x 6 modes, ~7 min
     python experiments/stragglers.py --factors 1,4 --modes ddp,ps-async --budget 30
 
 For each slowdown F one ``asyncsgd compare`` (same seeds, data, batch per process,

@@ -46,6 +46,7 @@ import torch
 
 from .. import errors
 from ..config import DDPConfig
+from ..core.pacing import Pacing
 from ..core.tasks import Task, task_of
 from ..errors import AsyncSGDError, ConfigError, WorkerError
 from ..run.process_group import WorkerGroup, available_cores, context, threads_per_process
@@ -158,6 +159,7 @@ def train(cfg: DDPConfig, task: Optional[Task] = None,
     if launcher is not None:
         return _train_as_launched_rank(cfg, launcher, task, argv)
     procs = cfg.procs or (_gpus() if cfg.device == "cuda" else available_cores())
+    Pacing.parse(cfg.slowdown, cfg.delay).check_ranks(procs, "--procs")  # before any rank
     backend, why = choose_backend(cfg, procs)
     run = Recorder.open_run(cfg)
     task = task or task_of(cfg)
@@ -189,6 +191,7 @@ def _train_as_launched_rank(cfg: DDPConfig, launcher: dict, task: Optional[Task]
     if cfg.procs is not None and cfg.procs != world:
         raise ConfigError(f"--procs {cfg.procs} contradicts the launcher's $WORLD_SIZE={world}; "
                           "under torchrun leave --procs out (--nproc-per-node decides)")
+    Pacing.parse(cfg.slowdown, cfg.delay).check_ranks(world, "WORLD_SIZE")
     backend, why = choose_backend(cfg, launcher["LOCAL_WORLD_SIZE"])
     run = Recorder.open_run(cfg) if rank == 0 else None
     task = task or task_of(cfg)

@@ -136,6 +136,8 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
     procs = cfg.procs or available_cores()
     if procs < 1:
         raise ConfigError(f"--procs must be at least 1 (got {procs})")
+    pacing = Pacing.parse(cfg.slowdown, cfg.delay)
+    pacing.check_ranks(procs, "--procs")
     run = Recorder.open_run(cfg)
     task = task or task_of(cfg)
     model = task.build_model(cfg.seed)
@@ -143,8 +145,6 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
     lr = cfg.lr or task.lr
     batch_size = cfg.batch_size or task.batch_size
     total = len(task.train) * cfg.epochs
-    pacing = Pacing.parse(cfg.slowdown, cfg.delay)
-    pacing.check_ranks(procs, "--procs")
     recorder = Recorder(cfg, task, model, run, total_samples=total, argv=argv)
     model.to(cfg.device)
     model.share_memory()

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from ..config import SingleConfig
+from ..core.pacing import Pacing
 from ..core.tasks import Task, task_of
 from ..run.process_group import available_cores, idle_cores
 from ..run.recorder import Recorder, RunResult
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 def train(cfg: SingleConfig, task: Optional[Task] = None, argv: Optional[list] = None) -> RunResult:
     """Train in this process as configured; returns the run directory and its summary."""
     check_settings(cfg)
+    Pacing.parse(cfg.slowdown, cfg.delay).check_ranks(1, "single")
     run = Recorder.open_run(cfg)
     task = task or task_of(cfg)
     threads = cfg.threads or idle_cores()
