@@ -111,8 +111,10 @@ def test_hogwild_single_and_ddp_ranks_take_their_pace(slow_env, tmp_path):
         out = tmp_path / mode
         slowed = 0 if mode == "single" else 1
         res = _run(slow_env, mode, *args, *TASK, "--threads", 1, "--slowdown",
-                   f"{slowed}:{SLOW}", "--max-seconds", 10, "--eval-every", 0.5, "--out", out)
+                   f"{slowed}:{SLOW}", "--max-seconds", 10, "--eval-every", 0.5, "--out", out,
+                   "--progress", "log")
         assert res.returncode == 0, res.stderr
+        assert re.search(r"\| \d+% of step time waited on purpose\n", res.stderr), res.stderr
         events, summary = read_events(out), read_json(out / "summary.json")
         pace = summary["pacing"]
         assert pace["slowdown"] == {str(slowed): SLOW}

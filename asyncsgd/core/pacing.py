@@ -148,6 +148,13 @@ def pace_event(computed: float, waited: float) -> dict:
     return {"compute_s": round(computed, 4), "waited_s": round(waited, 4)}
 
 
+def waited_note(computed: float, waited: float) -> str:
+    """For a progress line: the share of step time waited on purpose ('' when none)."""
+    if waited <= 0:
+        return ""
+    return f"{100 * waited / (computed + waited):.0f}% of step time waited on purpose"
+
+
 class Pacer:
     """One rank's pace: ``begin()`` before its step's computation, ``end()`` once its
     gradient is computed; ``end`` waits what the rank is slowed by and returns it."""

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from ..config import HogwildConfig
-from ..core.pacing import Pacer, Pacing, pace_event
+from ..core.pacing import Pacer, Pacing, pace_event, waited_note
 from ..core.tasks import Task, epoch_order, partition_indices, task_of
 from ..errors import ConfigError, WorkerError
 from ..run.process_group import WorkerGroup, available_cores, context, threads_per_process
@@ -240,6 +240,11 @@ class _TrainEvents:
                                     **pace_event(delta[COMPUTED], delta[WAITED]))
         self.seen = now
 
+    def waited(self) -> str:
+        """The share of all workers' step time waited on purpose, for the progress line."""
+        sums = self.losses[:, [COMPUTED, WAITED]].sum(0).tolist()
+        return waited_note(*sums)
+
     def pace(self) -> list:
         """Per worker: steps, seconds computing and seconds waited on purpose."""
         return [{"steps": int(row[LOSS_STEPS]), "compute_seconds": round(row[COMPUTED], 3),
@@ -272,7 +277,7 @@ def _supervise(cfg: HogwildConfig, recorder: Recorder, group: WorkerGroup, contr
                 if finished:
                     break
                 recorder.checkpoint_if_due(samples, int(counters[:, EPOCHS].min()))
-                recorder.show(samples, events.rate())
+                recorder.show(samples, events.rate(), note=events.waited())
     finally:
         control[0] = 1
         throughput = events.throughput()

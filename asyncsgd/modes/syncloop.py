@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from ..config import SingleConfig
-from ..core.pacing import Pacer, Pacing, pace_event
+from ..core.pacing import Pacer, Pacing, pace_event, waited_note
 from ..core.tasks import Task, epoch_order, partition_indices
 from ..errors import ConfigError, WorkerError
 from ..run.recorder import Outcome, Recorder, RunResult
@@ -221,7 +221,8 @@ class SyncLoop:
             self._paced_seen = paced
             self._pending = [0.0, 0]
             self._next_train_event = rec.elapsed() + TRAIN_EVENT_SECONDS
-        rec.show(samples, self.steady_rate() or 0.0)
+        rec.show(samples, self.steady_rate() or 0.0,
+                 note=waited_note(sum(self.ranks_paced[0::2]), sum(self.ranks_paced[1::2])))
 
     def steady_rate(self) -> Optional[float]:
         """Rank 0: samples/s since every rank was running (start-up excluded)."""

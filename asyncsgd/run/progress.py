@@ -30,10 +30,15 @@ class Progress:
         self._last_draw = 0.0
         self._last_log = float("-inf")
         self._eval = ""
+        self._note = ""
         self._drawn = False
 
     def evaluated(self, accuracy: float, loss: float) -> None:
         self._eval = f"test acc {accuracy * 100:.1f}% loss {loss:.3f}"
+
+    def note(self, text: str) -> None:
+        """One more part of the status, e.g. the share of time stragglers waited."""
+        self._note = text
 
     def update(self, t: float, samples: int, rate: float, force: bool = False) -> None:
         if self.style == "off":
@@ -53,6 +58,8 @@ class Progress:
         parts = [done, f"{rate:,.0f} samples/s"]
         if self._eval:
             parts.append(self._eval)
+        if self._note:
+            parts.append(self._note)
         return " | ".join(parts)
 
     def _draw(self, t: float, samples: int, rate: float) -> None:

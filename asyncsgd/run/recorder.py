@@ -172,7 +172,9 @@ class Recorder:
         if self.elapsed() >= self._next_checkpoint:
             self.checkpoint(samples, epochs_done)
 
-    def show(self, samples: int, rate: float, force: bool = False) -> None:
+    def show(self, samples: int, rate: float, force: bool = False, note: str = "") -> None:
+        """Progress; ``note``: one more part of it (e.g. what stragglers waited)."""
+        self.progress.note(note)
         self.progress.update(self.t(), samples, rate, force=force)
 
     def conclude(self, samples: int, epochs_done: int, outcome: Outcome,
