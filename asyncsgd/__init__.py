@@ -23,6 +23,8 @@ _EXPORTS = {
     "WorkerError": "errors",
     "RunDir": "run.rundir", "RunResult": "run.recorder",
     "Split": "core.tasks", "Task": "core.tasks", "load_task": "core.tasks",
+    "Metric": "core.scoring", "ACCURACY": "core.scoring", "PERPLEXITY": "core.scoring",
+    "MSE": "core.scoring",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

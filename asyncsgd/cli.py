@@ -19,7 +19,8 @@ from typing import Optional
 import click
 
 from .config import (CompareConfig, DDPConfig, HogwildConfig, PlotConfig, ServerConfig,
-                     SingleConfig, WorkerConfig, click_options, config_from_dict)
+                     RENAMED, SingleConfig, WorkerConfig, click_options,
+                     config_from_dict)
 from .errors import AsyncSGDError, ConfigError
 from .run.lifetime import exit_now, start_command_clock
 from .run.signals import defer_sigint, restore_sigint, sigint_now
@@ -53,7 +54,8 @@ def _build_config(cls, ctx: click.Context):
     if "out" in explicit:
         raise ConfigError("--out cannot be combined with --resume: a resumed run "
                           "continues in its own directory")
-    saved = RunDir.open(resume).read_config().get("config", {})
+    saved = {RENAMED.get(k, k): v
+             for k, v in RunDir.open(resume).read_config().get("config", {}).items()}
     known = {f.name for f in dataclasses.fields(cls)}
     retired = sorted(set(saved) - known)
     if retired:  # settings this mode no longer has (single's --start-method, which it never used)
@@ -65,15 +67,17 @@ def _build_config(cls, ctx: click.Context):
 
 
 def _report(summary: dict) -> None:
-    acc = summary.get("final_accuracy")
-    best = summary.get("best_accuracy")
+    from .core.scoring import Metric
+    metric = Metric.described(summary.get("metric"))
+    final, best = summary.get("final_metric"), summary.get("best_metric")
     rate = summary.get("samples_per_second") or 0
-    if acc is not None:
-        click.echo(f"final test accuracy: {acc * 100:.2f}% (best {best * 100:.2f}%) after "
-                   f"{summary['train_seconds']:.1f} s of training, {rate:,.0f} samples/s")
-    if summary.get("target_accuracy") is not None:
+    if final is not None:
+        click.echo(f"final test {metric.name}: {metric.format(final, True)} (best "
+                   f"{metric.format(best, True)}) after {summary['train_seconds']:.1f} s of "
+                   f"training, {rate:,.0f} samples/s")
+    if summary.get("target") is not None:
         ttt = summary.get("time_to_target")
-        click.echo(f"time to {summary['target_accuracy'] * 100:g}% accuracy: "
+        click.echo(f"time to {metric.name} {metric.format(summary['target'])}: "
                    + (f"{ttt:.1f} s" if ttt is not None else "not reached"))
     click.echo(f"stopped by: {summary['stopped_by']}")
     click.echo(f"run directory: {summary['run_dir']}")
@@ -86,7 +90,7 @@ def cli(verbose: int) -> None:
     """Asynchronous SGD on PyTorch: Hogwild!, a parameter server, and honest comparisons.
 
     Every training command writes a run directory (config.json, metrics.jsonl,
-    summary.json, checkpoint.pt) and prints the final test accuracy.
+    summary.json, checkpoint.pt) and prints the final test metric.
     """
     _configure_logging(verbose)
 
@@ -94,10 +98,14 @@ def cli(verbose: int) -> None:
 @cli.command()
 def tasks() -> None:
     """List the built-in tasks with their default learning rate and batch size."""
-    from .core.tasks import BUILTIN_TASKS
+    from .core.tasks import BUILTIN_TASKS, task_options
     sigint_now()
     for name, factory in BUILTIN_TASKS.items():
         click.echo(f"{name:14s} {(factory.__doc__ or '').strip().splitlines()[0]}")
+        options = task_options(factory)
+        if options:
+            click.echo(f"{'':14s} options: {', '.join(f'{k}={v}' for k, v in options.items())}"
+                       f"  (e.g. --task {name}:{next(iter(options))}=...)")
     click.echo("\nyour own: --task package.module:function returning an asyncsgd.Task "
                "(see the README)")
 
@@ -136,7 +144,7 @@ def ps_server(ctx: click.Context, **_: object) -> None:
 
     Workers connect to --bind; the handshake checks their model and tells them
     where the shards listen. Training ends when every worker has left (or on
-    --max-seconds, --target-accuracy, Ctrl-C); the run directory has the same
+    --max-seconds, --target, Ctrl-C); the run directory has the same
     format as every mode's, with updates/s and staleness added.
     """
     from servers.server import serve
@@ -286,16 +294,21 @@ def _finish(ctx: click.Context, command: str, result) -> None:
 
 
 @cli.command(epilog="Examples:\n\n\b\n"
-             "  asyncsgd compare --task mnist1d-cnn --procs 2 --budget 60 --target-accuracy 0.9\n"
+             "  asyncsgd compare --task mnist1d-cnn --procs 2 --budget 60 --target 0.9\n"
+             "  asyncsgd compare --task lm --modes single,ps-async,ddp --budget 120\n"
              "  asyncsgd compare --modes hogwild,ps-async,ps-sync --repeats 3 --out runs/cmp\n"
-             "  asyncsgd compare --modes hogwild,ps-async --mode-args 'ps-async=--optimizer adam'")
+             "  asyncsgd compare --modes hogwild,ps-async --mode-args 'ps-async=--optimizer adam'\n"
+             "  asyncsgd compare --link 100mbit --modes ps-async,ddp --procs 2   # as root")
 @click_options(CompareConfig)
 def compare(**params: object) -> None:
     """Run every mode on the same task, data, seeds and time budget, and report.
 
     Runs go one after another (never overlapping) as subprocesses of this
     command: single and hogwild and ddp as one command each, ps-* as a
-    parameter server and --procs workers on 127.0.0.1. A failed run is
+    parameter server and --procs workers on 127.0.0.1. With --link RATE the
+    server and each worker, and each ddp rank (one 'asyncsgd ddp' per rank, as
+    torchrun starts them), run on hosts of their own: network namespaces whose
+    links to one switch are limited to RATE each way. A failed run is
     recorded with its error and the comparison goes on. OUT gets report.md
     (table and plots), results.json, PNGs, and every run's directory and logs.
     Exits 1 when any run failed.
@@ -313,21 +326,69 @@ def compare(**params: object) -> None:
 
 @cli.command(epilog="Examples:\n\n\b\n"
              "  asyncsgd plot runs/20261122-101500-hogwild runs/20261122-103000-ps\n"
-             "  asyncsgd plot runs/20261122-110000-compare --out figures --target-accuracy 0.9")
+             "  asyncsgd plot runs/20261122-110000-compare --out figures --target 0.9")
 @click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR...")
 @click_options(PlotConfig)
 def plot(run_dirs: tuple, **params: object) -> None:
     """Plot and tabulate any run directories (of any mode, or of a compare).
 
-    Writes the compare plots (test accuracy and training loss vs time, loss vs
+    Writes the compare plots (the task's test metric and training loss vs time, loss vs
     samples, throughput) and report.md into --out, and prints the table.
     """
     from .analysis.publish import report_runs
     sigint_now()
     cfg = PlotConfig(**params)
     out = Path(cfg.out)
-    click.echo(report_runs(list(run_dirs), out, cfg.target_accuracy))
+    click.echo(report_runs(list(run_dirs), out, cfg.target))
     click.echo(f"report: {out / 'report.md'}")
+
+
+@cli.group(epilog="Examples (as root):\n\n\b\n"
+           "  asyncsgd hosts up server w0 w1 --link 100mbit\n"
+           "  ip netns exec asgd-server asyncsgd ps-server --bind tcp://10.213.50.1:5555 "
+           "--workers 2\n"
+           "  ip netns exec asgd-w0 asyncsgd worker --server tcp://10.213.50.1:5555 "
+           "--rank 0 --world 2\n"
+           "  ip netns exec asgd-w1 asyncsgd worker --server tcp://10.213.50.1:5555 "
+           "--rank 1 --world 2\n"
+           "  asyncsgd hosts list\n"
+           "  asyncsgd hosts down")
+def hosts() -> None:
+    """Hosts on one machine for runs started by hand: network namespaces on one switch.
+
+    'up' makes one network namespace (asgd-NAME) per NAME, each with an eth0 at
+    10.213.50.N on a switch, its link shaped to --link each way (tbf, as compare
+    --link does), and prints the 'ip netns exec' commands that run a parameter
+    server, its workers or DDP ranks in them. They stand until 'down'. Needs root.
+    """
+
+
+@hosts.command("up")
+@click.argument("names", nargs=-1, required=True, metavar="NAME...")
+@click.option("--link", metavar="RATE", default=None, show_default="none: unshaped",
+              help="Each host's link rate, each way: e.g. 100mbit, 1gbit, 500kbit.")
+def hosts_up(names: tuple, link: Optional[str]) -> None:
+    """Make a host (network namespace asgd-NAME) per NAME and print how to use them."""
+    from .run.standing_hosts import guide, up
+    sigint_now()
+    click.echo("\n".join(guide(up(list(names), link))))
+
+
+@hosts.command("down")
+def hosts_down() -> None:
+    """Kill whatever runs in the hosts 'up' made and delete them."""
+    from .run.standing_hosts import down
+    sigint_now()
+    gone = down()
+    click.echo(f"deleted {', '.join(gone)}" if gone else "no hosts were up")
+
+
+@hosts.command("list")
+def hosts_list() -> None:
+    """The hosts 'up' made: name, address, link rate, namespace."""
+    from .run.standing_hosts import listing
+    sigint_now()
+    click.echo("\n".join(listing()) or "no hosts are up (make some with 'asyncsgd hosts up')")
 
 
 def main(argv: Optional[list] = None) -> None:

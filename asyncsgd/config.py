@@ -22,17 +22,18 @@ from .errors import ConfigError
 
 
 def knob(default: Any, help: str, *, type: Any = None, show: Optional[str] = None,
-         metavar: Optional[str] = None, identity: bool = False, multiple: bool = False) -> Any:
+         metavar: Optional[str] = None, identity: bool = False, multiple: bool = False,
+         aliases: tuple = ()) -> Any:
     """A dataclass field documented for the CLI.
 
     ``show`` is what --help prints as the default when the value itself would
     say nothing (e.g. ``None`` meaning "the task's default"). ``identity``
     marks settings that define *what* is trained (task, data): a resumed run
     must keep them. ``multiple`` makes an option that may be given several
-    times; its value is a tuple.
+    times; its value is a tuple. ``aliases``: older flags that still work.
     """
     meta = {"help": help, "type": type, "show": show, "metavar": metavar,
-            "identity": identity, "multiple": multiple}
+            "identity": identity, "multiple": multiple, "aliases": aliases}
     return field(default=default, metadata=meta)
 
 
@@ -98,9 +99,10 @@ class RunConfig:
         None, "Stop this many seconds after the command started (its start-up counts: it "
         "is time you wait too); from Python, after the run started.",
         type=click.FloatRange(min=0, min_open=True), show="no limit")
-    target_accuracy: Optional[float] = knob(
-        None, "Stop once the test accuracy reaches this fraction (e.g. 0.9).",
-        type=click.FloatRange(0, 1), show="none")
+    target: Optional[float] = knob(
+        None, "Stop once the test metric reaches this, in the task's metric and direction "
+        "('asyncsgd tasks'): accuracy as a fraction (0.9), lm's perplexity (2.0) from above.",
+        type=float, metavar="VALUE", show="none", aliases=("--target-accuracy",))
     eval_every: float = knob(
         2.0, "Seconds between evaluations on the test set (run beside training).",
         type=click.FloatRange(min=0.05))
@@ -370,13 +372,14 @@ class CompareConfig:
         60.0, "Seconds each run gets (its --max-seconds; start-up counts, as a user waits "
         "for it too).", type=click.FloatRange(min=0, min_open=True),
         metavar="SECONDS")
-    target_accuracy: Optional[float] = knob(
-        None, "Test accuracy whose first crossing the report times (e.g. 0.9); runs go on "
-        "to the end of the budget unless --stop-at-target.", type=click.FloatRange(0, 1),
-        show="none: no time-to-target column")
+    target: Optional[float] = knob(
+        None, "Test metric whose first crossing the report times, in the task's metric (0.9 "
+        "for 90% accuracy; a perplexity for lm); runs go on to the end of the budget unless "
+        "--stop-at-target.", type=float, metavar="VALUE", aliases=("--target-accuracy",),
+        show="the task's own (lm: perplexity 2.0), else none")
     stop_at_target: bool = knob(
-        False, "End each run once it reaches --target-accuracy instead of using the whole "
-        "budget (faster; final accuracies are then about the target).")
+        False, "End each run once it reaches --target instead of using the whole "
+        "budget (faster; final scores are then about the target).")
     repeats: int = knob(
         1, "Runs of every mode; repeat r uses seed + r for every mode. The report shows "
         "mean ± standard deviation over repeats.", type=click.IntRange(min=1))
@@ -406,6 +409,12 @@ class CompareConfig:
         "time to target).", type=click.FloatRange(min=0.05))
     slowdown: Optional[str] = _slowdown()  # ranks of every parallel mode; single is rank 0
     delay: Optional[str] = _delay()
+    link: Optional[str] = knob(
+        None, "Run the ps-* modes' server and each worker, and each ddp rank, on a host of "
+        "its own (a network namespace; needs root) whose link to one switch is limited to "
+        "RATE each way (tbf): e.g. 100mbit, 1gbit, 500kbit. single and hogwild stay "
+        "unshaped on one host. See also 'asyncsgd hosts up'.", metavar="RATE",
+        show="none: every process on this host")
     shards: int = knob(1, "Parameter-server shard processes in the ps-* modes.",
                        type=click.IntRange(min=1))
     ddp_backend: str = knob("auto", "torch.distributed backend of the ddp mode.",
@@ -432,13 +441,18 @@ class PlotConfig:
     """Settings of ``asyncsgd plot``."""
 
     out: str = knob("plots", "Directory for the PNGs and report.md.", metavar="DIR")
-    target_accuracy: Optional[float] = knob(
-        None, "Draw this test accuracy and time each run's first crossing of it.",
-        type=click.FloatRange(0, 1), show="none")
+    target: Optional[float] = knob(
+        None, "Draw this test metric (0.9 for 90% accuracy) and time each run's first "
+        "crossing of it.", type=float, metavar="VALUE", show="none", aliases=("--target-accuracy",))
+
+
+# settings renamed since run directories were first written: old name -> new
+RENAMED = {"target_accuracy": "target"}
 
 
 def config_from_dict(cls, data: dict):
     """Build ``cls`` from a dict, naming unknown keys instead of failing obscurely."""
+    data = {RENAMED.get(k, k): v for k, v in data.items()}
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
@@ -478,7 +492,7 @@ def click_options(cls):
                 kwargs["metavar"] = meta["metavar"]
             if meta.get("multiple"):
                 kwargs["multiple"] = True
-            func = click.option(flag, f.name, **kwargs)(func)
+            func = click.option(flag, *meta.get("aliases", ()), f.name, **kwargs)(func)
         return func
 
     return decorate

@@ -5,7 +5,7 @@
 
 A thin wrapper around the command that does the work,
 
-    asyncsgd compare --task mnist1d-cnn --procs 2 --budget 60 --target-accuracy 0.9 --repeats 2
+    asyncsgd compare --task mnist1d-cnn --procs 2 --budget 60 --target 0.9 --repeats 2
 
 (same owned processes, seeds, batch per process and budget for every mode;
 repeats interleaved), followed by copying its report into
@@ -62,11 +62,11 @@ def main() -> int:
     out = Path(args.runs or f"runs/async-vs-sync-{time.strftime('%Y%m%d-%H%M%S')}")
     argv = ["asyncsgd", "compare", "--task", args.task, "--modes", args.modes,
             "--procs", str(args.procs), "--budget", f"{args.budget:g}",
-            "--target-accuracy", f"{args.target:g}", "--repeats", str(args.repeats),
+            "--target", f"{args.target:g}", "--repeats", str(args.repeats),
             "--out", str(out)]
     started = time.monotonic()
     result = compare(CompareConfig(task=args.task, modes=args.modes, procs=args.procs,
-                                   budget=args.budget, target_accuracy=args.target,
+                                   budget=args.budget, target=args.target,
                                    repeats=args.repeats, out=str(out), progress="log"),
                      argv=argv)
     print(result.table)

@@ -43,7 +43,7 @@ def measure(task: str, procs: int, lock: bool, seconds: float, start_method: str
                             start_method=start_method, share_cores=share)
         summary = train(cfg).summary
     return {"rate": summary["steady_samples_per_second"] or 0.0,
-            "startup": summary["startup_seconds"], "accuracy": summary["final_accuracy"]}
+            "startup": summary["startup_seconds"], "accuracy": summary["final_metric"]}
 
 
 def label(lock: bool, share: str, procs: int, cores: int) -> str:

@@ -61,7 +61,7 @@ def run_grid(args, runs_root: Path) -> list:
             flags = VARIANTS[variant].format(lam=args.dc_lambda)
             cfg = CompareConfig(
                 task=args.task, modes="ps-async", procs=workers, budget=args.budget,
-                target_accuracy=args.target, seed=args.seed + r, eval_every=args.eval_every,
+                target=args.target, seed=args.seed + r, eval_every=args.eval_every,
                 mode_args=("worker=--threads 1",) + ((f"ps-async={flags}",) if flags else ()),
                 progress=args.progress,
                 out=str(runs_root / f"{variant}-w{workers}-r{r + 1}"))
@@ -91,7 +91,7 @@ def per_sample_table(attempts: list, args) -> tuple:
         for w in args.workers:
             runs = [a.run for a in attempts if a.ok and a.label == label(variant, w)]
             reached = [samples_to(r.events, args.target) for r in runs]
-            final = _mean([r.summary.get("final_accuracy") for r in runs])
+            final = _mean([r.summary.get("final_metric") for r in runs])
             p50 = _mean([r.summary.get("staleness_p50") for r in runs])
             mean_reached = _mean(reached)
             cells[(variant, w)] = (

@@ -6,7 +6,7 @@
 For each slowdown F one ``asyncsgd compare`` (same seeds, data, batch per process,
 budget and target in every mode; runs one after another):
 
-    asyncsgd compare --task mnist1d-cnn --procs 4 --slowdown 1:F --target-accuracy 0.85 \\
+    asyncsgd compare --task mnist1d-cnn --procs 4 --slowdown 1:F --target 0.85 \\
         --stop-at-target --modes ddp,ps-sync,ps-backup,ps-ssp,ps-async,hogwild
 
 Rank 1 waits (F - 1) x its own compute time after each step (``--slowdown``).
@@ -30,8 +30,10 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from asyncsgd.analysis.compare import compare
+from asyncsgd.analysis.report import Goal
 from asyncsgd.config import CompareConfig
 from results import RESULTS  # this script's folder
 
@@ -39,30 +41,47 @@ NAME = "stragglers"
 MODES = "ddp,ps-sync,ps-backup,ps-ssp,ps-async,hogwild"
 
 
-def measure(args, factor: int, out: Path) -> list:
-    """One compare at slowdown ``factor``: per mode, its time and samples to target."""
+def measure(args, factor, out: Path, key: str = "slowdown", slowdown: Optional[str] = None,
+            delay: Optional[str] = None, script: str = NAME) -> list:
+    """One compare under one condition (``slowdown``/``delay`` as compare takes them),
+    recorded as ``key: factor``: per mode, its time and samples to target."""
     cfg = CompareConfig(task=args.task, modes=args.modes, procs=args.procs, budget=args.budget,
-                        target_accuracy=args.target, stop_at_target=True,
-                        slowdown=f"1:{factor}" if factor > 1 else None, out=str(out),
-                        progress="log", seed=args.seed)
-    result = compare(cfg, argv=["asyncsgd", "compare", "(experiments/stragglers.py)"])
+                        target=args.target, stop_at_target=True, slowdown=slowdown,
+                        delay=delay, out=str(out), progress="log", seed=args.seed)
+    result = compare(cfg, argv=["asyncsgd", "compare", f"(experiments/{script}.py)"])
     rows = []
     for a in result.attempts:
-        numbers = a.run.numbers(args.target) if a.ok else {}
-        rows.append({"mode": a.label, "slowdown": factor, "status": a.status,
+        numbers = a.run.numbers(Goal(a.run.metric, args.target)) if a.ok else {}
+        rows.append({"mode": a.label, key: factor, "status": a.status,
                      "error": a.error, "time_to_target": numbers.get("time_to_target"),
                      "samples_to_target": numbers.get("samples_to_target"),
                      "samples_per_second": numbers.get("samples_per_second"),
-                     "final_accuracy": numbers.get("final_accuracy")})
+                     "final_metric": numbers.get("final_metric")})
     return rows
 
 
-def _cell(row: dict, budget: float) -> str:
+def cell(row: dict, budget: float) -> str:
     if row["status"] != "ok":
         return f"failed ({row['error']})"
     if row["time_to_target"] is None:
         return f"> {budget:g} s"
     return f"{row['time_to_target']:.1f} s / {row['samples_to_target'] / 1000:,.0f}k"
+
+
+def table(rows: list, key: str, xs: list, headers: list, budget: float) -> list:
+    """Markdown lines: one row per mode, one column per value of the condition ``key``."""
+    cells = {(r["mode"], r[key]): cell(r, budget) for r in rows}
+    return ["| mode | " + " | ".join(headers) + " |", "|---|" + "---|" * len(xs),
+            *(f"| {mode} | " + " | ".join(cells.get((mode, x), "") for x in xs) + " |"
+              for mode in dict.fromkeys(r["mode"] for r in rows))]
+
+
+def save(name: str, text: str, record, draw) -> None:
+    """``results/NAME.md`` (``text``), ``.json`` (``record``) and ``.png`` (``draw(path)``)."""
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.md").write_text(text + "\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    draw(RESULTS / f"{name}.png")
 
 
 def shape(rows: list, factors: list, budget: float) -> list:
@@ -88,22 +107,25 @@ def shape(rows: list, factors: list, budget: float) -> list:
     return lines
 
 
-def plot(rows: list, factors: list, path: Path) -> None:
+def plot(rows: list, key: str, xs: list, ticks: list, xlabel: str, title: str, path: Path,
+         log2: bool = False) -> None:
+    """Time to target per mode against the condition ``key`` (one line per mode)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode in dict.fromkeys(r["mode"] for r in rows):
-        points = [(r["slowdown"], r["time_to_target"]) for r in rows
+        points = [(r[key], r["time_to_target"]) for r in rows
                   if r["mode"] == mode and r["time_to_target"] is not None]
         if points:
             ax.plot(*zip(*points), marker="o", label=mode)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(factors, [f"{f}x" for f in factors])
-    ax.set_xlabel("slowdown of one worker of four")
+    if log2:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, ticks)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("seconds of training to the target")
-    ax.set_title("Time to target with one straggler (mnist1d-cnn, 2 cores)")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -111,26 +133,32 @@ def plot(rows: list, factors: list, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--task", default="mnist1d-cnn")
-    ap.add_argument("--modes", default=MODES)
-    ap.add_argument("--procs", type=int, default=4)
-    ap.add_argument("--factors", default="1,2,4,8", help="slowdowns of rank 1")
-    ap.add_argument("--budget", type=float, default=45.0, help="seconds per run")
-    ap.add_argument("--target", type=float, default=0.85)
+def arguments(doc: str, **defaults) -> argparse.ArgumentParser:
+    """The options every compare-based experiment takes (``defaults`` override)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--task", default=defaults.get("task", "mnist1d-cnn"))
+    ap.add_argument("--modes", default=defaults.get("modes", MODES))
+    ap.add_argument("--procs", type=int, default=defaults.get("procs", 4))
+    ap.add_argument("--budget", type=float, default=defaults.get("budget", 45.0),
+                    help="seconds per run")
+    ap.add_argument("--target", type=float, default=defaults.get("target", 0.85))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", default=None, help="where the compare directories go")
     ap.add_argument("--no-save", action="store_true", help="leave experiments/results alone")
+    return ap
+
+
+def main() -> int:
+    ap = arguments(__doc__)
+    ap.add_argument("--factors", default="1,2,4,8", help="slowdowns of rank 1")
     args = ap.parse_args()
     factors = sorted(int(f) for f in args.factors.split(","))
     runs = Path(args.runs or f"runs/stragglers-{time.strftime('%Y%m%d-%H%M%S')}")
     started = time.monotonic()
     rows = []
     for factor in factors:
-        rows += measure(args, factor, runs / f"x{factor}")
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
-    cells = {(r["mode"], r["slowdown"]): _cell(r, args.budget) for r in rows}
+        rows += measure(args, factor, runs / f"x{factor}",
+                        slowdown=f"1:{factor}" if factor > 1 else None)
     command = " ".join(["python experiments/stragglers.py", *sys.argv[1:]])
     lines = [f"# Time (and samples) to {args.target:.0%} with one straggler of "
              f"{args.procs} workers", "",
@@ -138,20 +166,16 @@ def main() -> int:
              f"2-core machine: task {args.task}, seed {args.seed}, budget {args.budget:g} s "
              "per run (start-up included), each cell one run: training seconds to the "
              "target / training samples (all workers) to it.", "",
-             "| mode | " + " | ".join(f"{f}x" for f in factors) + " |",
-             "|---|" + "---|" * len(factors)]
-    for mode in modes:
-        lines.append(f"| {mode} | " + " | ".join(cells.get((mode, f), "") for f in factors)
-                     + " |")
+             *table(rows, "slowdown", factors, [f"{f}x" for f in factors], args.budget)]
     lines += ["", "What it shows (computed from the table):", "",
               *shape(rows, factors, args.budget), "", f"![time to target]({NAME}.png)"]
     text = "\n".join(lines)
     print(text)
     if not args.no_save:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"{NAME}.md").write_text(text + "\n")
-        (RESULTS / f"{NAME}.json").write_text(json.dumps(rows, indent=2) + "\n")
-        plot(rows, factors, RESULTS / f"{NAME}.png")
+        save(NAME, text, rows, lambda path: plot(
+            rows, "slowdown", factors, [f"{f}x" for f in factors],
+            "slowdown of one worker of four",
+            f"Time to target with one straggler ({args.task}, 2 cores)", path, log2=True))
     return 1 if any(r["status"] != "ok" for r in rows) else 0
 
 

@@ -119,7 +119,7 @@ def _serve_until_stopped(cfg: ServerConfig, front: Front, supervisor: ShardSuper
                 log.warning("evaluation skipped: %s", exc)
                 continue
             if recorder.target_reached():
-                return "target_accuracy"
+                return "target"
         if recorder.out_of_time():
             return "max_seconds"
         if cfg.exit_when_done and front.joined and front.all_left():

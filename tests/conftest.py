@@ -34,6 +34,19 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
+
+def marked_processes(mark):
+    """Live processes started under a test's marker $ASYNCSGD_TEST_MARK (children inherit
+    the environment, through `ip netns exec` too)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("ASYNCSGD_TEST_MARK") == mark:
+                found.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
 @pytest.fixture
 def cli_env(cache_dir):
     env = dict(os.environ)

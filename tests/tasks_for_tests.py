@@ -239,3 +239,21 @@ class OrderProbe(Scalars):
 
 def order_probe(samples=None):
     return _rows_task("order-probe", OrderProbe, samples or 40)
+
+
+def _mse(out, targets, reduction="mean"):
+    return torch.nn.functional.mse_loss(out, targets, reduction=reduction)
+
+
+def regression(samples=None):
+    """y = x . w_true + noise, a linear model, scored by MSE (lower is better): its loss
+    per sample *is* the metric, so the two must agree exactly."""
+    from asyncsgd.core.scoring import MSE
+    n = samples or 2000
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, 8, generator=g)
+    y = x @ torch.arange(1.0, 9.0).view(8, 1) / 8 + 0.05 * torch.randn(n, 1, generator=g)
+    cut = int(0.8 * n)
+    return Task(name="regression", model_fn=functools.partial(nn.Linear, 8, 1),
+                train=Split((x[:cut],), y[:cut]), test=Split((x[cut:],), y[cut:]),
+                loss_fn=_mse, lr=0.05, batch_size=16, metric=MSE)

@@ -27,7 +27,9 @@ ROOT = Path(__file__).parent.parent
     (["--task", "mnist-cnn"], ["--data-dir"]),
     (["--task", "mnist1d-cnn", "--data-dir", "/tmp"], ["only read by the tasks"]),
     (["--lr", "-1"], ["--lr"]),
-    (["--target-accuracy", "85"], ["--target-accuracy", "85"]),
+    (["--target-accuracy", "85"], ["--target 85", "between 0 and 1"]),
+    (["--task", "lm", "--target", "0.5"], ["perplexity is at least 1"]),
+    (["--task", "mnist1d-mlp:depth=3"], ["has no option depth", "width=256"]),
     (["--no-such-flag"], ["No such option '--no-such-flag'"]),
     (["--resume", "/nonexistent/run"], ["not a run directory"]),
 ])
@@ -95,7 +97,7 @@ def test_log_progress_and_final_accuracy_printed(run_cli, tmp_path):
     assert re.search(r"\[hogwild\] \d\d:\d\d [\d,]+/12,000 samples \| [\d,]+ samples/s", res.stderr)
     match = re.search(r"final test accuracy: ([\d.]+)%", res.stdout)
     summary = read_json(tmp_path / "run" / "summary.json")
-    assert match and abs(float(match.group(1)) - 100 * summary["final_accuracy"]) < 0.01
+    assert match and abs(float(match.group(1)) - 100 * summary["final_metric"]) < 0.01
     assert f"run directory: {tmp_path / 'run'}" in res.stdout
 
 
@@ -111,7 +113,7 @@ def test_readme_user_task_example_runs(run_cli, tmp_path, cli_env):
     res = run_cli(*args)
     assert res.returncode == 0, res.stderr
     summary = read_json(tmp_path / "run" / "summary.json")
-    assert summary["task"] == "my-task" and summary["final_accuracy"] > 0.8
+    assert summary["task"] == "my-task" and summary["final_metric"] > 0.8
 
 
 def test_tensorboard_writes_event_files(run_cli, tmp_path):

@@ -16,19 +16,19 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
 from asyncsgd.analysis.cli_launcher import Child, stop_all
 from asyncsgd.analysis.compare import parse_modes
-from asyncsgd.analysis.report import (Attempt, Run, mode_rows, parse_table, table_cells,
+from asyncsgd.analysis.report import (Attempt, Goal, Run, mode_rows, parse_table, table_cells,
                                      verdict)
+from asyncsgd.core.scoring import ACCURACY, PERPLEXITY
 from asyncsgd.errors import ConfigError
 from asyncsgd.run.metrics import (MetricsLog, first_progress, steady_throughput, summarize,
                                   train_curve)
 from asyncsgd.run.process_group import available_cores
 from asyncsgd.run.rundir import RunDir
-from conftest import TESTS, asyncsgd_cmd, read_events, read_json
+from conftest import TESTS, asyncsgd_cmd, marked_processes, read_events, read_json
 
 # DDP spends 5-10 s of a loaded 2-core machine starting its ranks; the budget must leave it
 # time to train after that.
@@ -43,25 +43,13 @@ def _env(cache_dir, mark):
     return env
 
 
-def _marked(mark):
-    """Live processes started under this test's marker (children inherit the environment)."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("ASYNCSGD_TEST_MARK") == mark:
-                found.append(p)
-        except (psutil.Error, OSError):
-            continue
-    return found
-
-
 def _run(cache_dir, *args, timeout=300):
     mark = uuid.uuid4().hex
     started = time.monotonic()
     res = subprocess.run(asyncsgd_cmd(*args), env=_env(cache_dir, mark), capture_output=True,
                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     res.seconds = time.monotonic() - started
-    res.leftovers = _marked(mark)
+    res.leftovers = marked_processes(mark)
     return res
 
 
@@ -70,7 +58,7 @@ def compared(cache_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("compare") / "cmp"
     res = _run(cache_dir, "compare", "--task", "mnist1d-cnn", "--modes",
                ",".join(OK_MODES + ["ps-sync"]), "--procs", 2, "--budget", BUDGET,
-               "--batch-size", BATCH, "--target-accuracy", TARGET, "--eval-every", 0.5,
+               "--batch-size", BATCH, "--target", TARGET, "--eval-every", 0.5,
                "--grace", 90,
                "--mode-args", "ps-sync=--no-such-flag", "--progress", "log", "--out", out)
     return res, out
@@ -100,7 +88,7 @@ def expected_row(run_dir, target):
     ttt, rate, first = _time_and_rate(run_dir, target)
     p50, p99 = summary.get("staleness_p50"), summary.get("staleness_p99")
     return {
-        "final acc. %": _pct(summary["final_accuracy"]),
+        "final acc. %": _pct(summary["final_metric"]),
         "best acc. %": _pct(max(e["accuracy"] for e in evals)),
         f"time to {target * 100:g}%": f"{ttt:.1f} s" if ttt is not None else "not reached",
         "samples/s": f"{rate:,.0f}",
@@ -133,7 +121,7 @@ def test_compare_reports_what_the_runs_recorded(compared):
     results = read_json(out / "results.json")
     by_mode = {r["mode"]: r for r in results["runs"]}
     hog = read_json(out / "hogwild-r1" / "summary.json")
-    assert by_mode["hogwild"]["final_accuracy"] == hog["final_accuracy"]
+    assert by_mode["hogwild"]["final_metric"] == hog["final_metric"]
 
 
 def test_every_mode_ran_alike_and_one_after_another(compared):
@@ -213,7 +201,7 @@ def test_plot_draws_any_run_directories(compared, cache_dir, tmp_path):
     other = tmp_path / "my-hogwild"
     _fake_run(other, "hogwild", seed=3, points=[(0.5, 100, 0.2), (2.5, 900, 0.6)])
     res = _run(cache_dir, "plot", out / "hogwild-r1", out / "ps-async-r1", other,
-               "--out", tmp_path / "plots", "--target-accuracy", TARGET)
+               "--out", tmp_path / "plots", "--target", TARGET)
     assert res.returncode == 0, res.stderr
     rows = {r["mode"]: r for r in parse_table((tmp_path / "plots" / "report.md").read_text())}
     # Two hogwild runs are different experiments, told apart by their directory.
@@ -232,25 +220,26 @@ def test_plot_draws_any_run_directories(compared, cache_dir, tmp_path):
 def test_plot_of_a_compare_directory_keeps_its_modes_and_failures(compared, cache_dir,
                                                                   tmp_path):
     _, out = compared
-    res = _run(cache_dir, "plot", out, "--out", tmp_path / "again", "--target-accuracy", TARGET)
+    res = _run(cache_dir, "plot", out, "--out", tmp_path / "again", "--target", TARGET)
     assert res.returncode == 0, res.stderr
     again = parse_table((tmp_path / "again" / "report.md").read_text())
     assert again == parse_table((out / "report.md").read_text())
 
 
-def _fake_run(path, mode, seed, points, **summary_extra):
-    """A run directory written through the library's own writers: (t, samples, accuracy)
-    evaluations, a train event (loss 1 - accuracy) at each."""
+def _fake_run(path, mode, seed, points, metric=ACCURACY, **summary_extra):
+    """A run directory written through the library's own writers: (t, samples, score)
+    evaluations of ``metric``, a train event (loss 1 - score) at each."""
     run = RunDir.create(str(path), mode)
-    run.write_config(mode, {"seed": seed}, {"name": "synthetic"}, argv=[])
-    metrics = MetricsLog(run)
+    run.write_config(mode, {"seed": seed}, {"name": "synthetic", "metric": metric.describe()},
+                     argv=[])
+    metrics = MetricsLog(run, metric=metric)
     metrics.write("start", 0.0, 0)
-    for t, samples, acc in points:
-        metrics.write("train", t, samples, worker=0, loss=1 - acc, steps=10, epoch=0)
-        metrics.write("eval", t, samples, loss=1 - acc, accuracy=acc)
+    for t, samples, score in points:
+        metrics.write("train", t, samples, worker=0, loss=1 - score, steps=10, epoch=0)
+        metrics.write("eval", t, samples, loss=1 - score, **{metric.name: score})
     metrics.close()
     run.write_summary(summarize(list(run.events()), mode=mode, task="synthetic", target=None,
-                                stopped_by="max_seconds", **summary_extra))
+                                stopped_by="max_seconds", metric=metric, **summary_extra))
     return Run.read(path)
 
 
@@ -267,28 +256,62 @@ def test_repeats_fold_into_mean_and_spread_with_speedups_over_single(tmp_path):
         attempt("ps-async", 0, [(1, 10, 0.1), (2, 20, 0.2)], staleness_p50=1, staleness_p99=4),
         Attempt("ps-async", 1, 1, status="failed", error="worker-0 exited with code 1"),
     ]
-    rows = {r.label: r for r in mode_rows(attempts, target=0.5)}
+    half = Goal.of(attempts, 0.5)
+    assert half.metric.name == "accuracy"  # read back from the runs' config.json
+    rows = {r.label: r for r in mode_rows(attempts, half)}
     hog = rows["hogwild"]
     assert hog.stats["samples_per_second"].mean == 800
     assert hog.speedup_throughput == 800 / 250
     assert hog.speedup_time == 4.0 / 1.0  # single's mean time to target over hogwild's
-    cells = table_cells(hog, 0.5)
+    cells = table_cells(hog, half)
     assert cells["samples/s"] == "800 ± 283"  # stdev(600, 1000) = 282.8
     assert cells["time to 50%"] == "1.0 s (1/2 reached)"
     assert cells["speed-up (time)"] == "4.00×" and cells["speed-up (samples/s)"] == "3.20×"
     assert cells["final acc. %"] == "50.00 ± 14.14"
-    assert table_cells(rows["single"], 0.5)["speed-up (samples/s)"] == "1.00×"
-    ps = table_cells(rows["ps-async"], 0.5)
+    assert table_cells(rows["single"], half)["speed-up (samples/s)"] == "1.00×"
+    ps = table_cells(rows["ps-async"], half)
     assert ps["runs ok"] == "1/2" and ps["staleness p50 / p99"] == "1 / 4"
     assert ps["time to 50%"] == "not reached" and ps["speed-up (time)"] == "—"
     # single: 4 s and 900 samples to 50% on average; hogwild: 1 s and 100 samples
     assert cells["samples to 50%"] == "100"
-    assert table_cells(rows["single"], 0.5)["samples to 50%"] == "900 ± 566"
-    assert verdict(list(rows.values()), 0.5) == (
+    assert table_cells(rows["single"], half)["samples to 50%"] == "900 ± 566"
+    assert verdict(list(rows.values()), half) == (
         "hogwild reached 50% first, in 1.0 s: 4.00x sooner than the next, single (4.0 s), "
         "with 0.11x its samples (100 vs 900). Not reached within the budget: ps-async.")
-    assert verdict(mode_rows(attempts, target=0.99), 0.99) == (
+    most = Goal.of(attempts, 0.99)
+    assert verdict(mode_rows(attempts, most), most) == (
         "No mode reached 99% within the budget; the closest was single (best 50.00 ± 0.00%).")
+
+
+def test_a_lower_is_better_metric_ranks_and_times_downwards(tmp_path):
+    """Perplexity: the target is reached from above, the best value is the lowest, and the
+    columns and verdict say the metric's name."""
+    def attempt(label, points):
+        run = _fake_run(tmp_path / label, label, 0, points, metric=PERPLEXITY)
+        return Attempt(label, 0, 0, run=run)
+
+    attempts = [attempt("single", [(1, 100, 9.0), (4, 400, 2.5), (6, 600, 1.9)]),   # 2.0 at 6
+                attempt("ps-async", [(1, 100, 8.0), (2, 300, 1.95), (3, 500, 2.4)]),  # 2.0 at 2
+                attempt("ddp", [(1, 100, 6.0), (6, 600, 3.0)])]                      # never
+    goal = Goal.of(attempts, 2.0)
+    assert goal.metric.name == "perplexity" and not goal.metric.higher_is_better
+    rows = {r.label: r for r in mode_rows(attempts, goal)}
+    ps = table_cells(rows["ps-async"], goal)
+    assert ps["time to perplexity 2"] == "2.0 s" and ps["samples to perplexity 2"] == "300"
+    assert ps["final perplexity"] == "2.4" and ps["best perplexity"] == "1.95"
+    assert rows["ps-async"].speedup_time == 6.0 / 2.0
+    assert table_cells(rows["ddp"], goal)["time to perplexity 2"] == "not reached"
+    assert verdict(list(rows.values()), goal) == (
+        "ps-async reached perplexity 2 first, in 2.0 s: 3.00x sooner than the next, single "
+        "(6.0 s), with 0.50x its samples (300 vs 600). Not reached within the budget: ddp.")
+    none = Goal.of(attempts, None)
+    assert verdict(mode_rows(attempts, none), none).startswith(
+        "Best final perplexity: single (1.9); most samples/s:")
+    with pytest.raises(ConfigError, match="perplexity is at least 1"):
+        Goal.of(attempts, 0.5)
+    with pytest.raises(ConfigError, match="different metrics"):
+        Goal.of([*attempts, Attempt("hogwild", 0, 0, run=_fake_run(
+            tmp_path / "hogwild", "hogwild", 0, [(1, 100, 0.5)]))], None)
 
 
 def test_train_curve_merges_the_workers_of_one_report():
@@ -390,7 +413,7 @@ def test_sigterm_stops_the_comparison_and_reports_the_runs_so_far(cache_dir, tmp
             proc.wait()
     assert proc.returncode == 130, err
     assert "interrupted; the report of the runs so far" in err
-    assert _marked(mark) == []
+    assert marked_processes(mark) == []
     assert read_json(out / "hogwild-r1" / "summary.json")["status"] == "interrupted"
     rows = parse_table((out / "report.md").read_text())
     assert [(r["mode"], r["final acc. %"]) for r in rows] == [("hogwild", "interrupted")]

@@ -44,5 +44,5 @@ def test_two_workers_on_other_hosts_train_through_the_server(tmp_path, cli_env):
     summary = read_json(tmp_path / "run" / "summary.json")
     assert summary["stopped_by"] == "workers_done"
     assert len(summary["workers_joined"]) == 2
-    assert summary["final_accuracy"] > 0.3  # chance is 0.1
+    assert summary["final_metric"] > 0.3  # chance is 0.1
     assert summary["updates"] == 2 * 2 * 504  # every push reached both shards

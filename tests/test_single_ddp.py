@@ -102,7 +102,7 @@ def test_ddp_under_torchrun_writes_the_run_from_rank_0(tmp_path, cli_env):
 
 @pytest.mark.parametrize("stop, expected", [
     (("--max-seconds", 2), "max_seconds"),
-    (("--target-accuracy", 0.5, "--eval-every", 0.05), "target_accuracy"),
+    (("--target", 0.5, "--eval-every", 0.05), "target"),
 ])
 def test_ddp_ranks_stop_together(tmp_path, run_cli, stop, expected):
     # Epochs enough for hours: only the agreed stop can end the run, and a rank left
@@ -114,7 +114,7 @@ def test_ddp_ranks_stop_together(tmp_path, run_cli, stop, expected):
     assert res.returncode == 0, res.stderr
     summary = read_json(out / "summary.json")
     assert summary["stopped_by"] == expected and summary["status"] == "ok"
-    if expected == "target_accuracy":
+    if expected == "target":
         assert summary["time_to_target"] is not None
     weights = _weights(out)  # the synchronous ranks stopped at the same step: one value
     assert len(_counts(weights)) <= 2  # at most: rows seen k times and k+1 times (mid-epoch)
@@ -149,8 +149,8 @@ def test_ddp_reaches_the_accuracy_of_single_with_the_global_batch(tmp_path, run_
     ddp = run_cli("ddp", *common, "--batch-size", 32, "--procs", 2, "--dist-timeout", 120,
                   "--out", tmp_path / "ddp")
     assert ddp.returncode == 0, ddp.stderr
-    acc_single = read_json(tmp_path / "single" / "summary.json")["final_accuracy"]
-    acc_ddp = read_json(tmp_path / "ddp" / "summary.json")["final_accuracy"]
+    acc_single = read_json(tmp_path / "single" / "summary.json")["final_metric"]
+    acc_ddp = read_json(tmp_path / "ddp" / "summary.json")["final_metric"]
     assert acc_single > 0.9 and acc_ddp > 0.9
     assert abs(acc_single - acc_ddp) <= 0.02, (acc_single, acc_ddp)
 
@@ -163,7 +163,7 @@ def test_gpu_nccl_and_amp(tmp_path, run_cli, amp):
                   "--progress", "off", "--out", out)
     assert res.returncode == 0, res.stderr
     summary = read_json(out / "summary.json")
-    assert summary["backend"] == "nccl" and summary["final_accuracy"] > 0.3
+    assert summary["backend"] == "nccl" and summary["final_metric"] > 0.3
     res = run_cli("single", "--device", "cuda", "--amp", amp, "--epochs", 3, "--progress", "off",
                   "--out", tmp_path / "single")
     assert res.returncode == 0, res.stderr

@@ -107,11 +107,16 @@ def test_hogwild_single_and_ddp_ranks_take_their_pace(slow_env, tmp_path):
     """Hogwild: rank 1 slowed 4x takes 4x per step, rank 0 does not wait. single: 4x.
     DDP: every step waits for the slowed rank."""
     figures = {}
-    for mode, args in [("hogwild", ("--procs", 2)), ("single", ()), ("ddp", ("--procs", 2))]:
+    # Stopped by epochs, not by a time budget: on a busy machine DDP's ranks once took 7 s
+    # of a 10 s budget to start, leaving too few steps to measure. 8 rows a step: hogwild's
+    # rank 0 takes 378 steps (~4 s), its rank 1 4x as long; single and ddp 125 slowed steps.
+    for mode, args in [("hogwild", ("--procs", 2, "--samples", 1000, "--epochs", 6)),
+                       ("single", ("--samples", 1000, "--epochs", 1)),
+                       ("ddp", ("--procs", 2, "--samples", 2000, "--epochs", 1))]:
         out = tmp_path / mode
         slowed = 0 if mode == "single" else 1
-        res = _run(slow_env, mode, *args, *TASK, "--threads", 1, "--slowdown",
-                   f"{slowed}:{SLOW}", "--max-seconds", 10, "--eval-every", 0.5, "--out", out,
+        res = _run(slow_env, mode, *TASK, *args, "--threads", 1, "--slowdown",
+                   f"{slowed}:{SLOW}", "--max-seconds", 120, "--eval-every", 0.5, "--out", out,
                    "--progress", "log")
         assert res.returncode == 0, res.stderr
         assert re.search(r"\| \d+% of step time waited on purpose\n", res.stderr), res.stderr

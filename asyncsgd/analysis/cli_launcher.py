@@ -17,7 +17,9 @@ in one mode cannot take the caller down. A child
 - runs in a session of its own, so Ctrl-C on the terminal reaches only the
   caller, which decides how to stop its children (SIGINT: they save their run);
 - gets SIGTERM when the caller dies, even by SIGKILL (``PR_SET_PDEATHSIG``);
-  the CLI's own worker processes die with it, so nothing is orphaned.
+  the CLI's own worker processes die with it, so nothing is orphaned;
+- may run in another network namespace (``where``: ``ip netns exec NS``, which
+  execs the command, so the pid and the parent stay the same).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from ..run.process_group import describe_exit
 
@@ -76,17 +78,19 @@ class Child:
 
     @classmethod
     def start(cls, command: str, args: list, logs: Path, name: Optional[str] = None,
-              env: Optional[dict] = None) -> "Child":
+              env: Optional[dict] = None, where: Sequence[str] = ()) -> "Child":
+        """``where``: a prefix that runs the rest elsewhere and execs it, keeping the pid
+        (``Hosts.command(host)``: ``ip netns exec NS``)."""
         name = name or command
         logs.mkdir(parents=True, exist_ok=True)
         argv = cli_command(command, args)
         out, err = logs / f"{name}.out", logs / f"{name}.err"
         with open(out, "wb") as out_fh, open(err, "wb") as err_fh:
             proc = subprocess.Popen(
-                [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *argv],
+                [*where, sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *argv],
                 stdin=subprocess.DEVNULL, stdout=out_fh, stderr=err_fh, env=env,
                 start_new_session=True)
-        log.info("started %s (pid %d): %s", name, proc.pid, " ".join(argv))
+        log.info("started %s (pid %d): %s", name, proc.pid, " ".join([*where, *argv]))
         return cls(name, argv, proc, out, err)
 
     @property

@@ -1,11 +1,14 @@
 """``asyncsgd compare``: every mode on the same task, seeds and budget, one after another.
 
-    asyncsgd compare --task mnist1d-cnn --procs 2 --budget 60 --target-accuracy 0.9
+    asyncsgd compare --task mnist1d-cnn --procs 2 --budget 60 --target 0.9
+    asyncsgd compare --task lm --modes single,ps-async,ddp --budget 120   # its perplexity target
     asyncsgd compare --modes hogwild,ps-async,ps-sync --repeats 3 --out runs/cmp
+    asyncsgd compare --link 100mbit --modes ps-async,ddp      # hosts on shaped links (root)
 
 Each run is the installed CLI in subprocesses (``asyncsgd hogwild ...``;
 ``asyncsgd ps-server`` and N ``asyncsgd worker`` for the ps-* modes), so modes
-are isolated and a failing one is recorded and skipped. Runs never overlap:
+are isolated and a failing one is recorded and skipped (``--link``: each of a
+ps-* or ddp run's processes on a host of its own, ``analysis.linked``). Runs never overlap:
 they would steal each other's cores. Every run gets the same task and data,
 the same seed (repeat r: seed + r, hence the same model initialisation and
 data order), the same batch size per process, plain SGD with the same
@@ -27,7 +30,7 @@ failed. The result is one directory:
 
     OUT/report.md           the table, failed runs with their errors, the plots
     OUT/results.json        the same numbers unrounded, and every run's status
-    OUT/*.png               accuracy and loss vs time, loss vs samples, throughput
+    OUT/*.png               the task's metric and loss vs time, loss vs samples, throughput
     OUT/<mode>-r<k>/        each run's own run directory
     OUT/logs/<mode>-r<k>/   each process's stdout and stderr
 """
@@ -51,11 +54,14 @@ from ..core.pacing import Pacing
 from ..errors import AsyncSGDError, ConfigError
 from ..run.process_group import available_cores
 from ..run.progress import Progress
+from ..run.hosts import Hosts
+from ..run.link import Link
 from ..run.rundir import RunDir, environment
 from ..run.signals import sigterm_as_interrupt
+from . import linked
 from .cli_launcher import Child, free_port, stop_all
 from .publish import publish
-from .report import Attempt, Run
+from .report import Attempt, Goal, Run
 
 log = logging.getLogger(__name__)
 
@@ -139,12 +145,17 @@ class ModeRun:
     def __init__(self, cfg: CompareConfig, spec: ModeSpec, repeat: int, out: Path,
                  extra: dict, shown: "CompareProgress"):
         self.cfg, self.spec, self.repeat, self.extra, self.shown = cfg, spec, repeat, extra, shown
+        self.goal = shown.goal
         self.seed = cfg.seed + repeat
         self.procs = cfg.procs or available_cores()
         self.threads = max(1, available_cores() // self.procs)
         self.run_dir = out / f"{spec.slug}-r{repeat + 1}"
         self.logs = out / "logs" / f"{spec.slug}-r{repeat + 1}"
         self.children: list = []
+        # --link: this run's hosts (ps-* and ddp), and what crossed their links
+        self.link = Link.parse(cfg.link) if spec.command in linked.SHAPED_COMMANDS else None
+        self.hosts: Optional[Hosts] = None
+        self.traffic: Optional[dict] = None
         self.started = time.monotonic()
         self.deadline = self.started + cfg.budget + cfg.grace
         self.attempt = Attempt(spec.name, repeat, self.seed, run_dir=str(self.run_dir),
@@ -161,7 +172,7 @@ class ModeRun:
         c = self.cfg
         return self._data_flags() + _present({
             "--seed": self.seed, "--max-seconds": c.budget, "--eval-every": c.eval_every,
-            "--target-accuracy": c.target_accuracy if c.stop_at_target else None,
+            "--target": self.goal.target if c.stop_at_target else None,
             "--out": self.run_dir, "--progress": "off", "--checkpoint-every": 0})
 
     def _train_flags(self, world: int) -> list:
@@ -185,8 +196,8 @@ class ModeRun:
             flags += ["--threads", str(self.threads)]
             if spec.command != "single":
                 flags += ["--procs", str(self.procs)]
-                if spec.command == "ddp":
-                    flags += ["--backend", c.ddp_backend]
+                if spec.command == "ddp":  # across namespaces, only gloo crosses the link
+                    flags += ["--backend", "gloo" if self.link else c.ddp_backend]
         return flags + self.extra.get(spec.name, [])
 
     def worker_command(self, server: str, rank: int) -> list:
@@ -202,14 +213,19 @@ class ModeRun:
         """Run it to the end; ``self.attempt`` holds the outcome even if interrupted."""
         attempt, error = self.attempt, None
         try:
-            error = self._run_ps() if self.spec.command == "ps-server" else self._run_one()
-        except OSError as exc:  # e.g. no process could be started: this run fails, not all
+            if self.link is not None:
+                self.hosts = linked.hosts_for(self.spec.command, self.procs, self.link)
+            error = (self._run_ps() if self.spec.command == "ps-server" else
+                     self._run_ranks() if self.hosts is not None else self._run_one())
+        except (OSError, linked.HostsError) as exc:  # this run fails, not the comparison
             error = f"could not run {self.spec.command}: {exc}"
         except KeyboardInterrupt:
             attempt.status, attempt.error = "interrupted", "interrupted by the user"
             raise
         finally:
             stop_all(self.children)
+            if self.hosts is not None:
+                self.traffic = linked.finish(self.hosts)
             attempt.seconds = time.monotonic() - self.started
             if attempt.status == "ok":
                 attempt.status, attempt.error = ("failed", error) if error else ("ok", None)
@@ -223,14 +239,28 @@ class ModeRun:
             self.shown.finished(attempt)
         return attempt
 
-    def _start(self, command: str, flags: list, name: str) -> Child:
-        child = Child.start(command, flags, self.logs, name=name)
+    def _start(self, command: str, flags: list, name: str, host: Optional[str] = None,
+               env: Optional[dict] = None) -> Child:
+        """``host``: where it runs with --link (a network namespace), else here."""
+        where = self.hosts.command(host) if self.hosts is not None and host else []
+        child = Child.start(command, flags, self.logs, name=name, env=env, where=where)
         self.children.append(child)
         return child
 
     def _run_one(self) -> Optional[str]:
         self.shown.starting(self, f"{self.spec.command} with {self._processes()}")
         self._start(self.spec.command, self.command(), self.spec.slug)
+        return self._watch()
+
+    def _run_ranks(self) -> Optional[str]:
+        """ddp with --link: one ``asyncsgd ddp`` per rank, each on its own host, started
+        as torchrun starts them (rank 0 hosts the rendezvous and writes the run)."""
+        self.shown.starting(self, f"ddp with {self._processes()}, one per host on "
+                                  f"{self.link.text} links")
+        port = free_port()  # any: nothing else listens in rank 0's fresh namespace
+        for rank in range(self.procs):
+            self._start("ddp", self.command(), f"rank-{rank}", host=f"rank{rank}",
+                        env=linked.rank_env(self.hosts, rank, self.procs, port))
         return self._watch()
 
     def _processes(self) -> str:
@@ -241,15 +271,20 @@ class ModeRun:
     def _run_ps(self) -> Optional[str]:
         self.shown.starting(self, f"ps-server --consistency {self.spec.consistency} "
                                   f"--shards {self.cfg.shards} + {self.procs} workers x "
-                                  f"{self.threads} thread(s)")
+                                  f"{self.threads} thread(s)" + (
+                                      f", each on its own host on {self.link.text} links"
+                                      if self.hosts is not None else ""))
         for attempt in range(PORT_ATTEMPTS):
-            address = f"tcp://127.0.0.1:{free_port()}"
+            host = self.hosts.address("server") if self.hosts is not None else "127.0.0.1"
+            address = f"tcp://{host}:{free_port()}"
             # Workers start beside the server, not after it: each spends seconds importing
             # torch and loading the task, time the server's clock would otherwise count.
             # Their hello waits in the socket until the server listens and serves.
-            server = self._start("ps-server", ["--bind", address] + self.command(), "server")
+            server = self._start("ps-server", ["--bind", address] + self.command(), "server",
+                                 host="server")
             for rank in range(self.procs):
-                self._start("worker", self.worker_command(address, rank), f"worker-{rank}")
+                self._start("worker", self.worker_command(address, rank), f"worker-{rank}",
+                            host=f"worker{rank}")
             error = self._watch(server)
             if not (error and server.failed() and "cannot listen on --bind" in error
                     and attempt + 1 < PORT_ATTEMPTS):
@@ -294,10 +329,10 @@ class ModeRun:
 class CompareProgress:
     """Which run is on, how long it has run, and its latest evaluation."""
 
-    def __init__(self, total: int, style: str, stream: TextIO = sys.stderr):
+    def __init__(self, total: int, style: str, stream: TextIO, goal: "Goal"):
         if style == "auto":
             style = "bar" if getattr(stream, "isatty", lambda: False)() else "log"
-        self.total, self.style, self.stream = total, style, stream
+        self.total, self.style, self.stream, self.goal = total, style, stream, goal
         self.index = 0
         self._bar: Optional[Progress] = None
         self._next_show = 0.0
@@ -325,8 +360,9 @@ class CompareProgress:
         events = list(RunDir(run.run_dir).events())
         last = events[-1] if events else {"t": 0.0, "samples": 0}
         evals = [e for e in events if e.get("event") == "eval"]
-        if evals:
-            self._bar.evaluated(evals[-1]["accuracy"], evals[-1]["loss"])
+        metric = self.goal.metric
+        if evals and evals[-1].get(metric.name) is not None:
+            self._bar.evaluated(metric, evals[-1][metric.name], evals[-1]["loss"])
         rate = last["samples"] / last["t"] if last.get("t") else 0.0
         self._bar.update(now - run.started, last.get("samples", 0), rate)
 
@@ -336,11 +372,11 @@ class CompareProgress:
             self._bar = None
         took = f"in {attempt.seconds:.1f} s"
         if attempt.ok:
-            s = attempt.run.summary
-            acc = ("" if s.get("final_accuracy") is None else
-                   f": final test accuracy {s['final_accuracy'] * 100:.2f}% "
-                   f"(best {s['best_accuracy'] * 100:.2f}%)")
-            self.say(f"[{self.index}/{self.total}] {attempt.label} done {took}{acc}")
+            numbers, metric = attempt.run.numbers(self.goal), self.goal.metric
+            score = ("" if numbers["final_metric"] is None else
+                     f": final test {metric.name} {metric.format(numbers['final_metric'])} "
+                     f"(best {metric.format(numbers['best_metric'])})")
+            self.say(f"[{self.index}/{self.total}] {attempt.label} done {took}{score}")
         else:
             self.say(f"[{self.index}/{self.total}] {attempt.label} {attempt.status.upper()} "
                      f"{took}: {attempt.error}")
@@ -369,18 +405,32 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
     specs = parse_modes(cfg.modes)
     extra = parse_mode_args(cfg.mode_args, specs)
     Pacing.parse(cfg.slowdown, cfg.delay).check_ranks(cfg.procs or available_cores(), "--procs")
+    Link.parse(cfg.link)
+    if any(s.command in linked.SHAPED_COMMANDS for s in specs):  # else nothing to shape
+        linked.check_link(cfg.link, cfg.ddp_backend)
     from ..core.tasks import task_of  # torch: only once the options are known to be good
     # Fails early on a bad task, and generates and caches its data outside every budget.
     task = task_of(cfg)
+    goal = Goal(task.metric, cfg.target if cfg.target is not None else task.default_target)
+    try:
+        task.metric.check_target(goal.target)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} (task {task.name} scores {task.metric.name})") from None
+    if cfg.stop_at_target and goal.target is None:
+        raise ConfigError(f"--stop-at-target needs --target: task {task.name} has no default "
+                          f"target (its metric: {task.metric.name})")
     out = _compare_dir(cfg.out)
     header = {"command": argv if argv is not None else sys.argv, "config": dataclasses.asdict(cfg),
-              "task": {"name": task.name, "train_samples": len(task.train),
+              "task": {"name": cfg.task, "train_samples": len(task.train),
                        "test_samples": len(task.test), "lr": cfg.lr or task.lr,
-                       "batch_size": cfg.batch_size or task.batch_size},
+                       "batch_size": cfg.batch_size or task.batch_size,
+                       "metric": task.metric.describe(), "target": goal.target},
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **environment()}
+    if cfg.link is not None:  # runs: each ps-*/ddp run's hosts and their links' byte counts
+        header["link"] = {"rate": cfg.link, "tbf": Link.parse(cfg.link).tbf(), "runs": {}}
     (out / "compare.json").write_text(json.dumps(header, indent=2, default=str) + "\n")
     total = len(specs) * cfg.repeats
-    shown = CompareProgress(total, cfg.progress, stream)
+    shown = CompareProgress(total, cfg.progress, stream, goal)
     shown.say(f"compare: {len(specs)} mode(s) x {cfg.repeats} repeat(s) = {total} run(s) of "
               f"{cfg.budget:g} s each on {task.name}, one after another; writing {out}")
     attempts: list = []
@@ -393,14 +443,18 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
                 for spec in specs:
                     run = ModeRun(cfg, spec, repeat, out, extra, shown)
                     attempts.append(run.attempt)
-                    run.run()
+                    try:
+                        run.run()
+                    finally:
+                        if run.traffic is not None:
+                            header["link"]["runs"][f"{spec.name} r{repeat + 1}"] = run.traffic
     except KeyboardInterrupt:
         interrupted = True
         raise
     finally:  # also after Ctrl-C or SIGTERM: report what ran
         if attempts:
-            table = publish(out, _title(cfg, task.name), _intro(cfg, header), attempts,
-                            cfg.target_accuracy, header)
+            table = publish(out, _title(cfg, cfg.task), _intro(cfg, header), attempts,
+                            goal, header)
         if interrupted:
             shown.say(f"interrupted; the report of the runs so far: {out / 'report.md'}")
     return CompareResult(out, table, attempts)
@@ -409,7 +463,8 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
 def _title(cfg: CompareConfig, task: str) -> str:
     pacing = Pacing.parse(cfg.slowdown, cfg.delay)
     return (f"asyncsgd compare: {task}, {cfg.procs or available_cores()} processes"
-            + (f", {pacing.describe()}" if pacing.active else ""))
+            + (f", {pacing.describe()}" if pacing.active else "")
+            + (f", {cfg.link} links" if cfg.link else ""))
 
 
 def _intro(cfg: CompareConfig, header: dict) -> list:
@@ -433,7 +488,8 @@ def _intro(cfg: CompareConfig, header: dict) -> list:
         f"torch {versions['torch']}, asyncsgd {versions['asyncsgd']}.",
         "",
         "Command: `" + " ".join(shlex.quote(str(a)) for a in header["command"]) + "`",
-    ]
+    ] + (["", linked.describe(Link.parse(cfg.link), header["link"]["runs"])]
+         if cfg.link else [])
 
 
 def _stragglers(cfg: CompareConfig) -> str:

@@ -1,13 +1,15 @@
 """The comparison plots, as small PNGs (matplotlib, no display needed).
 
     from asyncsgd.analysis.plots import draw_all
-    draw_all([("hogwild", [run_a, run_b]), ("ps-async", [run_c])], Path("out"), target=0.9)
+    draw_all([("hogwild", [run_a, run_b]), ("ps-async", [run_c])], Path("out"),
+             Goal(run_a.metric, 0.9), conditions="mnist1d-cnn, 4 processes")
 
 Each mode gets one colour; its repeats are drawn as separate lines of that
-colour. Curves come from metrics.jsonl through ``metrics.eval_curve`` and
-``metrics.train_curve``; throughput is ``metrics.steady_throughput``.
-Figures are built with the object API (no pyplot), so nothing depends on a
-display or on global pyplot state.
+colour. Every figure carries the conditions (task, processes, stragglers, link)
+under its title, and the task's own metric (accuracy, perplexity, ...). Curves
+come from metrics.jsonl through ``metrics.eval_curve`` and ``metrics.train_curve``;
+throughput is ``metrics.steady_throughput``. Figures are built with the object API
+(no pyplot), so nothing depends on a display or on global pyplot state.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from pathlib import Path
 from typing import Optional
 
 from ..run.metrics import eval_curve, steady_throughput, train_curve
-from .report import Spread
+from .report import Goal, Spread
 
 log = logging.getLogger(__name__)
 
-PLOTS = [("accuracy_vs_time.png", "Test accuracy vs wall-clock time"),
+PLOTS = [("{metric}_vs_time.png", "Test {metric} vs wall-clock time"),
          ("loss_vs_time.png", "Training loss vs wall-clock time"),
          ("loss_vs_samples.png", "Training loss vs samples processed"),
          ("throughput.png", "Throughput per mode")]
@@ -29,11 +31,12 @@ SIZE = (6.4, 4.0)  # inches; at DPI 80 a 512 x 320 PNG of a few tens of KB
 DPI = 80
 
 
-def _figure(title: str, xlabel: str, ylabel: str):
+def _figure(title: str, xlabel: str, ylabel: str, conditions: str = ""):
     from matplotlib.figure import Figure
     fig = Figure(figsize=SIZE, dpi=DPI, layout="constrained")
     ax = fig.add_subplot()
-    ax.set_title(title)
+    ax.set_title(title + (f"\n{conditions}" if conditions else ""),
+                 fontsize="medium" if conditions else None)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
@@ -45,8 +48,8 @@ def _colour(i: int) -> str:
 
 
 def _lines(groups: list, curve, x: int, y: int, title: str, xlabel: str, ylabel: str,
-           hline: Optional[tuple] = None):
-    fig, ax = _figure(title, xlabel, ylabel)
+           hline: Optional[tuple] = None, conditions: str = ""):
+    fig, ax = _figure(title, xlabel, ylabel, conditions)
     for i, (label, runs) in enumerate(groups):
         for k, run in enumerate(runs):
             points = curve(run.events)
@@ -62,12 +65,19 @@ def _lines(groups: list, curve, x: int, y: int, title: str, xlabel: str, ylabel:
     return fig
 
 
-def _accuracy_pct(events: list) -> list:
-    return [(t, s, a * 100) for t, s, a in eval_curve(events)]
+def _score_curve(goal: Goal):
+    """(t, samples, score) of a run's evaluations; fractions as percentages."""
+    scale = 100 if goal.metric.percent else 1
+
+    def curve(events: list) -> list:
+        return [(t, s, v * scale) for t, s, v in eval_curve(events, goal.metric)]
+
+    return curve
 
 
-def _throughput(groups: list):
-    fig, ax = _figure("Throughput (after start-up)", "mode", "training samples / s")
+def _throughput(groups: list, conditions: str = ""):
+    fig, ax = _figure("Throughput (after start-up)", "mode", "training samples / s",
+                      conditions)
     names, means, stds = [], [], []
     for label, runs in groups:
         spread = Spread.of(steady_throughput(r.events) for r in runs)
@@ -83,25 +93,31 @@ def _throughput(groups: list):
     return fig
 
 
-def draw_all(groups: list, out_dir: Path, target: Optional[float] = None) -> list:
-    """Write the four PNGs of ``PLOTS`` for ``groups`` = [(label, [Run, ...])];
-    returns [(file name, caption)] of those written."""
+def draw_all(groups: list, out_dir: Path, goal: Goal, conditions: str = "") -> list:
+    """Write the four PNGs of ``PLOTS`` for ``groups`` = [(label, [Run, ...])], the task's
+    metric in ``goal`` (and its target, drawn when given); returns [(file name, caption)]
+    of those written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = [(label, runs) for label, runs in groups if runs]
-    figures = {
-        "accuracy_vs_time.png": _lines(
-            groups, _accuracy_pct, 0, 2, "Test accuracy", "training seconds",
-            "test accuracy (%)",
-            hline=None if target is None else (target * 100, f"target {target * 100:g}%")),
-        "loss_vs_time.png": _lines(groups, train_curve, 0, 2, "Training loss",
-                                   "training seconds", "training loss"),
-        "loss_vs_samples.png": _lines(groups, train_curve, 1, 2, "Training loss",
-                                      "samples processed", "training loss"),
-        "throughput.png": _throughput(groups),
-    }
+    metric, target = goal.metric, goal.target
+    scale = 100 if metric.percent else 1
+    unit = " (%)" if metric.percent else ""
+    figures = [
+        _lines(groups, _score_curve(goal), 0, 2, f"Test {metric.name}", "training seconds",
+               f"test {metric.name}{unit}" + ("" if metric.higher_is_better else
+                                               " (lower is better)"),
+               hline=None if target is None else (target * scale, f"target {goal.label}"),
+               conditions=conditions),
+        _lines(groups, train_curve, 0, 2, "Training loss", "training seconds",
+               "training loss", conditions=conditions),
+        _lines(groups, train_curve, 1, 2, "Training loss", "samples processed",
+               "training loss", conditions=conditions),
+        _throughput(groups, conditions),
+    ]
     written = []
-    for name, caption in PLOTS:
-        figures[name].savefig(out_dir / name, dpi=DPI)
+    for figure, (name, caption) in zip(figures, PLOTS):
+        name, caption = name.format(metric=metric.name), caption.format(metric=metric.name)
+        figure.savefig(out_dir / name, dpi=DPI)
         written.append((name, caption))
         log.info("wrote %s", out_dir / name)
     return written

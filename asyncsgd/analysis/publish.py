@@ -1,6 +1,6 @@
 """A report directory: the plots, report.md and results.json of a set of runs.
 
-    publish(out, "my runs", intro_lines, attempts, target=0.9, header={...})
+    publish(out, "my runs", intro_lines, attempts, Goal.of(attempts, 0.9), header={...})
 
 ``asyncsgd compare`` publishes the runs it made; ``asyncsgd plot`` those of any
 run directories (``report_runs``), compare directories included. The table
@@ -17,30 +17,30 @@ from typing import Optional
 
 from ..errors import ConfigError
 from .plots import draw_all
-from .report import (Attempt, Run, mode_rows, render_report, render_table, run_label,
+from .report import (Attempt, Goal, Run, mode_rows, render_report, render_table, run_label,
                      verdict)
 
 
-def write_results(path: Path, header: dict, rows: list, target: Optional[float]) -> None:
+def write_results(path: Path, header: dict, rows: list, goal: Goal) -> None:
     """results.json: the same numbers as the table, unrounded, and every attempt."""
-    record = {**header, "target_accuracy": target,
+    record = {**header, "metric": goal.metric.describe(), "target": goal.target,
               "modes": [r.to_dict() for r in rows],
-              "runs": [a.to_dict(target) for r in rows for a in r.attempts]}
+              "runs": [a.to_dict(goal) for r in rows for a in r.attempts]}
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 
-def publish(out_dir: Path, title: str, intro: list, attempts: list, target: Optional[float],
+def publish(out_dir: Path, title: str, intro: list, attempts: list, goal: Goal,
             header: dict) -> str:
     """Write the plots, report.md and results.json of ``attempts`` into ``out_dir``;
     returns the table."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = mode_rows(attempts, target)
+    rows = mode_rows(attempts, goal)
     plots = draw_all([(r.label, [a.run for a in r.attempts if a.ok]) for r in rows],
-                     out_dir, target)
+                     out_dir, goal, conditions=title)
     (out_dir / "report.md").write_text(
-        render_report(title, intro, rows, target, plots, out_dir))
-    write_results(out_dir / "results.json", header, rows, target)
-    return render_table(rows, target) + "\n\n" + verdict(rows, target)
+        render_report(title, intro, rows, goal, plots, out_dir))
+    write_results(out_dir / "results.json", header, rows, goal)
+    return render_table(rows, goal) + "\n\n" + verdict(rows, goal)
 
 
 def report_runs(paths: list, out: Path, target: Optional[float]) -> str:
@@ -60,7 +60,7 @@ def report_runs(paths: list, out: Path, target: Optional[float]) -> str:
         if labels.count(a.label) > 1:
             a.label = f"{a.label} ({Path(a.run_dir).name})"
     return publish(out, "asyncsgd plot", [f"Runs: {', '.join(str(p) for p in paths)}"],
-                   attempts, target, {"command": sys.argv})
+                   attempts, Goal.of(attempts, target), {"command": sys.argv})
 
 
 def _compare_attempts(path: Path) -> list:

@@ -1,12 +1,14 @@
 """Tables and report.md from run directories (``asyncsgd compare`` and ``asyncsgd plot``).
 
     runs = [Attempt(label="hogwild", run=Run.read("runs/a")), ...]
-    rows = mode_rows(runs, target=0.9)
-    print(render_table(rows, target=0.9))
+    goal = Goal(runs[0].run.metric, 0.9)       # the task's metric, and a target in it
+    rows = mode_rows(runs, goal)
+    print(render_table(rows, goal))
 
-Every number comes from a run's own files through the shared readers:
-final and best accuracy from summary.json, time to target and samples/s
-from metrics.jsonl (``metrics.time_to_target``, ``metrics.steady_throughput``),
+Every number comes from a run's own files through the shared readers: the
+task's metric (config.json says which: accuracy, perplexity, ...), its final
+and best values, time and samples to target and samples/s from metrics.jsonl
+(``metrics.time_to_target``, ``metrics.steady_throughput``),
 staleness percentiles from the parameter server's summary. Runs of one mode
 (repeats) are folded into mean ± sample standard deviation.
 """
@@ -20,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..errors import CheckpointError
-from ..run.metrics import (first_progress, samples_to_target, steady_throughput, summarize,
-                           time_to_target)
+from ..core.scoring import Metric
+from ..errors import CheckpointError, ConfigError
+from ..run.metrics import (first_progress, samples_to_target, scores, steady_throughput,
+                           summarize, time_to_target)
 from ..run.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,45 @@ def run_label(config: dict) -> str:
     if mode == "hogwild" and settings.get("lock"):
         return "hogwild-lock"
     return mode
+
+
+@dataclass(frozen=True)
+class Goal:
+    """What a report ranks by: the task's metric, and the target in it (or None)."""
+
+    metric: Metric
+    target: Optional[float] = None
+
+    @property
+    def label(self) -> str:
+        """The target as a column says it: '90%', 'perplexity 1.84'."""
+        if self.target is None:
+            return ""
+        return f"{self.target * 100:g}%" if self.metric.percent else \
+            f"{self.metric.name} {self.target:g}"
+
+    @property
+    def short(self) -> str:
+        """The metric as a column says it: 'acc. %', 'perplexity'."""
+        return "acc. %" if self.metric.name == "accuracy" else self.metric.name
+
+    def value(self, x: float) -> str:
+        return f"{x * 100:.2f}" if self.metric.percent else f"{x:.4g}"
+
+    @classmethod
+    def of(cls, attempts: list, target: Optional[float]) -> "Goal":
+        """The metric the runs share (a table ranks one metric), with ``target``."""
+        metrics = {a.run.metric for a in attempts if a.run is not None}
+        names = sorted({m.name for m in metrics})
+        if len(names) > 1:
+            raise ConfigError(f"these runs score different metrics ({', '.join(names)}): "
+                              "plot the runs of one task together")
+        metric = next(iter(metrics)) if metrics else Metric.described(None)
+        try:
+            metric.check_target(target)
+        except ValueError as exc:
+            raise ConfigError(f"{exc} (the runs score {metric.name})") from None
+        return cls(metric, target)
 
 
 @dataclass
@@ -62,6 +104,7 @@ class Run:
         except CheckpointError:  # killed before the end: summarize what it recorded
             summary = summarize(events, mode=config.get("mode", "?"),
                                 task=config.get("task", {}).get("name", "?"), target=None,
+                                metric=Metric.described(config.get("task", {}).get("metric")),
                                 stopped_by="unknown", status="incomplete")
         return cls(run.path, config, summary, events)
 
@@ -69,14 +112,21 @@ class Run:
     def seed(self) -> Optional[int]:
         return self.config.get("config", {}).get("seed")
 
-    def numbers(self, target: Optional[float]) -> dict:
+    @property
+    def metric(self) -> Metric:
+        """The metric the run recorded (runs from before metrics were recorded: accuracy)."""
+        return Metric.described(self.config.get("task", {}).get("metric"))
+
+    def numbers(self, goal: Goal) -> dict:
         """The row of this run in a report."""
         start = first_progress(self.events)
+        values = scores(self.events, goal.metric)
+        target, metric = goal.target, goal.metric
         return {
-            "final_accuracy": self.summary.get("final_accuracy"),
-            "best_accuracy": self.summary.get("best_accuracy"),
-            "time_to_target": time_to_target(self.events, target),
-            "samples_to_target": samples_to_target(self.events, target),
+            "final_metric": values[-1] if values else None,
+            "best_metric": metric.best(values),
+            "time_to_target": time_to_target(self.events, target, metric),
+            "samples_to_target": samples_to_target(self.events, target, metric),
             "samples_per_second": steady_throughput(self.events),
             "startup_seconds": start["t"] if start else None,
             "samples": self.summary.get("samples"),
@@ -104,12 +154,12 @@ class Attempt:
     def ok(self) -> bool:
         return self.status == "ok" and self.run is not None
 
-    def to_dict(self, target: Optional[float]) -> dict:
+    def to_dict(self, goal: Goal) -> dict:
         record = {"mode": self.label, "repeat": self.repeat, "seed": self.seed,
                   "status": self.status, "error": self.error, "run_dir": self.run_dir,
                   "logs": self.logs, "wall_seconds": self.seconds}
         if self.run is not None:
-            record.update(self.run.numbers(target))
+            record.update(self.run.numbers(goal))
         return record
 
 
@@ -158,7 +208,7 @@ class Row:
                 "speedup_samples_per_second": self.speedup_throughput}
 
 
-def mode_rows(attempts: list, target: Optional[float], baseline: str = BASELINE) -> list:
+def mode_rows(attempts: list, goal: Goal, baseline: str = BASELINE) -> list:
     """One row per label, in first-seen order, with speed-ups over ``baseline``.
 
     Speed-up over the baseline is a ratio of means over repeats: of its time to
@@ -170,7 +220,7 @@ def mode_rows(attempts: list, target: Optional[float], baseline: str = BASELINE)
         by_label.setdefault(a.label, []).append(a)
     rows = []
     for label, group in by_label.items():
-        numbers = [a.run.numbers(target) for a in group if a.ok]
+        numbers = [a.run.numbers(goal) for a in group if a.ok]
         names = numbers[0].keys() if numbers else ()
         rows.append(Row(label, group, {name: Spread.of(n[name] for n in numbers)
                                        for name in names}))
@@ -199,10 +249,6 @@ def _fmt(spread: Spread, fmt, unit: str = "") -> str:
     return text + unit
 
 
-def _pct(x: float) -> str:
-    return f"{x * 100:.2f}"
-
-
 def _sec(x: float) -> str:
     return f"{x:.1f}"
 
@@ -219,25 +265,26 @@ def _times(x: Optional[float]) -> str:
     return DASH if x is None else f"{x:.2f}×"
 
 
-def table_cells(row: Row, target: Optional[float]) -> dict:
+def table_cells(row: Row, goal: Goal) -> dict:
     """The row as the table prints it, column name -> text."""
     s = row.stats
     runs = f"{row.succeeded}/{len(row.attempts)}"
+    final, best = f"final {goal.short}", f"best {goal.short}"
     if not row.succeeded:
-        return {"mode": row.label, "final acc. %": row.attempts[0].status, "runs ok": runs}
+        return {"mode": row.label, final: row.attempts[0].status, "runs ok": runs}
     cells = {
         "mode": row.label,
-        "final acc. %": _fmt(s["final_accuracy"], _pct),
-        "best acc. %": _fmt(s["best_accuracy"], _pct),
+        final: _fmt(s["final_metric"], goal.value),
+        best: _fmt(s["best_metric"], goal.value),
     }
-    if target is not None:
+    if goal.target is not None:
         ttt = s["time_to_target"]
         text = _fmt(ttt, _sec, " s") if ttt.n else "not reached"
         if 0 < ttt.n < row.succeeded:
             text += f" ({ttt.n}/{row.succeeded} reached)"
-        cells[f"time to {target * 100:g}%"] = text
+        cells[f"time to {goal.label}"] = text
         cells["speed-up (time)"] = _times(row.speedup_time)
-        cells[f"samples to {target * 100:g}%"] = _fmt(s["samples_to_target"], _rate) \
+        cells[f"samples to {goal.label}"] = _fmt(s["samples_to_target"], _rate) \
             if ttt.n else DASH
     cells.update({
         "samples/s": _fmt(s["samples_per_second"], _rate),
@@ -251,18 +298,18 @@ def table_cells(row: Row, target: Optional[float]) -> dict:
     return cells
 
 
-def columns(target: Optional[float]) -> list:
-    names = ["mode", "final acc. %", "best acc. %"]
-    if target is not None:
-        names += [f"time to {target * 100:g}%", "speed-up (time)", f"samples to {target * 100:g}%"]
+def columns(goal: Goal) -> list:
+    names = ["mode", f"final {goal.short}", f"best {goal.short}"]
+    if goal.target is not None:
+        names += [f"time to {goal.label}", "speed-up (time)", f"samples to {goal.label}"]
     return names + ["samples/s", "speed-up (samples/s)", "start-up s", "staleness p50 / p99",
                     "runs ok"]
 
 
-def render_table(rows: list, target: Optional[float]) -> str:
+def render_table(rows: list, goal: Goal) -> str:
     """A markdown table padded to line up in a terminal too."""
-    names = columns(target)
-    body = [[table_cells(r, target).get(n, "") for n in names] for r in rows]
+    names = columns(goal)
+    body = [[table_cells(r, goal).get(n, "") for n in names] for r in rows]
     widths = [max(len(n), *(len(b[i]) for b in body)) for i, n in enumerate(names)]
 
     def line(cells):
@@ -290,10 +337,10 @@ def parse_table(text: str) -> list:
 
 NOTES = """\
 How to read this table:
-- *final* / *best acc.*: test accuracy at the end of the run / the best evaluation
-  (summary.json).
-- *time to X%*: training seconds until the first evaluation at or above X%
-  (metrics.jsonl; resolution: the evaluation interval).
+- *final* / *best*: the task's test metric (accuracy, perplexity, ...) at the end of the
+  run / at its best evaluation (metrics.jsonl).
+- *time to X*: training seconds until the first evaluation at or past the target X, in
+  the metric's direction (metrics.jsonl; resolution: the evaluation interval).
 - *samples to X%*: training samples (all processes together) until that evaluation: what
   reaching the target cost in gradients, whatever the speed (stale updates cost more).
 - *samples/s*: training samples processed per second from the end of start-up to the
@@ -306,27 +353,37 @@ How to read this table:
 - With several repeats: mean ± sample standard deviation over the runs that succeeded.
 """
 
-def verdict(rows: list, target: Optional[float]) -> str:
+def _leader(rows: list, name: str, metric: Metric) -> Row:
+    """The row whose mean of ``name`` (a metric column) is best in the metric's direction."""
+    leader = rows[0]
+    for row in rows[1:]:
+        if metric.better(row.stats[name].mean, leader.stats[name].mean):
+            leader = row
+    return leader
+
+
+def verdict(rows: list, goal: Goal) -> str:
     """Which mode did best under these conditions, by how much, at what cost in samples:
     sentences computed from the table's means, never canned."""
     ok = [r for r in rows if r.succeeded]
     if not ok:
         return "No run succeeded: nothing to compare."
-    if target is None:
-        best = max(ok, key=lambda r: r.stats["final_accuracy"].mean or 0.0)
+    unit = "%" if goal.metric.percent else ""
+    if goal.target is None:
+        best = _leader(ok, "final_metric", goal.metric)
         fast = max(ok, key=lambda r: r.stats["samples_per_second"].mean or 0.0)
-        return (f"Best final accuracy: {best.label} "
-                f"({_fmt(best.stats['final_accuracy'], _pct)}%); most samples/s: {fast.label} "
-                f"({_fmt(fast.stats['samples_per_second'], _rate)}). Give --target-accuracy "
-                "to compare times to a target.")
-    pct = f"{target * 100:g}%"
+        return (f"Best final {goal.metric.name}: {best.label} "
+                f"({_fmt(best.stats['final_metric'], goal.value)}{unit}); most samples/s: "
+                f"{fast.label} ({_fmt(fast.stats['samples_per_second'], _rate)}). Give "
+                "--target to compare times to a target.")
+    pct = goal.label
     reached = sorted((r for r in ok if r.stats["time_to_target"].n),
                      key=lambda r: r.stats["time_to_target"].mean)
     missed = [r.label for r in ok if not r.stats["time_to_target"].n]
     if not reached:
-        best = max(ok, key=lambda r: r.stats["best_accuracy"].mean or 0.0)
+        best = _leader(ok, "best_metric", goal.metric)
         return (f"No mode reached {pct} within the budget; the closest was {best.label} "
-                f"(best {_fmt(best.stats['best_accuracy'], _pct)}%).")
+                f"(best {_fmt(best.stats['best_metric'], goal.value)}{unit}).")
     first = reached[0]
     t1, s1 = first.stats["time_to_target"].mean, first.stats["samples_to_target"].mean
     text = f"{first.label} reached {pct} first, in {t1:.1f} s"
@@ -345,11 +402,11 @@ def verdict(rows: list, target: Optional[float]) -> str:
     return text
 
 
-def render_report(title: str, intro: list, rows: list, target: Optional[float],
+def render_report(title: str, intro: list, rows: list, goal: Goal,
                   plots: list, out_dir: Path) -> str:
     """report.md: the table, failed runs with their errors, the plots, every run's directory."""
-    parts = [f"# {title}", "", *intro, "", render_table(rows, target), "",
-             f"**Verdict** (computed from the table): {verdict(rows, target)}", "", NOTES]
+    parts = [f"# {title}", "", *intro, "", render_table(rows, goal), "",
+             f"**Verdict** (computed from the table): {verdict(rows, goal)}", "", NOTES]
     failed = [a for r in rows for a in r.attempts if not a.ok]
     if failed:
         parts += ["## Failed runs", ""]

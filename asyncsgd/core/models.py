@@ -78,3 +78,50 @@ class SparseLinear(nn.Module):
 
     def forward(self, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return self.weight(indices, per_sample_weights=values) + self.bias
+
+
+class TinyLM(nn.Module):
+    """A GPT-style byte-level language model: token and position embeddings, ``layers``
+    pre-norm causal transformer blocks (heads of ``HEAD_WIDTH``), a final norm and a head.
+
+    Dropout is off: runs of every mode are compared on the same arithmetic, and the
+    generated corpus does not overfit at these sizes.
+    """
+
+    HEAD_WIDTH = 32
+
+    def __init__(self, vocab: int = 256, width: int = 128, layers: int = 4, context: int = 64):
+        super().__init__()
+        self.context = context
+        self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(torch.zeros(context, width))
+        nn.init.normal_(self.position, std=0.02)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, width // self.HEAD_WIDTH, 4 * width, dropout=0.0,
+                                       activation="gelu", batch_first=True, norm_first=True)
+            for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(context),
+                             persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        x = self.embed(tokens) + self.position[:length]
+        mask = self.causal[:length, :length]
+        for block in self.blocks:
+            x = block(x, src_mask=mask, is_causal=True)
+        return self.head(self.norm(x))
+
+
+def sequence_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                           reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy per token of (batch, length, vocab) logits. ``reduction="sum"`` sums the
+    *per-sequence means* over the batch, so a test set's sum / sequences is the mean loss
+    per token (what perplexity is the exp of) whatever the length."""
+    flat = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    if reduction == "sum":
+        return flat / targets.shape[1]
+    if reduction == "mean":
+        return flat / targets.numel()
+    raise ValueError(f"reduction {reduction!r}: use 'mean' or 'sum'")

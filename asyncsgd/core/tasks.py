@@ -1,6 +1,7 @@
 """The task abstraction every training mode uses, and the built-in tasks.
 
-A task is a model factory, train and test data, a loss and an evaluation.
+A task is a model factory, train and test data, a loss and a metric (``core.scoring``:
+accuracy, perplexity, MSE or your own), which every report, plot and ``--target`` use.
 Data are tensors: ``Split.inputs`` is a tuple of tensors whose first dimension
 indexes samples (the model is called as ``model(*inputs)``) and
 ``Split.targets`` holds the labels. Modes index rows, so any data that fits
@@ -11,6 +12,11 @@ Your own task: write a module-level function returning a ``Task`` and pass
 arguments ``samples``, ``data_dir``, ``cache_dir``, ``seed``. Keep the model
 factory and loss module-level (or ``functools.partial`` of such) so the task
 can be sent to spawned worker processes.
+
+Options of a task go after its name: ``--task mnist1d-mlp:width=2048`` (a wider
+model for communication-bound sweeps), ``--task lm:layers=8``; ``asyncsgd tasks``
+lists them. The options are part of the task's name, so every mode and every
+process of a run builds the same task.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import DataError, TaskError
-from . import data, models
+from . import data, models, text
+from .scoring import ACCURACY, PERPLEXITY, Metric
 
 
 @dataclass
@@ -57,13 +64,9 @@ class Split:
         return self
 
 
-def accuracy(logits: torch.Tensor, targets: torch.Tensor) -> float:
-    return (logits.argmax(1) == targets).float().mean().item()
-
-
 @dataclass
 class Task:
-    """A model factory, data, a loss and an evaluation, plus sensible defaults."""
+    """A model factory, data, a loss and a metric, plus sensible defaults."""
 
     name: str
     model_fn: Callable[[], nn.Module]
@@ -74,6 +77,8 @@ class Task:
     batch_size: int = 32
     description: str = ""
     info: dict = field(default_factory=dict)
+    metric: Metric = ACCURACY
+    default_target: Optional[float] = None  # what compare times when given no --target
 
     def build_model(self, seed: int = 0) -> nn.Module:
         """The model, initialised from ``seed`` so every mode starts from the same weights."""
@@ -91,12 +96,14 @@ class Task:
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: Optional[Split] = None,
                  batch_size: int = 2048) -> dict:
-        """Mean loss and accuracy of ``model`` on ``split`` (the test set by default)."""
+        """``{"loss": mean loss, <metric name>: score}`` of ``model`` on ``split`` (the test
+        set by default)."""
         split = split or self.test
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()
-        total_loss, correct = 0.0, 0
+        total_loss, total_score = 0.0, 0.0
+        per_batch = self.metric.per_batch
         for start in range(0, len(split), batch_size):
             index = torch.arange(start, min(start + batch_size, len(split)))
             inputs, targets = split.rows(index)
@@ -104,10 +111,13 @@ class Task:
             targets = targets.to(device)
             out = model(*inputs)
             total_loss += float(self.loss_fn(out, targets, reduction="sum"))
-            correct += int((out.argmax(1) == targets).sum())
+            if per_batch is not None:
+                total_score += per_batch(out, targets)
         model.train(was_training)
         n = max(1, len(split))
-        return {"loss": total_loss / n, "accuracy": correct / n}
+        loss = total_loss / n
+        score = total_score / n if per_batch is not None else self.metric.from_loss(loss)
+        return {"loss": loss, self.metric.name: score}
 
     def share_memory_(self) -> "Task":
         self.train.share_memory_()
@@ -126,10 +136,20 @@ def _mnist1d_task(name: str, model_fn, samples: Optional[int], cache_dir: Option
         info={"samples": samples or 5000, "classes": 10, "input": "40 floats"})
 
 
-def mnist1d_mlp(samples: Optional[int] = None, cache_dir: Optional[str] = None) -> Task:
-    """MNIST-1D (generated offline), MLP 40-256-256-10; lr 0.1, batch 32; best ~69%."""
-    return _mnist1d_task("mnist1d-mlp", functools.partial(models.MLP, (40, 256, 256, 10)),
-                         samples, cache_dir, "MNIST-1D, MLP 40-256-256-10 (best ~69%)", 0.1)
+def mnist1d_mlp(samples: Optional[int] = None, cache_dir: Optional[str] = None,
+                width: int = 256) -> Task:
+    """MNIST-1D (generated offline), MLP 40-W-W-10; lr 0.1, batch 32; best ~69%.
+
+    ``width`` (default 256): width=2048 has 4.3 M parameters, a communication-bound model."""
+    if width < 1:
+        raise TaskError(f"mnist1d-mlp:width={width}: the width must be at least 1")
+    sizes = (40, width, width, 10)
+    params = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
+    task = _mnist1d_task("mnist1d-mlp", functools.partial(models.MLP, sizes), samples, cache_dir,
+                         f"MNIST-1D, MLP 40-{width}-{width}-10, {params:,} parameters "
+                         "(best ~69%)", 0.1)
+    task.info["parameters"] = params
+    return task
 
 
 def mnist1d_cnn(samples: Optional[int] = None, cache_dir: Optional[str] = None) -> Task:
@@ -184,14 +204,86 @@ def mnist_cnn(data_dir: Optional[str] = None) -> Task:
                      "MNIST / Fashion-MNIST IDX files from --data-dir, 2-layer CNN")
 
 
+def lm(samples: Optional[int] = None, layers: int = 4, width: int = 128,
+       context: int = 32) -> Task:
+    """Byte-level transformer LM on a generated corpus; metric: perplexity (lower is better).
+
+    Defaults: 4 layers of width 128 (0.86 M parameters), context 32 bytes, batch 16
+    sequences, lr 0.3 for the modes' plain SGD (0.25 and 0.5 both reached perplexity 2 in
+    ~14,000 sequences; 1.0 diverged). The corpus is ``core.text``'s (nothing downloaded),
+    with a known floor on the perplexity (1.23); compare times perplexity 2.0 when given
+    no --target."""
+    for name, value, least in (("layers", layers, 1), ("width", width, 8),
+                               ("context", context, 8)):
+        if value < least:
+            raise TaskError(f"lm:{name}={value}: must be at least {least}")
+    if width % models.TinyLM.HEAD_WIDTH:
+        raise TaskError(f"lm:width={width}: must be a multiple of {models.TinyLM.HEAD_WIDTH} "
+                        "(the width of one attention head)")
+    n = samples or 20_000   # 18,000 training sequences: past 14,000 without repeating
+    corpus = text.Corpus(seed=1234)   # the data do not change with --seed, as for mnist1d
+    train_x, train_y = corpus.sequences(int(0.9 * n), context, stream=0)
+    test_x, test_y = corpus.sequences(n - int(0.9 * n), context, stream=1)
+    model_fn = functools.partial(models.TinyLM, text.VOCAB, width, layers, context)
+    params = sum(p.numel() for p in model_fn().parameters())
+    return Task(
+        name="lm", model_fn=model_fn,
+        train=Split((train_x,), train_y), test=Split((test_x,), test_y),
+        loss_fn=models.sequence_cross_entropy, lr=0.3, batch_size=16, metric=PERPLEXITY,
+        default_target=corpus.target_perplexity,
+        description=f"byte-level transformer LM, {layers} layers x width {width}, "
+                    f"{params:,} parameters, on a generated corpus ({corpus.description})",
+        info={"samples": n, "context": context, "parameters": params,
+              "entropy_floor_perplexity": round(corpus.floor_perplexity, 3)})
+
+
 BUILTIN_TASKS: dict = {
     "mnist1d-cnn": mnist1d_cnn,
     "mnist1d-mlp": mnist1d_mlp,
+    "lm": lm,
     "sparse-logreg": sparse_logreg,
     "mnist-cnn": mnist_cnn,
     "mnist-mlp": mnist_mlp,
 }
 _FILE_TASKS = {"mnist-cnn", "mnist-mlp"}
+
+
+def split_options(name: str) -> tuple:
+    """``'mnist1d-mlp:width=2048'`` -> ``('mnist1d-mlp', {'width': 2048})``: a task's name
+    and its options (ints, floats or text), given as ``NAME:KEY=VALUE[,KEY=VALUE...]``."""
+    base, sep, tail = name.rpartition(":")
+    if not sep or "=" not in tail:
+        return name, {}
+    options: dict = {}
+    for item in tail.split(","):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key.isidentifier():
+            raise TaskError(f"task option {item!r} in {name!r}: write options as "
+                            "NAME:KEY=VALUE[,KEY=VALUE], e.g. mnist1d-mlp:width=2048")
+        for kind in (int, float):
+            try:
+                options[key] = kind(value)
+                break
+            except ValueError:
+                continue
+        else:
+            options[key] = value.strip()
+    return base, options
+
+
+def task_options(factory: Callable) -> dict:
+    """The options a task function takes beyond the ones every task is offered, with
+    their defaults (what ``asyncsgd tasks`` lists)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {k: p.default for k, p in params.items() if k not in _OFFERED
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+_OFFERED = ("samples", "data_dir", "cache_dir", "seed")
 
 
 def _resolve_factory(name: str) -> Callable:
@@ -215,7 +307,15 @@ def _resolve_factory(name: str) -> Callable:
 def load_task(name: str, *, samples: Optional[int] = None, data_dir: Optional[str] = None,
               cache_dir: Optional[str] = None, seed: int = 0) -> Task:
     """Resolve ``name`` (built-in or ``module:function``) and build the task."""
-    factory = _resolve_factory(name)
+    base, options = split_options(name)
+    factory = _resolve_factory(base)
+    if options:
+        known = task_options(factory)
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TaskError(f"task {base} has no option {', '.join(unknown)}; its options: "
+                            f"{', '.join(f'{k}={v}' for k, v in known.items()) or 'none'}")
+    name = base
     if data_dir is not None and name in BUILTIN_TASKS and name not in _FILE_TASKS:
         raise TaskError(f"--data-dir is only read by the tasks {', '.join(sorted(_FILE_TASKS))}; "
                         f"task {name} generates its data (drop --data-dir)")
@@ -229,7 +329,7 @@ def load_task(name: str, *, samples: Optional[int] = None, data_dir: Optional[st
     if data_dir is not None and "data_dir" not in kwargs:
         raise TaskError(f"task {name} does not read --data-dir (drop it)")
     try:
-        task = factory(**kwargs)
+        task = factory(**kwargs, **options)
     except (TaskError, DataError):
         raise
     except Exception as exc:

@@ -50,7 +50,7 @@ from ..core.pacing import Pacing
 from ..core.tasks import Task, task_of
 from ..errors import AsyncSGDError, ConfigError, WorkerError
 from ..run.process_group import WorkerGroup, available_cores, context, threads_per_process
-from ..run.recorder import Outcome, Recorder, RunResult
+from ..run.recorder import Outcome, Recorder, RunResult, check_target
 from ..run.rundir import RunDir
 from .syncloop import check_settings, train_process
 
@@ -164,6 +164,7 @@ def train(cfg: DDPConfig, task: Optional[Task] = None,
     run = Recorder.open_run(cfg)
     task = task or task_of(cfg)
     _check_model(task, cfg, backend)
+    check_target(cfg, task)  # before any rank starts
     threads = threads_per_process(procs, cfg.threads)
     task.share_memory_()  # every rank reads the same pages instead of a pickled copy
     from torch.distributed import TCPStore
@@ -196,6 +197,7 @@ def _train_as_launched_rank(cfg: DDPConfig, launcher: dict, task: Optional[Task]
     run = Recorder.open_run(cfg) if rank == 0 else None
     task = task or task_of(cfg)
     _check_model(task, cfg, backend)
+    check_target(cfg, task)  # every rank: each fails alike instead of waiting for rank 0
     threads = threads_per_process(launcher["LOCAL_WORLD_SIZE"], cfg.threads)
     if rank == 0:
         _announce(cfg, world, threads, backend, why)

@@ -19,7 +19,7 @@ How it works (after pytorch/examples' mnist_hogwild, with its gaps closed):
    unless ``--lock`` takes one shared lock around every update.
 3. The parent evaluates the shared model on the test set every
    ``--eval-every`` seconds while the workers keep going, records metrics,
-   checkpoints, and stops everyone on --max-seconds, --target-accuracy, an
+   checkpoints, and stops everyone on --max-seconds, --target, an
    error, Ctrl-C or SIGTERM.
 """
 
@@ -269,7 +269,7 @@ def _supervise(cfg: HogwildConfig, recorder: Recorder, group: WorkerGroup, contr
                     events.emit()
                     next_train_event = recorder.elapsed() + TRAIN_EVENT_SECONDS
                 if recorder.evaluate_if_due(samples) and recorder.target_reached():
-                    outcome.stopped_by = "target_accuracy"
+                    outcome.stopped_by = "target"
                     break
                 if recorder.out_of_time():
                     outcome.stopped_by = "max_seconds"

@@ -8,7 +8,7 @@ stop.
 
 How the ranks agree without lock-step on every step: every few steps each
 rank adds a small vector to one all-reduce (sum): rank 0 puts in its stop
-decision (--max-seconds, --target-accuracy after an evaluation it has just
+decision (--max-seconds, --target after an evaluation it has just
 run) and how many steps to go until the next check; every rank puts in
 whether it was interrupted and its summed training loss. All ranks therefore
 see the same decision at the same step and stop together, with no rank left
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 CHECK_SECONDS = 0.2  # how often the ranks agree whether to stop; bounds the stop latency
 MAX_STEPS_BETWEEN_CHECKS = 100_000
 TRAIN_EVENT_SECONDS = 1.0
-STOP_REASONS = {1: "max_seconds", 2: "target_accuracy"}
+STOP_REASONS = {1: "max_seconds", 2: "target"}
 MAX_SECONDS, TARGET_ACCURACY = 1, 2
 # Slots of the vector the ranks sum at every check; then each rank's seconds computing
 # and waited on purpose (core.pacing), in two slots per rank from FIRST_RANK_SLOT.

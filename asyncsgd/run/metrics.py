@@ -9,8 +9,10 @@ Every event is one JSON object with at least:
 
 ``train`` events add ``worker``, ``loss`` (mean over the steps since that
 worker's previous event), ``steps`` and ``epoch``; ``eval`` events add
-``loss`` and ``accuracy`` on the test set. Modes may add fields of their own
-(e.g. staleness); readers ignore what they don't know.
+``loss`` and the task's metric on the test set, keyed by its name (``accuracy``,
+``perplexity``, ...; config.json's ``task.metric`` says which, and whether higher
+is better). Modes may add fields of their own (e.g. staleness); readers ignore
+what they don't know.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import time
 from typing import Iterable, Optional
 
+from ..core.scoring import ACCURACY, Metric
 from ..errors import ConfigError
 from .rundir import METRICS, RunDir
 
@@ -29,7 +32,8 @@ log = logging.getLogger(__name__)
 class MetricsLog:
     """Appends events to metrics.jsonl (flushed per event) and, optionally, TensorBoard."""
 
-    def __init__(self, run: RunDir, tensorboard: bool = False):
+    def __init__(self, run: RunDir, tensorboard: bool = False, metric: Metric = ACCURACY):
+        self.metric = metric
         self._fh = open(run.path / METRICS, "a", buffering=1)
         self._tb = None
         if tensorboard:
@@ -50,9 +54,10 @@ class MetricsLog:
                 self._tb.add_scalar(f"train/loss/worker{fields.get('worker', 0)}",
                                     fields["loss"], samples)
             elif event == "eval":
-                self._tb.add_scalar("test/accuracy", fields["accuracy"], samples)
+                name = self.metric.name
+                self._tb.add_scalar(f"test/{name}", fields[name], samples)
                 self._tb.add_scalar("test/loss", fields["loss"], samples)
-                self._tb.add_scalar("test/accuracy_vs_seconds", fields["accuracy"], int(t * 1000))
+                self._tb.add_scalar(f"test/{name}_vs_seconds", fields[name], int(t * 1000))
         return record
 
     def close(self) -> None:
@@ -63,43 +68,55 @@ class MetricsLog:
             self._fh.close()
 
 
-def first_at_target(events: Iterable[dict], target: Optional[float]) -> Optional[dict]:
-    """The first evaluation at or above ``target``, or None."""
+def first_at_target(events: Iterable[dict], target: Optional[float],
+                    metric: Metric = ACCURACY) -> Optional[dict]:
+    """The first evaluation at or past ``target`` in ``metric``'s direction, or None."""
     if target is None:
         return None
-    return next((e for e in events
-                 if e.get("event") == "eval" and e.get("accuracy", -1) >= target), None)
+    return next((e for e in events if e.get("event") == "eval"
+                 and metric.reached(e.get(metric.name), target)), None)
 
 
-def time_to_target(events: Iterable[dict], target: Optional[float]) -> Optional[float]:
-    """Training seconds until the first evaluation at or above ``target``."""
-    hit = first_at_target(events, target)
+def time_to_target(events: Iterable[dict], target: Optional[float],
+                   metric: Metric = ACCURACY) -> Optional[float]:
+    """Training seconds until the first evaluation at or past ``target``."""
+    hit = first_at_target(events, target, metric)
     return None if hit is None else hit["t"]
 
 
-def samples_to_target(events: Iterable[dict], target: Optional[float]) -> Optional[int]:
-    """Training samples (all workers together) until the first evaluation at or above
+def samples_to_target(events: Iterable[dict], target: Optional[float],
+                      metric: Metric = ACCURACY) -> Optional[int]:
+    """Training samples (all workers together) until the first evaluation at or past
     ``target``: what reaching it cost, whatever the speed."""
-    hit = first_at_target(events, target)
+    hit = first_at_target(events, target, metric)
     return None if hit is None else hit["samples"]
+
+
+def scores(events: Iterable[dict], metric: Metric = ACCURACY) -> list:
+    """The metric's value at every evaluation, in order."""
+    return [e[metric.name] for e in events
+            if e.get("event") == "eval" and e.get(metric.name) is not None]
 
 
 def summarize(events: list, *, mode: str, task: str, target: Optional[float],
               stopped_by: str, status: str = "ok", error: Optional[str] = None,
-              **extra) -> dict:
+              metric: Metric = ACCURACY, **extra) -> dict:
     """summary.json: what a reader of one run wants to know first."""
     evals = [e for e in events if e.get("event") == "eval"]
+    values = scores(evals, metric)
     last = max(events, key=lambda e: e.get("t", 0.0), default={})
     train_time = float(last.get("t", 0.0))
     samples = int(max((e.get("samples", 0) for e in events), default=0))
     summary = {
         "mode": mode, "task": task, "status": status, "stopped_by": stopped_by,
-        "final_accuracy": evals[-1]["accuracy"] if evals else None,
+        "metric": metric.describe(),
+        "final_metric": values[-1] if values else None,
+        "best_metric": metric.best(values),
         "final_loss": evals[-1]["loss"] if evals else None,
-        "best_accuracy": max((e["accuracy"] for e in evals), default=None),
         "samples": samples, "train_seconds": round(train_time, 3),
         "samples_per_second": round(samples / train_time, 1) if train_time > 0 else None,
-        "target_accuracy": target, "time_to_target": time_to_target(evals, target),
+        "target": target, "time_to_target": time_to_target(evals, target, metric),
+        "samples_to_target": samples_to_target(evals, target, metric),
         "evaluations": len(evals),
     }
     if error:
@@ -108,10 +125,10 @@ def summarize(events: list, *, mode: str, task: str, target: Optional[float],
     return summary
 
 
-def eval_curve(events: Iterable[dict]) -> list:
-    """(t, samples, accuracy) of every evaluation, in order."""
-    return [(e["t"], e.get("samples", 0), e["accuracy"]) for e in events
-            if e.get("event") == "eval" and "accuracy" in e]
+def eval_curve(events: Iterable[dict], metric: Metric = ACCURACY) -> list:
+    """(t, samples, score) of every evaluation, in order."""
+    return [(e["t"], e.get("samples", 0), e[metric.name]) for e in events
+            if e.get("event") == "eval" and e.get(metric.name) is not None]
 
 
 def train_curve(events: Iterable[dict]) -> list:

@@ -6,6 +6,8 @@ import sys
 import time
 from typing import Optional, TextIO
 
+from ..core.scoring import Metric
+
 
 def _fmt_time(seconds: float) -> str:
     seconds = int(seconds)
@@ -33,8 +35,8 @@ class Progress:
         self._note = ""
         self._drawn = False
 
-    def evaluated(self, accuracy: float, loss: float) -> None:
-        self._eval = f"test acc {accuracy * 100:.1f}% loss {loss:.3f}"
+    def evaluated(self, metric: Metric, score: float, loss: float) -> None:
+        self._eval = f"test {metric.name} {metric.format(score)} loss {loss:.3f}"
 
     def note(self, text: str) -> None:
         """One more part of the status, e.g. the share of time stragglers waited."""

@@ -63,6 +63,21 @@ class Outcome:
         self.stopped_by, self.status, self.error = "error", "failed", exc
 
 
+def task_record(task: Task) -> dict:
+    """What config.json says about the task: enough to read the run without building it."""
+    return {"name": task.name, "description": task.description,
+            "train_samples": len(task.train), "test_samples": len(task.test),
+            "metric": task.metric.describe(), **task.info}
+
+
+def check_target(cfg, task: Task) -> None:
+    """--target in the task's metric, checked before any slow work."""
+    try:
+        task.metric.check_target(cfg.target)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} (task {task.name} scores {task.metric.name})") from None
+
+
 class Recorder:
     @staticmethod
     def open_run(cfg: TrainConfig) -> RunDir:
@@ -76,18 +91,17 @@ class Recorder:
         started processes before it could build its Recorder (DDP's rank 0): their
         start-up then counts as training time, as it does in every mode."""
         self.cfg, self.task, self.model, self.mode = cfg, task, model, cfg.mode
+        check_target(cfg, task)
         self.t_offset, self.samples_offset, self.epochs_done = 0.0, 0, 0
         self.run = run
         if cfg.resume:
             self._restore()
         else:
-            self.run.write_config(self.mode, cfg.to_dict(),
-                                  {"name": task.name, "description": task.description,
-                                   "train_samples": len(task.train),
-                                   "test_samples": len(task.test), **task.info}, argv)
-        self.metrics = MetricsLog(self.run, tensorboard=cfg.tensorboard)
+            self.run.write_config(self.mode, cfg.to_dict(), task_record(task), argv)
+        self.metric = task.metric
+        self.metrics = MetricsLog(self.run, tensorboard=cfg.tensorboard, metric=self.metric)
         self.progress = Progress(self.mode, total_samples, cfg.progress)
-        self.best_accuracy: Optional[float] = None
+        self.best_score: Optional[float] = None
         self.last_eval: Optional[dict] = None
         self._t0 = time.monotonic() if started_at is None else started_at
         # --max-seconds: the time a user waits, so from the command's start where a command
@@ -140,13 +154,15 @@ class Recorder:
                            steps=steps, epoch=epoch, **extra)
 
     def evaluate(self, samples: int, **extra) -> dict:
+        """The task's loss and metric on its test set now, recorded and shown."""
         result = self.task.evaluate(self.model)
         self.last_eval = result
-        if self.best_accuracy is None or result["accuracy"] > self.best_accuracy:
-            self.best_accuracy = result["accuracy"]
-        self.metrics.write("eval", self.t(), samples, loss=round(result["loss"], 6),
-                           accuracy=round(result["accuracy"], 6), **extra)
-        self.progress.evaluated(result["accuracy"], result["loss"])
+        score = result[self.metric.name]
+        if self.metric.better(score, self.best_score):
+            self.best_score = score
+        fields = {"loss": round(result["loss"], 6), self.metric.name: round(score, 6)}
+        self.metrics.write("eval", self.t(), samples, **fields, **extra)
+        self.progress.evaluated(self.metric, score, result["loss"])
         self._next_eval = self.elapsed() + self.cfg.eval_every
         return result
 
@@ -157,9 +173,9 @@ class Recorder:
         return self.evaluate(samples) if self.eval_due() else None
 
     def target_reached(self) -> bool:
-        target = self.cfg.target_accuracy
-        return target is not None and self.last_eval is not None and \
-            self.last_eval["accuracy"] >= target
+        """The latest evaluation is at or past --target, in the metric's direction."""
+        return self.last_eval is not None and \
+            self.metric.reached(self.last_eval[self.metric.name], self.cfg.target)
 
     def checkpoint(self, samples: int, epochs_done: int, **extra) -> None:
         state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
@@ -190,7 +206,8 @@ class Recorder:
                               error=str(error) if error else None, **extra)
         if error is not None:
             raise error
-        log.info("final test accuracy %.2f%%", 100 * result["accuracy"])
+        log.info("final test %s %s", self.metric.name,
+                 self.metric.format(result[self.metric.name]))
         return RunResult(str(self.run.path), summary)
 
     def finish(self, samples: int, stopped_by: str, status: str = "ok",
@@ -200,7 +217,7 @@ class Recorder:
         self.progress.close()
         self.metrics.close()
         summary = summarize(list(self.run.events()), mode=self.mode, task=self.task.name,
-                            target=self.cfg.target_accuracy, stopped_by=stopped_by,
+                            target=self.cfg.target, metric=self.metric, stopped_by=stopped_by,
                             status=status, error=error, run_dir=str(self.run.path), **extra)
         self.run.write_summary(summary)
         return summary

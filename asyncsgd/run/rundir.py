@@ -3,7 +3,7 @@
     RUN_DIR/
       config.json     every setting, the task, versions, host, command line
       metrics.jsonl   one JSON object per event (see ``metrics.py``)
-      summary.json    final accuracy, samples/s, wall time, time to target, ...
+      summary.json    the task's final metric, samples/s, wall time, time to target, ...
       checkpoint.pt   the latest model (see ``checkpoint.py``)
       tensorboard/    event files, with --tensorboard
 

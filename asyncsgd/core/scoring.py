@@ -1,0 +1,124 @@
+"""How a task scores a model on its test set: the metric every report, plot, progress line
+and ``--target`` uses.
+
+A ``Metric`` is a name, a direction and a way to compute it. Built in:
+
+    ACCURACY     fraction of argmax predictions equal to the label (higher is better)
+    PERPLEXITY   exp(mean per-token cross-entropy) of a language model (lower is better)
+    MSE          mean squared error of a regression (lower is better)
+    LOSS         the task's own mean test loss (lower is better)
+
+Your own: ``Metric("f1", higher_is_better=True, per_batch=my_sum_fn)`` where
+``my_sum_fn(outputs, targets)`` returns the batch's *sum* over samples (the mean over
+the test set is taken for you), or ``from_loss=fn`` to compute it from the mean test
+loss. Keep the functions module-level so tasks can be sent to spawned processes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A test-set score: ``name`` keys it in metrics.jsonl and labels it in reports."""
+
+    name: str
+    higher_is_better: bool
+    per_batch: Optional[Callable] = None   # (outputs, targets) -> sum over the batch
+    from_loss: Optional[Callable] = None   # mean test loss -> the score
+    percent: bool = False                   # a fraction, shown (and targeted) as such
+
+    def __post_init__(self):
+        if (self.per_batch is None) == (self.from_loss is None):
+            raise ValueError(f"metric {self.name!r}: give exactly one of per_batch or from_loss")
+        if not self.name.isidentifier():
+            raise ValueError(f"metric name {self.name!r} must be an identifier (a JSON key "
+                             "and a TensorBoard tag), e.g. 'accuracy'")
+
+    def reached(self, value: Optional[float], target: Optional[float]) -> bool:
+        """``value`` is at or past ``target`` in the metric's direction."""
+        if value is None or target is None or math.isnan(value):
+            return False
+        return value >= target if self.higher_is_better else value <= target
+
+    def better(self, a: Optional[float], b: Optional[float]) -> bool:
+        """``a`` beats ``b`` (a missing value beats nothing)."""
+        if a is None or math.isnan(a):
+            return False
+        if b is None or math.isnan(b):
+            return True
+        return a > b if self.higher_is_better else a < b
+
+    def best(self, values) -> Optional[float]:
+        values = [v for v in values if v is not None and not math.isnan(v)]
+        if not values:
+            return None
+        return max(values) if self.higher_is_better else min(values)
+
+    def format(self, value: Optional[float], precise: bool = False) -> str:
+        """For people: '91.2%' for a fraction, else four significant digits (``precise``:
+        '91.23%', five)."""
+        if value is None:
+            return "-"
+        if self.percent:
+            return f"{100 * value:.{2 if precise else 1}f}%"
+        return f"{value:.{5 if precise else 4}g}"
+
+    def check_target(self, target: Optional[float]) -> None:
+        """A target this metric can reach; raises ValueError naming the fix."""
+        if target is None:
+            return
+        if self.percent and not 0 <= target <= 1:
+            raise ValueError(f"--target {target:g}: {self.name} is a fraction, so give a "
+                             f"target between 0 and 1 (e.g. 0.9 for 90%)")
+        if self.name == "perplexity" and target < 1:
+            raise ValueError(f"--target {target:g}: perplexity is at least 1; give e.g. 4.0")
+
+    def describe(self) -> dict:
+        """What a run directory records about the metric (readers need no task to read it)."""
+        return {"name": self.name, "higher_is_better": self.higher_is_better,
+                "percent": self.percent}
+
+    @classmethod
+    def described(cls, record: Optional[dict]) -> "Metric":
+        """The metric a run directory recorded (``describe``), enough to read and rank it;
+        run directories from before metrics were recorded scored accuracy."""
+        if not record:
+            return ACCURACY
+        return cls(str(record["name"]), bool(record["higher_is_better"]),
+                   from_loss=_unknown, percent=bool(record.get("percent", False)))
+
+
+def _unknown(loss: float) -> float:
+    raise RuntimeError("a metric read from a run directory can rank scores, not compute them")
+
+
+def correct(outputs: torch.Tensor, targets: torch.Tensor) -> float:
+    """Samples whose argmax is the label."""
+    return float((outputs.argmax(1) == targets).sum())
+
+
+def squared_error(outputs: torch.Tensor, targets: torch.Tensor) -> float:
+    """Per sample, the mean of squared errors over its outputs; summed over the batch."""
+    diff = (outputs.reshape(len(outputs), -1) - targets.reshape(len(targets), -1)).float()
+    return float(diff.pow(2).mean(1).sum())
+
+
+def perplexity(mean_loss: float) -> float:
+    # overflow: exp(710) is inf in float64, and a diverged model's loss gets there
+    return math.exp(min(mean_loss, 700.0))
+
+
+def identity(mean_loss: float) -> float:
+    return mean_loss
+
+
+ACCURACY = Metric("accuracy", higher_is_better=True, per_batch=correct, percent=True)
+PERPLEXITY = Metric("perplexity", higher_is_better=False, from_loss=perplexity)
+MSE = Metric("mse", higher_is_better=False, per_batch=squared_error)
+LOSS = Metric("loss", higher_is_better=False, from_loss=identity)
