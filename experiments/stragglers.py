@@ -42,12 +42,12 @@ MODES = "ddp,ps-sync,ps-backup,ps-ssp,ps-async,hogwild"
 
 
 def measure(args, factor, out: Path, key: str = "slowdown", slowdown: Optional[str] = None,
-            delay: Optional[str] = None, script: str = NAME) -> list:
+            delay: Optional[str] = None, script: str = NAME, link: Optional[str] = None) -> list:
     """One compare under one condition (``slowdown``/``delay`` as compare takes them),
     recorded as ``key: factor``: per mode, its time and samples to target."""
     cfg = CompareConfig(task=args.task, modes=args.modes, procs=args.procs, budget=args.budget,
                         target=args.target, stop_at_target=True, slowdown=slowdown,
-                        delay=delay, out=str(out), progress="log", seed=args.seed)
+                        delay=delay, link=link, out=str(out), progress="log", seed=args.seed)
     result = compare(cfg, argv=["asyncsgd", "compare", f"(experiments/{script}.py)"])
     rows = []
     for a in result.attempts:
