@@ -189,6 +189,15 @@ class SingleConfig(TrainConfig):
         "off", "Mixed precision: bf16 or fp16 autocast (fp16 adds a gradient scaler). "
         "fp16 needs --device cuda; bf16 also runs on CPUs (fast only where they have "
         "bf16 instructions).", type=click.Choice(["off", "bf16", "fp16"]))
+    optimizer: str = knob(
+        "sgd", "Update rule: sgd (with --momentum) or adam (betas 0.9/0.999, eps 1e-8: the "
+        "parameter server's adam rule). Pick the lr for it: adam wants ~1e-3.",
+        type=click.Choice(["sgd", "adam"]))
+    simulate_staleness: int = knob(
+        0, "single only: apply each gradient this many steps after it was computed, as if "
+        "that many other workers' updates came between a worker's pull and its push (Dai et "
+        "al. 2019): statistical efficiency under staleness, apart from throughput.",
+        type=click.IntRange(min=0), metavar="STEPS")
 
     mode = "single"
 

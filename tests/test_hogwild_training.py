@@ -95,7 +95,9 @@ def test_the_lock_loses_no_update_and_lock_free_processes_lose_some(tmp_path, lo
                    task=wide_counter(samples=samples))
     assert result.summary["lock"] is lock
     w = load_checkpoint(tmp_path / "run" / "checkpoint.pt")["model"]["w"]
-    assert w.min().item() == -samples  # no update is ever applied twice
+    # No update is ever applied twice. (Lock-free, every weight may lose some: on a busy
+    # machine every one of the 4M ended 8 or more short.)
+    assert w.min().item() >= -samples
     if lock:
         assert torch.equal(w, torch.full_like(w, -samples))
     else:

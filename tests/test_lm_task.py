@@ -64,6 +64,8 @@ def test_task_options_build_the_model_they_name():
     wide = load_task("mnist1d-mlp:width=512", samples=200)
     assert wide.build_model().layers[0].out_features == 512
     assert wide.info["parameters"] == sum(p.numel() for p in wide.build_model().parameters())
+    deep = load_task("mnist1d-mlp:width=32,depth=5", samples=200).build_model()
+    assert len(deep.layers) == 6 and deep.layers[3].in_features == 32
     lm = load_task("lm:layers=3,width=64", samples=100)
     assert len(lm.build_model().blocks) == 3 and lm.info["context"] == 32
 

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from asyncsgd.config import WorkerConfig
-from asyncsgd.core.pacing import Pacer, Pacing, waited_note
+from asyncsgd.core.pacing import Pacer, Pacing, pace_note
 from asyncsgd.core.tasks import epoch_order, load_task, partition_indices
 from asyncsgd.errors import ConfigError
 from asyncsgd.run.lifetime import command_started_at
@@ -236,7 +236,7 @@ class _Loop:
 
     def _show(self, force: bool = False) -> None:
         elapsed = self.elapsed()
-        self.progress.note(waited_note(self.pacer.computed, self.pacer.waited))
+        self.progress.note(pace_note(self.pacer.computed, self.pacer.waited, self.pacer.span))
         self.progress.update(elapsed, self.samples, self.samples / max(1e-9, elapsed), force=force)
 
     def _load(self) -> None:

@@ -143,9 +143,10 @@ class ModeRun:
     """One run of one mode: starts its processes, watches them, returns an Attempt."""
 
     def __init__(self, cfg: CompareConfig, spec: ModeSpec, repeat: int, out: Path,
-                 extra: dict, shown: "CompareProgress"):
+                 extra: dict, shown: Optional["CompareProgress"], goal: Optional[Goal] = None):
+        """``goal``: the task's metric and target (None: no target to stop at)."""
         self.cfg, self.spec, self.repeat, self.extra, self.shown = cfg, spec, repeat, extra, shown
-        self.goal = shown.goal
+        self.goal = goal
         self.seed = cfg.seed + repeat
         self.procs = cfg.procs or available_cores()
         self.threads = max(1, available_cores() // self.procs)
@@ -172,7 +173,7 @@ class ModeRun:
         c = self.cfg
         return self._data_flags() + _present({
             "--seed": self.seed, "--max-seconds": c.budget, "--eval-every": c.eval_every,
-            "--target": self.goal.target if c.stop_at_target else None,
+            "--target": self.goal.target if c.stop_at_target and self.goal else None,
             "--out": self.run_dir, "--progress": "off", "--checkpoint-every": 0})
 
     def _train_flags(self, world: int) -> list:
@@ -441,7 +442,7 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
             # machine then spreads over every mode instead of favouring one.
             for repeat in range(cfg.repeats):
                 for spec in specs:
-                    run = ModeRun(cfg, spec, repeat, out, extra, shown)
+                    run = ModeRun(cfg, spec, repeat, out, extra, shown, goal)
                     attempts.append(run.attempt)
                     try:
                         run.run()

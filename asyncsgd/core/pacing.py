@@ -148,11 +148,20 @@ def pace_event(computed: float, waited: float) -> dict:
     return {"compute_s": round(computed, 4), "waited_s": round(waited, 4)}
 
 
-def waited_note(computed: float, waited: float) -> str:
-    """For a progress line: the share of step time waited on purpose ('' when none)."""
-    if waited <= 0:
+def pace_note(computed: float, waited: float, span: float) -> str:
+    """For a progress line: where the time of the steps so far went ('' without stragglers
+    staged): computing the gradients, waiting on purpose, and the rest, communicating
+    (pulls, pushes, all-reduces), applying updates and waiting for the other ranks."""
+    if span <= 0 or waited <= 0:
         return ""
-    return f"{100 * waited / (computed + waited):.0f}% of step time waited on purpose"
+    other = max(0.0, span - computed - waited)
+    return (f"step time: {100 * computed / span:.0f}% computing, {100 * waited / span:.0f}% "
+            f"waited on purpose, {100 * other / span:.0f}% communicating and other")
+
+
+def other_seconds(computed: float, waited: float, span: float) -> float:
+    """Seconds of the steps' span neither computing nor waited on purpose."""
+    return round(max(0.0, span - computed - waited), 3)
 
 
 class Pacer:
@@ -173,9 +182,17 @@ class Pacer:
         self.computed = self.waited = 0.0
         self.steps = 0
         self._began = 0.0
+        self._first: Optional[float] = None
 
     def begin(self) -> None:
         self._began = time.perf_counter()
+        if self._first is None:
+            self._first = self._began
+
+    @property
+    def span(self) -> float:
+        """Seconds since the first step began: computing, waiting on purpose and the rest."""
+        return 0.0 if self._first is None else time.perf_counter() - self._first
 
     def end(self) -> float:
         """Seconds waited on purpose after this step's computation."""
@@ -200,4 +217,5 @@ class Pacer:
 
     def figures(self) -> dict:
         return {"steps": self.steps, "compute_seconds": round(self.computed, 3),
-                "waited_seconds": round(self.waited, 3)}
+                "waited_seconds": round(self.waited, 3),
+                "other_seconds": other_seconds(self.computed, self.waited, self.span)}

@@ -137,17 +137,19 @@ def _mnist1d_task(name: str, model_fn, samples: Optional[int], cache_dir: Option
 
 
 def mnist1d_mlp(samples: Optional[int] = None, cache_dir: Optional[str] = None,
-                width: int = 256) -> Task:
+                width: int = 256, depth: int = 2) -> Task:
     """MNIST-1D (generated offline), MLP 40-W-W-10; lr 0.1, batch 32; best ~69%.
 
-    ``width`` (default 256): width=2048 has 4.3 M parameters, a communication-bound model."""
-    if width < 1:
-        raise TaskError(f"mnist1d-mlp:width={width}: the width must be at least 1")
-    sizes = (40, width, width, 10)
+    ``width`` (default 256): width=2048 has 4.3 M parameters, a communication-bound model.
+    ``depth``: hidden layers (default 2), for shallow-versus-deep comparisons."""
+    for name, value in (("width", width), ("depth", depth)):
+        if value < 1:
+            raise TaskError(f"mnist1d-mlp:{name}={value}: must be at least 1")
+    sizes = (40, *[width] * depth, 10)
     params = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
+    shape = "-".join(map(str, sizes))
     task = _mnist1d_task("mnist1d-mlp", functools.partial(models.MLP, sizes), samples, cache_dir,
-                         f"MNIST-1D, MLP 40-{width}-{width}-10, {params:,} parameters "
-                         "(best ~69%)", 0.1)
+                         f"MNIST-1D, MLP {shape}, {params:,} parameters (best ~69%)", 0.1)
     task.info["parameters"] = params
     return task
 

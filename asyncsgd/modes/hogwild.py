@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from ..config import HogwildConfig
-from ..core.pacing import Pacer, Pacing, pace_event, waited_note
+from ..core.pacing import Pacer, Pacing, other_seconds, pace_event, pace_note
 from ..core.tasks import Task, epoch_order, partition_indices, task_of
 from ..errors import ConfigError, WorkerError
 from ..run.process_group import WorkerGroup, available_cores, context, threads_per_process
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 SAMPLES, STEPS, EPOCHS, READY, DONE = range(5)
 # Columns of the shared per-worker sums: training loss, its steps, and (core.pacing)
 # seconds computing and seconds waited on purpose.
-LOSS_SUM, LOSS_STEPS, COMPUTED, WAITED = range(4)
+LOSS_SUM, LOSS_STEPS, COMPUTED, WAITED, SPAN = range(5)
 POLL_SECONDS = 0.25
 TRAIN_EVENT_SECONDS = 1.0
 STOP_GRACE = 10.0  # seconds for training workers to see the stop flag and exit
@@ -105,6 +105,7 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
                 loss.backward()
                 pacer.end()  # a straggler waits here: its gradient lands late
                 loss_acc[COMPUTED], loss_acc[WAITED] = pacer.computed, pacer.waited
+                loss_acc[SPAN] = pacer.span
                 if lock is None:
                     opt.step()
                 else:
@@ -160,7 +161,7 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
     control = torch.zeros(1, dtype=torch.int64).share_memory_()
     counters = torch.zeros(procs, 5, dtype=torch.int64).share_memory_()
     counters[:, EPOCHS] = recorder.epochs_done
-    losses = torch.zeros(procs, 4, dtype=torch.float64).share_memory_()
+    losses = torch.zeros(procs, SPAN + 1, dtype=torch.float64).share_memory_()
     ctx = context(cfg.start_method, preload=[__name__])
     lock = ctx.Lock() if cfg.lock else None
     ring_sems = _ring_semaphores(ctx, cfg, procs, threads)
@@ -240,15 +241,16 @@ class _TrainEvents:
                                     **pace_event(delta[COMPUTED], delta[WAITED]))
         self.seen = now
 
-    def waited(self) -> str:
-        """The share of all workers' step time waited on purpose, for the progress line."""
-        sums = self.losses[:, [COMPUTED, WAITED]].sum(0).tolist()
-        return waited_note(*sums)
+    def pace_note(self) -> str:
+        """Where all workers' step time went, for the progress line."""
+        return pace_note(*self.losses[:, [COMPUTED, WAITED, SPAN]].sum(0).tolist())
 
     def pace(self) -> list:
-        """Per worker: steps, seconds computing and seconds waited on purpose."""
+        """Per worker: steps, seconds computing, waited on purpose, and the rest."""
         return [{"steps": int(row[LOSS_STEPS]), "compute_seconds": round(row[COMPUTED], 3),
-                 "waited_seconds": round(row[WAITED], 3)} for row in self.losses.tolist()]
+                 "waited_seconds": round(row[WAITED], 3),
+                 "other_seconds": other_seconds(row[COMPUTED], row[WAITED], row[SPAN])}
+                for row in self.losses.tolist()]
 
 
 def _supervise(cfg: HogwildConfig, recorder: Recorder, group: WorkerGroup, control: torch.Tensor,
@@ -277,7 +279,7 @@ def _supervise(cfg: HogwildConfig, recorder: Recorder, group: WorkerGroup, contr
                 if finished:
                     break
                 recorder.checkpoint_if_due(samples, int(counters[:, EPOCHS].min()))
-                recorder.show(samples, events.rate(), note=events.waited())
+                recorder.show(samples, events.rate(), note=events.pace_note())
     finally:
         control[0] = 1
         throughput = events.throughput()

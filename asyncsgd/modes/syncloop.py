@@ -37,13 +37,13 @@ import torch
 import torch.nn as nn
 
 from ..config import SingleConfig
-from ..core.pacing import Pacer, Pacing, pace_event, waited_note
+from ..core.pacing import Pacer, Pacing, other_seconds, pace_event, pace_note
 from ..core.tasks import Task, epoch_order, partition_indices
 from ..errors import ConfigError, WorkerError
 from ..run.recorder import Outcome, Recorder, RunResult
 from ..run.rundir import RunDir
 from ..run.signals import signals_as_flag
-from .optim import SGD
+from .optim import SGD, Adam, Delayed
 from .precision import Precision, check_amp
 
 log = logging.getLogger(__name__)
@@ -52,10 +52,12 @@ CHECK_SECONDS = 0.2  # how often the ranks agree whether to stop; bounds the sto
 MAX_STEPS_BETWEEN_CHECKS = 100_000
 TRAIN_EVENT_SECONDS = 1.0
 STOP_REASONS = {1: "max_seconds", 2: "target"}
-MAX_SECONDS, TARGET_ACCURACY = 1, 2
-# Slots of the vector the ranks sum at every check; then each rank's seconds computing
-# and waited on purpose (core.pacing), in two slots per rank from FIRST_RANK_SLOT.
+MAX_SECONDS, TARGET = 1, 2
+# Slots of the vector the ranks sum at every check; then each rank's seconds computing,
+# waited on purpose and since its first step (core.pacing), in PACED slots per rank from
+# FIRST_RANK_SLOT.
 CODE, PACE, INTERRUPTS, LOSS_SUM, LOSS_STEPS, FIRST_RANK_SLOT = range(6)
+PACED = 3
 
 Agree = Callable[[torch.Tensor], torch.Tensor]
 
@@ -76,6 +78,27 @@ def check_settings(cfg: SingleConfig) -> None:
         raise ConfigError("--device cuda: no CUDA GPU is visible to torch "
                           "(torch.cuda.is_available() is False); use --device cpu")
     check_amp(cfg.amp, cfg.device)
+    if cfg.simulate_staleness:
+        if cfg.mode != "single":
+            raise ConfigError(f"--simulate-staleness is for single (one process); {cfg.mode} is "
+                              "synchronous, so its gradients are never stale: leave the flag out")
+        if cfg.amp == "fp16":
+            raise ConfigError("--simulate-staleness with --amp fp16: the gradient scaler "
+                              "would skip steps by the current gradient, not the one applied; "
+                              "use --amp bf16 or off")
+    if cfg.optimizer == "adam" and cfg.momentum:
+        raise ConfigError("--momentum is sgd's; adam has its own (betas 0.9/0.999): drop "
+                          "--momentum or use --optimizer sgd")
+
+
+def make_optimizer(cfg: SingleConfig, task: Task, params):
+    """The update rule of --optimizer, applying gradients --simulate-staleness steps late."""
+    lr = cfg.lr or task.lr
+    if cfg.optimizer == "adam":
+        opt = Adam(params, lr=lr, weight_decay=cfg.weight_decay)
+    else:
+        opt = SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return Delayed(opt, cfg.simulate_staleness) if cfg.simulate_staleness else opt
 
 
 def alone(vector: torch.Tensor) -> torch.Tensor:
@@ -95,8 +118,7 @@ class SyncLoop:
         self.part, self.device, self.rank, self.world = part, device, rank, world
         self.recorder, self.agree, self.interrupted = recorder, agree, interrupted
         self.batch_size = cfg.batch_size or task.batch_size
-        self.opt = SGD(net.parameters(), lr=cfg.lr or task.lr, momentum=cfg.momentum,
-                       weight_decay=cfg.weight_decay)
+        self.opt = make_optimizer(cfg, task, net.parameters())
         self.epochs_done = start_epoch
         self.steps = 0
         self.local_samples = 0
@@ -121,7 +143,7 @@ class SyncLoop:
                 net.register_comm_hook(self.pacer, _paced_allreduce)
         if self.pacing.active and recorder is not None:
             log.info("stragglers: %s", self.pacing.describe())
-        self.ranks_paced = [0.0] * (2 * world)  # rank 0: the agreed per-rank seconds
+        self.ranks_paced = [0.0] * (PACED * world)  # rank 0: the agreed per-rank seconds
         self._paced_seen = [0.0, 0.0]  # rank 0: summed (computed, waited) at the last event
 
     def samples(self) -> int:
@@ -162,15 +184,16 @@ class SyncLoop:
 
     def _check(self, epoch: int) -> tuple:
         """All ranks: agree on (reason to stop or None, steps until the next check)."""
-        vector = torch.zeros(FIRST_RANK_SLOT + 2 * self.world, dtype=torch.float64)
+        vector = torch.zeros(FIRST_RANK_SLOT + PACED * self.world, dtype=torch.float64)
         if self.recorder is not None:
             vector[CODE] = self._decide()
             vector[PACE] = self._next_pace()
         vector[INTERRUPTS] = float(self.interrupted())
         vector[LOSS_SUM] = float(self._loss_sum)
         vector[LOSS_STEPS] = self._loss_steps
-        vector[FIRST_RANK_SLOT + 2 * self.rank] = self.pacer.computed
-        vector[FIRST_RANK_SLOT + 2 * self.rank + 1] = self.pacer.waited
+        mine = FIRST_RANK_SLOT + PACED * self.rank
+        vector[mine:mine + PACED] = torch.tensor(
+            [self.pacer.computed, self.pacer.waited, self.pacer.span], dtype=torch.float64)
         agreed = self.agree(vector.to(self.device)).cpu().tolist()
         self._loss_sum.zero_()
         self._loss_steps = 0
@@ -186,7 +209,7 @@ class SyncLoop:
         """Rank 0: evaluate and checkpoint when due; whether to stop and why."""
         rec, samples = self.recorder, self.samples()
         if rec.evaluate_if_due(samples) and rec.target_reached():
-            return TARGET_ACCURACY
+            return TARGET
         if rec.out_of_time():
             return MAX_SECONDS
         rec.checkpoint_if_due(samples, self.epochs_done)
@@ -212,7 +235,7 @@ class SyncLoop:
         self._pending[1] += loss_steps
         if self._pending[1] and (force or rec.elapsed() >= self._next_train_event):
             # worker 0 stands for the whole group: one model, its loss averaged over ranks
-            paced = [sum(self.ranks_paced[0::2]), sum(self.ranks_paced[1::2])]
+            paced = self._summed()[:2]
             rec.train(samples, 0, self._pending[0] / self._pending[1],
                       steps=self._pending[1] // self.world, epoch=epoch, ranks=self.world,
                       **(pace_event(*((now - seen) / self.world  # per rank
@@ -222,7 +245,11 @@ class SyncLoop:
             self._pending = [0.0, 0]
             self._next_train_event = rec.elapsed() + TRAIN_EVENT_SECONDS
         rec.show(samples, self.steady_rate() or 0.0,
-                 note=waited_note(sum(self.ranks_paced[0::2]), sum(self.ranks_paced[1::2])))
+                 note=pace_note(*self._summed()) if self.timed else "")
+
+    def _summed(self) -> list:
+        """Rank 0: (computed, waited, span) seconds summed over the ranks."""
+        return [sum(self.ranks_paced[k::PACED]) for k in range(PACED)]
 
     def steady_rate(self) -> Optional[float]:
         """Rank 0: samples/s since every rank was running (start-up excluded)."""
@@ -233,10 +260,12 @@ class SyncLoop:
         return (self.samples() - s0) / dt if dt > 0 else None
 
     def pace(self) -> dict:
-        """Rank 0: the stragglers asked for, and each rank's seconds computing and waiting."""
+        """Rank 0: the stragglers asked for, and each rank's seconds computing, waiting on
+        purpose, and the rest (all-reduces, waiting for the other ranks, updates)."""
+        per_rank = zip(*(self.ranks_paced[k::PACED] for k in range(PACED)))
         return {**self.pacing.to_dict(), "ranks": [
-            {"compute_seconds": round(c, 3), "waited_seconds": round(w, 3)}
-            for c, w in zip(self.ranks_paced[0::2], self.ranks_paced[1::2])]
+            {"compute_seconds": round(c, 3), "waited_seconds": round(w, 3),
+             "other_seconds": other_seconds(c, w, span)} for c, w, span in per_rank]
             if self.timed else None}
 
     def throughput(self) -> dict:
@@ -281,6 +310,9 @@ def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: 
     """
     torch.manual_seed(cfg.seed + rank)
     model = task.build_model(cfg.seed)
+    if cfg.optimizer == "adam" and any(getattr(m, "sparse", False) for m in model.modules()):
+        raise ConfigError(f"--optimizer adam takes dense gradients; task {task.name}'s "
+                          "model has sparse ones: use --optimizer sgd")
     part = padded_partition(len(task.train), world, rank, cfg.seed)
     recorder = None
     if run is not None:
@@ -312,6 +344,14 @@ def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: 
                              rate=throughput["steady_samples_per_second"], **throughput,
                              **precision.state(), procs=world, lr=loop.opt.lr,
                              batch_size=loop.batch_size, global_batch_size=loop.batch_size * world,
-                             pacing=loop.pace(),
-                             **(extra or {}))
+                             pacing=loop.pace(), optimizer=cfg.optimizer,
+                             **_staleness(loop.opt), **(extra or {}))
+
+
+def _staleness(opt) -> dict:
+    """summary.json: what --simulate-staleness did (nothing when it was off)."""
+    if not isinstance(opt, Delayed):
+        return {}
+    return {"simulated_staleness": opt.staleness, "updates_applied": opt.applied,
+            "gradients_never_applied": len(opt.in_flight)}
 
