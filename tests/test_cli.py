@@ -29,7 +29,7 @@ ROOT = Path(__file__).parent.parent
     (["--lr", "-1"], ["--lr"]),
     (["--target-accuracy", "85"], ["--target 85", "between 0 and 1"]),
     (["--task", "lm", "--target", "0.5"], ["perplexity is at least 1"]),
-    (["--task", "mnist1d-mlp:depth=3"], ["has no option depth", "width=256"]),
+    (["--task", "mnist1d-mlp:height=3"], ["has no option height", "width=256, depth=2"]),
     (["--no-such-flag"], ["No such option '--no-such-flag'"]),
     (["--resume", "/nonexistent/run"], ["not a run directory"]),
 ])

@@ -32,13 +32,13 @@ def test_mnist1d_cnn_learns_with_spawn(tmp_path, cache_dir):
     events = read_events(result.run_dir)
     losses = {w: [e["loss"] for e in events if e["event"] == "train" and e["worker"] == w]
               for w in (0, 1)}
+    evals = [e for e in events if e["event"] == "eval"]
     for worker, curve in losses.items():  # each process learns, not just the shared model
         # Each point averages the steps since the one before; under load there may be only a
-        # few (3 in one CI run), so the tail never reaches back to the first point.
-        assert len(curve) >= 2, (worker, curve)
-        tail = curve[max(1, len(curve) - 3):]
-        assert sum(tail) / len(tail) < 0.6 * curve[0], (worker, curve)
-    evals = [e for e in events if e["event"] == "eval"]
+        # few (one in one CI run: all of a worker's steps in one report), so the yardstick is
+        # the untrained model's test loss (~ln 10), not the first point.
+        assert curve, (worker, curve)
+        assert curve[-1] < 0.6 * evals[0]["loss"], (worker, curve)
     assert evals[0]["samples"] == 0 and evals[0]["loss"] > 2.0  # before any update: ~ln(10)
     assert evals[-1]["loss"] < 0.6 * evals[0]["loss"]  # Hogwild varies run to run: relative
     assert evals[0]["accuracy"] < 0.3 < evals[-1]["accuracy"]

@@ -92,11 +92,21 @@ def test_ps_server_stops_its_shards_and_workers_without_force(busy_machine, cli_
     res = subprocess.CompletedProcess([], code, "", err)
     summary = _ended_on_budget(res, seconds, tmp_path / "run")
     assert summary["updates"] > 0
+    joined = len(summary["workers_joined"])
+    late = 0
     for w_code, _, w_err in results:
-        assert w_code == 0, w_err
         assert not any(f in w_err for f in FORCED), w_err
+        if w_code != 0 and "no answer from the server" in w_err and "joined" not in w_err:
+            # Started too slowly to reach the server within its budget (a CI run beside
+            # other work once took more than 12 s): it never joined, so no one could tell
+            # it the run had ended; it says so in one line instead of hanging.
+            late += 1
+            assert w_err.strip().splitlines()[-1].startswith("error: no answer from the server")
+            continue
+        assert w_code == 0, w_err
+    assert joined >= 1 and joined + late == 2, (summary["workers_joined"], late)
     record_figure(f"ps-server --max-seconds {BUDGET} beside {SPINNERS} busy processes",
-                  seconds=round(seconds, 1), updates=summary["updates"])
+                  seconds=round(seconds, 1), updates=summary["updates"], late_workers=late)
 
 
 def test_single_leaves_busy_cores_alone(busy_machine, run_cli, tmp_path):
