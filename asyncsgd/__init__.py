@@ -24,7 +24,7 @@ _EXPORTS = {
     "RunDir": "run.rundir", "RunResult": "run.recorder",
     "Split": "core.tasks", "Task": "core.tasks", "load_task": "core.tasks",
     "Metric": "core.scoring", "ACCURACY": "core.scoring", "PERPLEXITY": "core.scoring",
-    "MSE": "core.scoring",
+    "MSE": "core.scoring", "LOSS": "core.scoring",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -196,7 +196,9 @@ class SingleConfig(TrainConfig):
     simulate_staleness: int = knob(
         0, "single only: apply each gradient this many steps after it was computed, as if "
         "that many other workers' updates came between a worker's pull and its push (Dai et "
-        "al. 2019): statistical efficiency under staleness, apart from throughput.",
+        "al. 2019): statistical efficiency under staleness, apart from throughput. The "
+        "first STEPS steps apply nothing and the last STEPS gradients are never applied; "
+        "the queue is not checkpointed (a --resume starts it empty).",
         type=click.IntRange(min=0), metavar="STEPS")
 
     mode = "single"

@@ -4,6 +4,7 @@ steps after it was computed, checked against a replay of the same batches by han
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -25,24 +26,29 @@ def _trained(tmp_path, **settings) -> tuple:
     return load_checkpoint(tmp_path / "run" / "checkpoint.pt")["model"], result.summary
 
 
-def _batches(task):
+def _batches(task, epochs: int = EPOCHS):
     """The batches single trains on, in order (its data order is a function of the seed)."""
     part = padded_partition(len(task.train), 1, 0, 0)
-    for epoch in range(EPOCHS):
+    for epoch in range(epochs):
         order = epoch_order(part, 0, 0, epoch)
         for start in range(0, len(order), task.batch_size):
             yield task.train.rows(order[start:start + task.batch_size])
 
 
-def _replay(staleness: int, make_opt) -> tuple:
-    """Parameters after applying each batch's gradient ``staleness`` steps late."""
-    task = load_task(TASK, samples=SAMPLES)
+def _replay(staleness: int, make_opt, task_name: str = TASK, samples: int = SAMPLES,
+            epochs: int = EPOCHS, drop_at: int = -1) -> tuple:
+    """Parameters after applying each batch's gradient ``staleness`` steps late, by hand on
+    a copy of the model; ``drop_at``: the step at which the gradients in flight are dropped
+    (a resume)."""
+    task = load_task(task_name, samples=samples)
     model = task.build_model(0)
     opt = make_opt(model.parameters())
     in_flight, steps = [], 0
-    for (x,), y in _batches(task):
+    for inputs, y in _batches(task, epochs):
+        if steps == drop_at:
+            in_flight.clear()
         model.zero_grad()
-        task.loss_fn(model(x), y).backward()
+        task.loss_fn(model(*inputs), y).backward()
         in_flight.append([p.grad.clone() for p in model.parameters()])
         steps += 1
         if len(in_flight) > staleness:
@@ -53,9 +59,13 @@ def _replay(staleness: int, make_opt) -> tuple:
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 3])
-def test_gradients_are_applied_exactly_staleness_steps_late(tmp_path, staleness):
-    got, summary = _trained(tmp_path, simulate_staleness=staleness)
-    want, steps = _replay(staleness, lambda ps: torch.optim.SGD(ps, lr=LR))
+@pytest.mark.parametrize("momentum, weight_decay", [(0.0, 0.0), (0.9, 0.01)])
+def test_gradients_are_applied_exactly_staleness_steps_late(tmp_path, staleness, momentum,
+                                                            weight_decay):
+    got, summary = _trained(tmp_path, simulate_staleness=staleness, momentum=momentum,
+                            weight_decay=weight_decay)
+    want, steps = _replay(staleness, lambda ps: torch.optim.SGD(
+        ps, lr=LR, momentum=momentum, weight_decay=weight_decay))
     for name in want:
         assert torch.allclose(got[name], want[name], atol=1e-6), name
     if staleness:
@@ -73,14 +83,48 @@ def test_staleness_changes_the_result(tmp_path):
     assert not all(torch.allclose(stale[k], fresh[k], atol=1e-6) for k in fresh)
 
 
-@pytest.mark.parametrize("staleness", [0, 2])
-def test_adam_is_torch_adam(tmp_path, staleness):
-    got, summary = _trained(tmp_path, optimizer="adam", lr=None, simulate_staleness=staleness)
+@pytest.mark.parametrize("staleness, weight_decay", [(0, 0.0), (2, 0.0), (2, 0.01)])
+def test_adam_is_torch_adam(tmp_path, staleness, weight_decay):
+    got, summary = _trained(tmp_path, optimizer="adam", lr=None, simulate_staleness=staleness,
+                            weight_decay=weight_decay)
     lr = load_task(TASK, samples=SAMPLES).lr
-    want, _ = _replay(staleness, lambda ps: torch.optim.Adam(ps, lr=lr))
+    want, _ = _replay(staleness, lambda ps: torch.optim.Adam(ps, lr=lr,
+                                                             weight_decay=weight_decay))
     for name in want:
         assert torch.allclose(got[name], want[name], atol=1e-6), name
     assert summary["optimizer"] == "adam"
+
+
+def test_sparse_gradients_are_queued_and_applied_late(tmp_path):
+    """sparse-logreg's EmbeddingBag gradients stay sparse in the queue: each late update
+    touches the rows its own batch used, exactly as a replay applies them."""
+    samples, staleness = 256, 2
+    got, summary = _trained(tmp_path, task="sparse-logreg", samples=samples, lr=None,
+                            simulate_staleness=staleness)
+    lr = load_task("sparse-logreg", samples=samples).lr
+    want, steps = _replay(staleness, lambda ps: torch.optim.SGD(ps, lr=lr), "sparse-logreg",
+                          samples)
+    for name in want:
+        assert torch.allclose(got[name], want[name], atol=1e-6), name
+    assert summary["updates_applied"] == steps - staleness
+
+
+def test_resume_starts_the_queue_empty_and_says_so(tmp_path, caplog):
+    """The queue is not in the checkpoint: a resumed run drops the gradients in flight and
+    its first S steps apply nothing, exactly as a replay that empties the queue there."""
+    staleness = 2
+    _, first = _trained(tmp_path, simulate_staleness=staleness, epochs=EPOCHS - 1)
+    with caplog.at_level(logging.WARNING, logger="asyncsgd"):
+        got, summary = _trained(tmp_path, simulate_staleness=staleness, out=None,
+                                resume=str(tmp_path / "run"))
+    assert "the first 2 steps after resuming apply nothing" in caplog.text, caplog.text
+    want, steps = _replay(staleness, lambda ps: torch.optim.SGD(ps, lr=LR),
+                          drop_at=first["updates_applied"] + staleness)
+    for name in want:
+        assert torch.allclose(got[name], want[name], atol=1e-6), name
+    resumed_steps = steps - (first["updates_applied"] + staleness)
+    assert summary["updates_applied"] == resumed_steps - staleness   # counted since the resume
+    assert summary["gradients_never_applied"] == staleness
 
 
 @pytest.mark.parametrize("args, fragment", [

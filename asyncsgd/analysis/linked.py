@@ -79,9 +79,10 @@ def describe(link: Link, runs: dict) -> str:
             "shaped.")
     if runs:
         text += " Bytes the hosts sent over their links (kernel qdisc counters): " + "; ".join(
-            f"{label}: {_mb(sum(h['sent'] for h in hosts.values()))}"
-            + (f", {sum(h['dropped'] for h in hosts.values())} frames dropped at full links"
-               if any(h["dropped"] for h in hosts.values()) else "")
+            (f"{label}: {_mb(sum(h['sent'] for h in hosts.values()))}"
+             if all("sent" in h for h in hosts.values()) else f"{label}: counters unreadable")
+            + (f", {sum(h.get('dropped', 0) for h in hosts.values())} frames dropped at full "
+               "links" if any(h.get("dropped") for h in hosts.values()) else "")
             for label, hosts in runs.items()) + "."
     return text
 

@@ -6,7 +6,7 @@ A ``Metric`` is a name, a direction and a way to compute it. Built in:
     ACCURACY     fraction of argmax predictions equal to the label (higher is better)
     PERPLEXITY   exp(mean per-token cross-entropy) of a language model (lower is better)
     MSE          mean squared error of a regression (lower is better)
-    LOSS         the task's own mean test loss (lower is better)
+    LOSS         the task's own mean test loss, named test_loss (lower is better)
 
 Your own: ``Metric("f1", higher_is_better=True, per_batch=my_sum_fn)`` where
 ``my_sum_fn(outputs, targets)`` returns the batch's *sum* over samples (the mean over
@@ -23,6 +23,10 @@ from typing import Callable, Optional
 import torch
 
 
+# Fields of every metrics.jsonl event (and "loss", which eval events carry): no metric's name.
+RESERVED = ("event", "t", "samples", "wall", "worker", "loss")
+
+
 @dataclass(frozen=True)
 class Metric:
     """A test-set score: ``name`` keys it in metrics.jsonl and labels it in reports."""
@@ -36,9 +40,10 @@ class Metric:
     def __post_init__(self):
         if (self.per_batch is None) == (self.from_loss is None):
             raise ValueError(f"metric {self.name!r}: give exactly one of per_batch or from_loss")
-        if not self.name.isidentifier():
+        if not self.name.isidentifier() or self.name in RESERVED:
             raise ValueError(f"metric name {self.name!r} must be an identifier (a JSON key "
-                             "and a TensorBoard tag), e.g. 'accuracy'")
+                             f"and a TensorBoard tag), e.g. 'accuracy', and none of "
+                             f"{', '.join(RESERVED)} (fields every event has)")
 
     def reached(self, value: Optional[float], target: Optional[float]) -> bool:
         """``value`` is at or past ``target`` in the metric's direction."""
@@ -73,6 +78,8 @@ class Metric:
         """A target this metric can reach; raises ValueError naming the fix."""
         if target is None:
             return
+        if not math.isfinite(target):
+            raise ValueError(f"--target {target}: give a finite number")
         if self.percent and not 0 <= target <= 1:
             raise ValueError(f"--target {target:g}: {self.name} is a fraction, so give a "
                              f"target between 0 and 1 (e.g. 0.9 for 90%)")
@@ -121,4 +128,4 @@ def identity(mean_loss: float) -> float:
 ACCURACY = Metric("accuracy", higher_is_better=True, per_batch=correct, percent=True)
 PERPLEXITY = Metric("perplexity", higher_is_better=False, from_loss=perplexity)
 MSE = Metric("mse", higher_is_better=False, per_batch=squared_error)
-LOSS = Metric("loss", higher_is_better=False, from_loss=identity)
+LOSS = Metric("test_loss", higher_is_better=False, from_loss=identity)

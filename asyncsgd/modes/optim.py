@@ -5,6 +5,8 @@ Why not ``torch.optim.SGD``: constructing the first torch optimizer imports
 two cores would spend 13 s of start-up on it. This one does the same
 arithmetic (PyTorch's SGD with momentum and L2 weight decay, dampening 0)
 and handles sparse gradients so that an update touches only the rows a batch used.
+``Adam`` is the parameter server's adam rule in the same shape, and ``Delayed`` applies
+any of them S steps late (``single --simulate-staleness``).
 """
 
 from __future__ import annotations
@@ -110,6 +112,11 @@ class Delayed:
     The first S steps apply nothing (their gradients are in flight); when the run ends the
     last S gradients are never applied, as a parameter server's run ends with pushes in
     flight. The queue is not checkpointed: a resumed run starts with it empty.
+
+    The queue holds the gradient tensors backward made, not copies: ``zero_grad`` sets
+    ``p.grad`` to None before each backward, so the next one makes new tensors. Sparse
+    gradients stay sparse in the queue and, applied, update only their own batch's rows
+    (with plain SGD: momentum's buffer is dense).
     """
 
     def __init__(self, inner: SGD, staleness: int):

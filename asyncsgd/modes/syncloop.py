@@ -318,6 +318,8 @@ def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: 
     if run is not None:
         recorder = Recorder(cfg, task, model, run, total_samples=len(part) * world * cfg.epochs,
                             argv=argv, started_at=started_at)
+    if recorder is not None and cfg.resume:
+        _say_what_resuming_restarts(cfg)
     model.to(device)
     start = torch.tensor([float(recorder.epochs_done) if recorder else 0.0], dtype=torch.float64)
     start_epoch = int(agree(start.to(device)).item())  # a resumed rank 0 tells the others
@@ -348,8 +350,27 @@ def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: 
                              **_staleness(loop.opt), **(extra or {}))
 
 
+def _say_what_resuming_restarts(cfg: SingleConfig) -> None:
+    """A checkpoint holds the model only (``Recorder.checkpoint``), not the update rule's
+    state: a resumed run continues from the weights with a fresh optimizer. Say what that
+    drops, so a resumed run is not mistaken for an uninterrupted one."""
+    fresh = []
+    if cfg.optimizer == "adam":
+        fresh.append("adam's moments and step count (its bias correction starts over)")
+    elif cfg.momentum:
+        fresh.append("the momentum buffer")
+    if cfg.simulate_staleness:
+        fresh.append(f"the --simulate-staleness queue: the {cfg.simulate_staleness} gradients "
+                     "in flight at the checkpoint are never applied, and the first "
+                     f"{cfg.simulate_staleness} steps after resuming apply nothing, as at a start")
+    if fresh:
+        log.warning("resuming from the model's weights only; starting afresh: %s",
+                    "; ".join(fresh))
+
+
 def _staleness(opt) -> dict:
-    """summary.json: what --simulate-staleness did (nothing when it was off)."""
+    """summary.json: what --simulate-staleness did (nothing when it was off), counted since
+    this process started: after a --resume, since the resume."""
     if not isinstance(opt, Delayed):
         return {}
     return {"simulated_staleness": opt.staleness, "updates_applied": opt.applied,
