@@ -2,7 +2,7 @@
 process's link narrows from unshaped to 1 Gbit, 200 Mbit and 50 Mbit, on a
 communication-heavy model.
 
-    python experiments/link_bandwidth.py                       # 4 links x 3 modes, ~8 min
+    python experiments/link_bandwidth.py                       # 4 links x 3 modes, ~5 min
     python experiments/link_bandwidth.py --links none,50mbit --modes ps-async
 
 For each link one ``asyncsgd compare`` (needs root: network namespaces):
