@@ -25,9 +25,10 @@ import zmq
 
 from asyncsgd.run.checkpoint import load_checkpoint, save_checkpoint
 from asyncsgd.wire.memory import keep_freed_memory
-from asyncsgd.wire.protocol import (BYE, PARAMS, STATS, Code, Key, Message, ProtocolError,
-                                    error_message, in_parts)
+from asyncsgd.wire.protocol import (ATTACH, BYE, PARAMS, STATS, Code, Key, Message,
+                                    ProtocolError, error_message, in_parts)
 from asyncsgd.wire.security import Gatekeeper, ServerKeys
+from asyncsgd.wire.shared import AreaUnavailable, Areas
 from asyncsgd.wire.transport import frame_limit, recv_from, router, send, send_tracked
 
 from .sessions import Sessions
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 TICK_SECONDS = 0.1
 DRAIN_SECONDS = 1.5  # after a stop, answer stragglers with 'bye' for this long
 BATCH = 64  # messages handled per wake-up before checking the clock again
+MIN_AREAS = 8  # same-host areas a shard keeps at least (else 2 per expected worker)
 
 
 @dataclass
@@ -76,6 +78,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
     gate.watch(sock)
     port = int(endpoint.rsplit(":", 1)[1])
     sessions = Sessions(settings.session_key)
+    areas = Areas(state.size, max(MIN_AREAS, 2 * settings.config.expected_workers))
     log.info("shard %d serving [%d, %d) on port %d, %s, %d thread(s)", rank,
              settings.config.start, settings.config.end, port, settings.config.consistency,
              settings.threads)
@@ -87,14 +90,14 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
         while not stop[0]:
             if sock.poll(int(TICK_SECONDS * 1000)):
                 for _ in range(BATCH):
-                    _serve_one(sock, state, gate, sessions)
+                    _serve_one(sock, state, gate, sessions, areas)
                     if not sock.poll(0):
                         break
             now = time.monotonic()
             if now >= next_tick:  # liveness needs no finer grain than this
                 next_tick = now + TICK_SECONDS
                 for peer, reply in state.tick(now):
-                    _reply(sock, state, peer, reply)
+                    _reply(sock, state, peer, reply, areas)
             if path is not None and now >= next_checkpoint:
                 save_checkpoint(path, {"shard": state.state_dict(), "port": port})
                 next_checkpoint = now + settings.checkpoint_every
@@ -102,6 +105,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
     finally:
         if path is not None:
             save_checkpoint(path, {"shard": state.state_dict(), "port": port})
+        areas.close()
         gate.close()
         sock.close(0)
         ctx.term()
@@ -145,13 +149,20 @@ def _drain(sock: zmq.Socket, state: ShardState) -> None:
             send(sock, over(msg.seq), peer)
 
 
-def _reply(sock: zmq.Socket, state: ShardState, peer: bytes, reply: Message) -> None:
-    """Parameters go out without copying when the store allows it, a message per frame
-    (so the worker copies one while the next is on the wire), each as soon as the
-    update still pending on it is applied; the rest once the update is complete."""
+def _reply(sock: zmq.Socket, state: ShardState, peer: bytes, reply: Message,
+           areas: Optional[Areas] = None) -> None:
+    """Parameters go to a worker on this host through its shared area; to others without
+    copying when the store allows it, a message per frame (so the worker copies one
+    while the next is on the wire), each as soon as the update still pending on it is
+    applied; the rest once the update is complete."""
     if reply.shard < 0:  # errors too name the shard: a worker can tell another shard's answer
         reply.shard = state.cfg.index
     store: ZeroCopyStore = state.store
+    area = areas.for_peer(peer) if areas is not None and reply.segments else None
+    if area is not None:
+        store.apply_pending()
+        send(sock, reply, peer, local=(area.link, area.params))
+        return
     if reply.type == PARAMS and store.sends_in_place(reply):
         buffer = store.buffer
         for part in in_parts(reply) if len(reply.segments) > 1 else [reply]:
@@ -163,21 +174,36 @@ def _reply(sock: zmq.Socket, state: ShardState, peer: bytes, reply: Message) -> 
 
 
 def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
-               sessions: Sessions) -> None:
-    peer, msg = recv_from(sock)
+               sessions: Sessions, areas: Areas) -> None:
+    peer, msg = recv_from(sock, areas.grads_of)
     if isinstance(msg, ProtocolError):
         replies = state.refuse(peer, msg.code, str(msg), msg)
     elif not sessions.admits(msg):
         replies = state.refuse(peer, Code.UNKNOWN_WORKER, (
             f"no session for worker {msg.worker!r} incarnation {msg.incarnation}: say hello "
             "to the server's front first and send the token its welcome holds"), msg)
+    elif msg.type == ATTACH:
+        replies = [(peer, _attach(state, areas, peer, msg))]
     else:
         try:
             replies = state.handle(peer, msg, time.monotonic())
         except Exception as exc:  # a bug must not take the shard down with every worker's work
             log.exception("shard %d: unexpected error handling %s", state.cfg.index, msg.type)
             replies = state.refuse(peer, Code.UNEXPECTED, f"{type(exc).__name__}: {exc}", msg)
+        if msg.type == BYE:
+            areas.drop_worker(msg.worker)
     for to, reply in replies:
         if reply.type == STATS:
-            reply.meta.update(transport=gate.stats(), pid=os.getpid())
-        _reply(sock, state, to, reply)
+            reply.meta.update(transport=gate.stats(), pid=os.getpid(), **areas.stats())
+        _reply(sock, state, to, reply, areas)
+
+
+def _attach(state: ShardState, areas: Areas, peer: bytes, msg: Message) -> Message:
+    """A same-host area for an admitted worker (PROTOCOL.md, Same host), or why not."""
+    try:
+        area = areas.attach(msg.worker, msg.incarnation, peer)
+    except AreaUnavailable as exc:
+        return error_message(Code.NO_LINKS, str(exc), msg)
+    return Message(type=ATTACH, seq=msg.seq, shard=state.cfg.index, meta={
+        Key.PID: os.getpid(), Key.FD: area.fd, Key.LINK: area.link,
+        Key.ELEMENTS: area.elements, Key.TAG: area.tag.hex()})

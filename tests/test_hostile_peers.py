@@ -162,7 +162,9 @@ def test_dc_asgd_keeps_a_bounded_number_of_copies_and_compensates_exactly(server
         pushes, uncompensated, cap), stats
     assert torch.equal(observe(srv, port, size), expected)
     growth = (shard.memory_info().rss - rss_before) / 2 ** 20
-    assert growth < 3 * cap * size * 4 / 2 ** 20, f"the shard grew {growth:.1f} MiB"
+    # Measured 10.4-12.9 MiB (the 8 copies, 4 MiB, and received frames glibc keeps, as
+    # keep_freed_memory asks); one copy per id would be 100 MiB.
+    assert growth < 4 * cap * size * 4 / 2 ** 20, f"the shard grew {growth:.1f} MiB"
     assert srv.proc.poll() is None
     record_figure("DC-ASGD copies under many identities", ids=len(ids), pushes=pushes,
                   uncompensated=uncompensated, copies_kept=stats["dc_copies"],

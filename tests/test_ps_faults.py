@@ -7,6 +7,8 @@ doubled update shows.
 
 import time
 
+import pytest
+
 import torch
 import zmq
 
@@ -111,7 +113,9 @@ def _client_stats(out: str) -> dict:
             for k in inside.split(",")}
 
 
-def test_drops_and_duplicates_lose_and_double_nothing(server, cli_env):
+@pytest.mark.parametrize("transport", ["tcp", "shared"])
+def test_drops_and_duplicates_lose_and_double_nothing(server, cli_env, transport):
+    """Through shared memory too: the headers still cross the lossy proxy."""
     rows, epochs = 400, 3  # two workers, batch 8: 25 pushes an epoch each
     srv = server("--task", "tasks_for_tests:index_counter", "--samples", rows, "--shards", 2,
                  "--no-exit-when-done")
@@ -119,7 +123,8 @@ def test_drops_and_duplicates_lose_and_double_nothing(server, cli_env):
     try:
         started = time.monotonic()
         procs = [worker(cli_env, proxy.address, r, 2, "--task", "tasks_for_tests:index_counter",
-                        "--samples", rows, "--epochs", epochs, "--heartbeat", 0.05)
+                        "--samples", rows, "--epochs", epochs, "--heartbeat", 0.05,
+                        "--transport", transport)
                  for r in range(2)]
         results = finish(procs)
         seconds = time.monotonic() - started

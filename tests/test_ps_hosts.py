@@ -22,6 +22,12 @@ def test_two_workers_on_other_hosts_train_through_the_server(tmp_path, cli_env):
             "ps-server", "--task", "mnist1d-cnn", "--shards", 2, "--bind", address,
             "--workers", 2, "--out", tmp_path / "run", "--progress", "off", "--eval-every", 0.5),
             env=cli_env, stdout=-1, stderr=-1, text=True)
+        # Another host shares no memory: insisting on it is a clear error, before any hello.
+        insists = hosts.popen("worker0", asyncsgd_cmd(
+            "worker", "--server", address, "--transport", "shared", "--threads", 1,
+            "--progress", "off"), env=cli_env, stdout=-1, stderr=-1, text=True)
+        _, err = insists.communicate(timeout=120)
+        assert insists.returncode != 0 and "is not an address of this host" in err, err
         workers = [hosts.popen(f"worker{r}", asyncsgd_cmd(
             "worker", "--server", address, "--rank", r, "--world", 2, "--epochs", 8,
             "--threads", 1, "--progress", "off", "--server-timeout", 60),

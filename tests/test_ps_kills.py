@@ -9,6 +9,8 @@ import shutil
 import signal
 import time
 
+import pytest
+
 import torch
 
 from asyncsgd.core.tasks import partition_indices
@@ -31,12 +33,13 @@ def first_batches(rows: int, world: int, rank: int, batches: int, seed: int = 0)
     return part[torch.randperm(len(part), generator=gen)][:batches * BATCH]
 
 
-def test_worker_sigkill_mid_push_leaves_no_half_applied_update(server, cli_env):
+@pytest.mark.parametrize("transport", ["tcp", "shared"])
+def test_worker_sigkill_mid_push_leaves_no_half_applied_update(server, cli_env, transport):
     rows = 200_000  # 400 KB of gradient per shard and push: a kill often lands mid-push
     srv = server("--task", TASK, "--samples", rows, "--shards", 2, "--no-exit-when-done",
                  "--heartbeat-timeout", 2)
     ports = srv.stats()["shard_ports"]
-    args = ["--task", TASK, "--samples", rows, "--epochs", 1]
+    args = ["--task", TASK, "--samples", rows, "--epochs", 1, "--transport", transport]
     survivor = worker(cli_env, srv.address, 0, 2, *args, "--max-seconds", 12)
     victim = worker(cli_env, srv.address, 1, 2, *args)
     victim_id = None
@@ -148,12 +151,14 @@ def _answers(srv, port: int):
 
 
 def test_shard_sigkill_restarts_from_its_checkpoint_and_counts_lost_updates(server, cli_env):
+    """Through shared memory: the restarted shard knows no area, the worker's next push
+    falls back to frames and attaches again."""
     rows, epochs = 4000, 4  # one worker, 500 pushes an epoch
     srv = server("--task", TASK, "--samples", rows, "--checkpoint-every", 1)
     port = srv.stats()["shard_ports"][0]
     run_dir = srv.out
     trainer = worker(cli_env, srv.address, 0, 1, "--task", TASK, "--samples", rows,
-                     "--epochs", epochs, "--heartbeat", 0.2)
+                     "--epochs", epochs, "--heartbeat", 0.2, "--transport", "shared")
     wait_for(lambda: (run_dir / "shard-0.pt").exists() and
              shard_stats(srv, port)["version"] >= 400, 120, "a checkpoint and 400 updates")
     copy, killed = _kill_shard(srv, run_dir, port)

@@ -45,10 +45,13 @@ def _keys(run_cli, tmp_path):
     return tmp_path / "keys"
 
 
-@pytest.mark.parametrize("ports,curve", [("free", False), ("taken", False), ("free", True)])
+@pytest.mark.parametrize("ports,curve,transport", [
+    ("free", False, "shared"), ("free", False, "tcp"), ("taken", False, "shared"),
+    ("free", True, "shared")])
 def test_workers_rejoin_a_server_killed_whole_and_resumed(cli_env, run_cli, tmp_path, ports,
-                                                          curve):
-    """With CURVE on, the fresh front and shard sockets of a rejoin carry the keys too."""
+                                                          curve, transport):
+    """With CURVE on, the fresh front and shard sockets of a rejoin carry the keys too;
+    through shared memory, the resumed shards make new areas and the workers attach again."""
     out = tmp_path / "run"
     keys = _keys(run_cli, tmp_path) if curve else None
 
@@ -66,7 +69,8 @@ def test_workers_rejoin_a_server_killed_whole_and_resumed(cli_env, run_cli, tmp_
     try:
         old_ports = first.stats()["shard_ports"]
         procs = [worker(cli_env, first.address, r, 2, "--task", TASK, "--samples", ROWS,
-                        "--epochs", EPOCHS, "--heartbeat", 0.2, *worker_keys(r))
+                        "--epochs", EPOCHS, "--heartbeat", 0.2, "--transport", transport,
+                        *worker_keys(r))
                  for r in range(2)]
 
         def both_trained():  # each worker past its handshake and 100 pushes

@@ -94,8 +94,10 @@ def test_unfinished_pushes_are_bounded_and_expire():
     assert not state.streams.open
 
 
-def test_large_pushes_in_parts_through_a_real_server_are_exact(server):
-    """2.2M parameters on two shards: each shard's push and reply go in two 4 MiB parts."""
+@pytest.mark.parametrize("transport", ["tcp", "shared"])
+def test_large_pushes_in_parts_through_a_real_server_are_exact(server, transport):
+    """2.2M parameters on two shards: over TCP, each shard's push and reply go in two
+    4 MiB parts; through shared memory, in each worker's area. Exact either way."""
     rows = 2_200_000
     srv = server("--task", "tasks_for_tests:index_counter", "--samples", rows, "--shards", 2,
                  "--eval-every", 1000)
@@ -103,7 +105,8 @@ def test_large_pushes_in_parts_through_a_real_server_are_exact(server):
     params = torch.full((layout.total,), 7.0)
     total = torch.zeros(layout.total)
     with PSClient(srv.address, "w", layout.signature(), rank=0, world=1, heartbeat=0.5,
-                  server_timeout=20) as client:
+                  server_timeout=20, transport=transport) as client:
+        assert [a is not None for a in client.areas] == [transport == "shared"] * 2
         for step in range(3):
             grad = torch.randint(-4, 5, (layout.total,)).float()
             client.push_pull(grad, params)
@@ -120,6 +123,7 @@ def test_large_pushes_in_parts_through_a_real_server_are_exact(server):
     shards = [srv.request(encode(Message(type=STATS, seq=1)), port=port).meta
               for port in srv.stats()["shard_ports"]]
     assert [s["pushes"] for s in shards] == [4, 3] and [s["nonfinite"] for s in shards] == [0, 1]
+    assert [s["areas_made"] for s in shards] == [int(transport == "shared")] * 2
 
 
 def test_a_deferred_update_goes_part_by_part_and_equals_the_immediate_one():

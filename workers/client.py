@@ -44,16 +44,19 @@ import torch
 import zmq
 
 from asyncsgd.errors import AsyncSGDError
-from asyncsgd.wire.protocol import (ACK, BYE, ERROR, HEARTBEAT, HELLO, PARAMS, PULL, PUSH, WELCOME,
-                                    Code, Key, Message, ParamsIntake, ProtocolError, in_parts,
-                                    split)
+from asyncsgd.wire.protocol import (ACK, ATTACH, BYE, ERROR, HEARTBEAT, HELLO, PARAMS, PULL, PUSH,
+                                    WELCOME, Code, Key, Message, ParamsIntake, ProtocolError,
+                                    in_parts, split)
 from asyncsgd.wire.security import ClientKeys, await_handshake
-from asyncsgd.wire.transport import dealer, frame_limit, parse_endpoint, recv, send
+from asyncsgd.wire.shared import Area, AreaUnavailable
+from asyncsgd.wire.transport import dealer, frame_limit, is_local, parse_endpoint, recv, send
 
 log = logging.getLogger(__name__)
 
 RESEND_HEARTBEATS = 3  # an unanswered request is re-sent after this many heartbeats
 MAX_BACKOFF = 10.0  # seconds: the longest wait between two retries
+TRANSPORTS = ("auto", "shared", "tcp")
+ATTACH_TRIES = 3  # failed attaches to a shard in a row: past that, frames for good
 
 
 class ServerUnavailable(AsyncSGDError):
@@ -84,11 +87,21 @@ def new_incarnation() -> int:
 
 
 class PSClient:
+    """``transport``: ``auto`` moves tensors through shared memory when the server runs
+    on this host (``asyncsgd.wire.shared``) and over TCP otherwise; ``shared`` insists
+    on shared memory (an error when it cannot be had); ``tcp`` always sends frames."""
+
     def __init__(self, server: str, worker: str, signature: dict, *, rank: int, world: int,
                  heartbeat: float = 1.0, server_timeout: float = 60.0,
-                 curve: Optional[ClientKeys] = None):
+                 curve: Optional[ClientKeys] = None, transport: str = "auto"):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport {transport!r} is not one of {TRANSPORTS}")
         self.server, self.worker = server, worker
         self.host = parse_endpoint(server, "--server")[0]
+        local = is_local(self.host)
+        if transport == "shared" and not local:  # before the hello: nobody joins
+            raise ServerUnavailable(self._no_shared(f"{self.host} is not an address of this "
+                                                    "host (in this network namespace)"))
         self.incarnation = new_incarnation()
         self.heartbeat, self.server_timeout = heartbeat, server_timeout
         self.curve = curve
@@ -117,11 +130,19 @@ class PSClient:
         self.versions = [0] * len(self.shards)
         self._intake = ParamsIntake()  # PARAMS replies by (shard, seq), part by part
         self._grads, self._grads_key, self._grad_segments = None, None, []
+        # Same-host areas, one per shard (None: frames); shards still to attach to.
+        self.transport = transport
+        self.areas: list = [None] * len(self.shards)
+        self._attach_tries = [0] * len(self.shards)
+        self._to_attach: set = set()
         # ZeroMQ sockets are not thread-safe: whoever uses them holds this lock.
         self._sockets = threading.Lock()
         self._closing = threading.Event()
         self._pulse = threading.Thread(target=self._beat_while_computing, daemon=True,
                                        name="ps-heartbeat")
+        if transport != "tcp" and local:
+            self._to_attach = set(range(len(self.shards)))
+            self._attach_pending()
         self._pulse.start()
 
     def _beat_while_computing(self) -> None:
@@ -141,6 +162,68 @@ class PSClient:
                 return
             finally:
                 self._sockets.release()
+
+    def _no_shared(self, why: str) -> str:
+        return (f"--transport shared: no shared memory with the server at {self.server}: "
+                f"{why}; use --transport auto to fall back to TCP")
+
+    def _refuse_shared(self, why: str) -> None:
+        self.close()
+        raise ServerUnavailable(self._no_shared(why))
+
+    def _attach_pending(self) -> None:
+        """Ask each shard still to attach to for a same-host area; frames where none comes."""
+        for i in sorted(self._to_attach):
+            self._to_attach.discard(i)
+            why = f"{ATTACH_TRIES} attaches in a row failed"
+            while self._attach_tries[i] < ATTACH_TRIES:  # auto: one try now, more later
+                self._attach_tries[i] += 1
+                why = self._attach(i)
+                if why is None or self.transport != "shared":
+                    break
+            if why is None:
+                self._attach_tries[i] = 0  # counts failures in a row
+                continue
+            if self.transport == "shared":
+                self._refuse_shared(why)
+            log.info("shard %d: tensors go over TCP (%s)", i, why)
+
+    def _attach(self, i: int) -> Optional[str]:
+        """Map shard ``i``'s area for this worker; None when done, else why not."""
+        msg = self._msg(ATTACH, shard=i)
+        send(self.shards[i], msg)
+        deadline = time.monotonic() + RESEND_HEARTBEATS * self.heartbeat
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.shards[i].poll(int(left * 1000) + 1):
+                break
+            reply = recv(self.shards[i], self._area_slot(i))
+            if reply.seq != msg.seq:
+                continue  # a heartbeat's answer, or a late one
+            if reply.type != ATTACH:
+                return f"the shard answered {reply.type}: {reply.meta.get(Key.ERROR, '')}"
+            m = reply.meta
+            try:
+                self.areas[i] = Area.open(m.get(Key.PID), m.get(Key.FD), m.get(Key.LINK),
+                                          m.get(Key.ELEMENTS), bytes.fromhex(m.get(Key.TAG)))
+            except (AreaUnavailable, TypeError, ValueError) as exc:
+                return f"its area could not be mapped: {exc}"
+            return None
+        return "no answer to attach"
+
+    def _area_slot(self, i: int):
+        """Resolves a reply's area link to shard ``i``'s parameter slot (``decode``)."""
+        def slot(link: int, _worker: str, _incarnation: int):
+            area = self.areas[i]
+            return area.params if area is not None and area.link == link else None
+        return slot
+
+    def _drop_area(self, i: int, why: str) -> None:
+        """Shard ``i`` no longer knows our area (restarted, or it evicted it): frames now,
+        and attach again before the next exchange."""
+        if self.areas[i] is not None:
+            log.info("shard %d: shared area gone (%s); frames until attached again", i, why)
+        self.areas[i] = None
+        self._to_attach.add(i)
 
     def _unavailable(self) -> ServerUnavailable:
         return ServerUnavailable(
@@ -198,6 +281,8 @@ class PSClient:
 
     def _push_pull(self, grads: Optional[torch.Tensor], params: torch.Tensor,
                    meta: Optional[dict]) -> None:
+        if self._to_attach:
+            self._attach_pending()
         # One request per shard: a push that also asks for the parameters (or a pull).
         outstanding = {}  # (shard, seq) -> [message, replies still owed]; re-sent after reconnects
         segments = self._segments_of(grads) if grads is not None else None
@@ -213,8 +298,12 @@ class PSClient:
         self._await(outstanding, params)
 
     def _send(self, i: int, msg: Message, copy: bool = True) -> None:
-        """A push of more than one frame goes in parts, so the shard checks each on arrival."""
-        if msg.type == PUSH and len(msg.segments) > 1:
+        """A push goes through the shard's shared area when there is one; else, of more
+        than one frame, in parts, so the shard checks each on arrival."""
+        area = self.areas[i]
+        if msg.type == PUSH and area is not None:
+            send(self.shards[i], msg, local=(area.link, area.grads))
+        elif msg.type == PUSH and len(msg.segments) > 1:
             for part in in_parts(msg):
                 send(self.shards[i], part, copy=copy)
         else:
@@ -248,7 +337,7 @@ class PSClient:
                 if sock not in events:
                     continue
                 while True:
-                    reply = recv(sock)
+                    reply = recv(sock, self._area_slot(i))
                     # Another shard of a restarted server may listen on this port now:
                     # its answers are no sign of life of shard i.
                     if reply.shard in (-1, i):
@@ -350,6 +439,9 @@ class PSClient:
         ports = [s[Key.PORT] for s in welcome[Key.SHARDS]]
         before = [s[Key.PORT] for s in self.info[Key.SHARDS]]
         self.info, self.shard_addrs = welcome, addrs
+        for i in range(len(self.shards)):  # new shard processes: their areas are new too
+            if self.areas[i] is not None:
+                self._drop_area(i, "the server restarted")
         self._readmitting = False
         for msg, _owed in outstanding.values():  # the restarted server's session
             msg.token = self.info.get(Key.TOKEN, "")
@@ -388,6 +480,10 @@ class PSClient:
             if not self._readmitting:
                 self._readmitting = True
                 self._hello_again()
+            return
+        if reply.type == ERROR and reply.meta.get(Key.CODE) in (Code.UNKNOWN_LINK, Code.NO_LINKS):
+            self._drop_area(i, reply.meta.get(Key.ERROR, ""))
+            self._send(i, request)  # as frames now; never applied, so not a duplicate
             return
         if reply.type == ERROR:
             raise ServerRefused(f"shard {i} refused {request.type}: {reply.meta.get(Key.ERROR)}")
@@ -439,9 +535,11 @@ class PSClient:
 
     def close(self) -> None:
         self._closing.set()
-        self._pulse.join(timeout=self.heartbeat + 5)
+        if self._pulse.is_alive():
+            self._pulse.join(timeout=self.heartbeat + 5)
         for sock in [self.front, *self.shards]:
             sock.close(0)
+        self.areas = [None] * len(self.shards)
         self.ctx.term()
 
     def __enter__(self) -> "PSClient":

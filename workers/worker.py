@@ -34,7 +34,7 @@ from asyncsgd.wire.layout import Layout
 from asyncsgd.wire.memory import keep_freed_memory
 from asyncsgd.wire.protocol import Key
 from asyncsgd.wire.security import ClientKeys
-from asyncsgd.wire.transport import parse_endpoint
+from asyncsgd.wire.transport import is_local, parse_endpoint
 
 from .client import PSClient, ServerFinished
 
@@ -71,16 +71,6 @@ def rank_and_world(cfg: WorkerConfig, env: Optional[dict] = None) -> tuple:
         raise ConfigError(f"rank {rank} is outside 0..{world - 1} (world {world}); "
                           "set --rank and --world consistently")
     return rank, world
-
-
-def is_local(host: str) -> bool:
-    """Whether ``host`` names this machine: an address a socket here can bind to."""
-    try:
-        with socket.socket() as probe:
-            probe.bind((socket.gethostbyname(host), 0))
-        return True
-    except OSError:
-        return False
 
 
 def _launcher_local_workers() -> int:
@@ -134,7 +124,7 @@ def run_worker(cfg: WorkerConfig) -> WorkerResult:
     layout = Layout.of(model)
     client = PSClient(cfg.server, f"{socket.gethostname()}-r{rank}", layout.signature(),
                       rank=rank, world=world, heartbeat=cfg.heartbeat,
-                      server_timeout=cfg.server_timeout, curve=keys)
+                      server_timeout=cfg.server_timeout, curve=keys, transport=cfg.transport)
     set_threads(cfg, world, is_local(client.host), len(client.shards))
     part = partition_indices(len(task.train), world, rank, 0)
     loop = _Loop(cfg, task, model, layout, client, part, rank, pacing)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import msgpack
 import torch
@@ -31,9 +31,11 @@ MAX_META_ITEMS = 1024
 MAX_TOKEN_CHARS = 64
 FRAME_BYTES = 4 * 1024 * 1024  # tensors travel in frames of at most 4 MiB (see PROTOCOL.md)
 
-HELLO, WELCOME, PULL, PARAMS, PUSH, ACK, ERROR, HEARTBEAT, STATS, BYE = (
-    "hello", "welcome", "pull", "params", "push", "ack", "error", "heartbeat", "stats", "bye")
-TYPES = frozenset({HELLO, WELCOME, PULL, PARAMS, PUSH, ACK, ERROR, HEARTBEAT, STATS, BYE})
+HELLO, WELCOME, PULL, PARAMS, PUSH, ACK, ERROR, HEARTBEAT, STATS, BYE, ATTACH = (
+    "hello", "welcome", "pull", "params", "push", "ack", "error", "heartbeat", "stats", "bye",
+    "attach")
+TYPES = frozenset({HELLO, WELCOME, PULL, PARAMS, PUSH, ACK, ERROR, HEARTBEAT, STATS, BYE,
+                   ATTACH})
 
 
 class Key:
@@ -58,6 +60,8 @@ class Key:
     CODE, ERROR = "code", "error"
     # bye
     STOPPING = "stopping"
+    # attach (the reply; PROTOCOL.md, Same host)
+    PID, FD, LINK, ELEMENTS, TAG = "pid", "fd", "link", "elements", "tag"
 
 
 class Code:
@@ -72,6 +76,7 @@ class Code:
     UNKNOWN_WORKER, UNEXPECTED = "unknown-worker", "unexpected"
     OLD_INCARNATION, OUT_OF_WINDOW, TOO_MANY_WORKERS = (
         "old-incarnation", "out-of-window", "too-many-workers")
+    UNKNOWN_LINK, NO_LINKS = "unknown-link", "no-links"
 
 DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -154,8 +159,11 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
 
 
-def encode(msg: Message) -> list:
-    """Frames for ``msg``: the header, then one buffer per segment (zero-copy views)."""
+def encode(msg: Message, local: Optional[tuple] = None) -> list:
+    """Frames for ``msg``: the header, then one buffer per segment (zero-copy views).
+
+    ``local``: ``(link, slot)`` of a same-host area (``shared.py``): the segments are
+    written into ``slot`` at their offsets instead, and the header alone goes out."""
     header = {
         "v": VERSION, "t": msg.type, "w": msg.worker, "i": msg.incarnation, "s": msg.seq,
         "c": msg.clock, "sh": msg.shard, "m": msg.meta,
@@ -164,6 +172,15 @@ def encode(msg: Message) -> list:
     }
     if msg.token:
         header["k"] = msg.token
+    if local is not None and msg.segments:
+        header["x"], slot = local
+        for seg in msg.segments:
+            if seg.data.dtype != torch.float32:
+                raise ValueError(f"a shared area holds float32, not {seg.data.dtype}")
+            dest = slot[seg.offset:seg.offset + seg.data.shape[0]]
+            if dest.data_ptr() != seg.data.data_ptr():  # written there already: no copy
+                dest.copy_(seg.data)
+        return [msgpack.packb(header, use_bin_type=True)]
     return [msgpack.packb(header, use_bin_type=True)] + [_raw(seg.data) for seg in msg.segments]
 
 
@@ -194,8 +211,11 @@ _UNPACK_LIMITS = dict(raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_
                       max_array_len=MAX_SEGMENTS * 3, max_map_len=MAX_META_ITEMS, max_ext_len=0)
 
 
-def decode(frames: Sequence[Any]) -> Message:
-    """Parse and check a received message; every failure is a ``ProtocolError``."""
+def decode(frames: Sequence[Any], areas: Optional[Callable] = None) -> Message:
+    """Parse and check a received message; every failure is a ``ProtocolError``.
+
+    ``areas(link, worker, incarnation)``: the slot of a same-host area a header's
+    ``x`` names (None when there is none for that sender); without it, ``x`` is refused."""
     if not frames:
         raise ProtocolError(Code.EMPTY, "no frames")
     head = _buffer(frames[0])
@@ -211,12 +231,12 @@ def decode(frames: Sequence[Any]) -> Message:
     if not isinstance(header, dict):
         raise ProtocolError(Code.BAD_HEADER, "header is not a map")
     try:
-        return _message(header, frames)
+        return _message(header, frames, areas)
     except ProtocolError as err:
         raise err.echo(header)
 
 
-def _message(header: dict, frames: Sequence[Any]) -> Message:
+def _message(header: dict, frames: Sequence[Any], areas: Optional[Callable]) -> Message:
     """The message a decoded header map and its tensor frames describe, checked."""
     if type(header.get("v")) is not int or header["v"] != VERSION:
         raise ProtocolError(Code.BAD_VERSION, f"protocol version {header.get('v')!r}; "
@@ -233,7 +253,11 @@ def _message(header: dict, frames: Sequence[Any]) -> Message:
     descriptors = header.get("d", [])
     if not isinstance(descriptors, list) or len(descriptors) > MAX_SEGMENTS:
         raise ProtocolError(Code.BAD_FIELD, f"field 'd' must be a list of at most {MAX_SEGMENTS}")
-    if len(descriptors) != len(frames) - 1:
+    link = header.get("x")
+    if link is not None and len(frames) != 1:
+        raise ProtocolError(Code.FRAME_COUNT, "a message whose tensors are in a shared area "
+                                              f"('x') has no tensor frames, not {len(frames) - 1}")
+    if link is None and len(descriptors) != len(frames) - 1:
         raise ProtocolError(Code.FRAME_COUNT, f"{len(descriptors)} descriptors but "
                                               f"{len(frames) - 1} tensor frames")
     token = header.get("k", "")
@@ -243,9 +267,43 @@ def _message(header: dict, frames: Sequence[Any]) -> Message:
     msg = Message(type=kind, worker=worker, incarnation=_int(header, "i"), seq=_int(header, "s"),
                   clock=_int(header, "c"), shard=_int(header, "sh", -1, 1 << 20), meta=meta,
                   token=token)
+    if link is not None:
+        slot = _slot(link, areas, msg)
+        msg.segments.extend(_shared_segment(desc, slot) for desc in descriptors)
+        return msg
     for desc, frame in zip(descriptors, frames[1:]):
         msg.segments.append(_segment(desc, _buffer(frame)))
     return msg
+
+
+def _slot(link: Any, areas: Optional[Callable], msg: Message) -> torch.Tensor:
+    """The area slot a header's ``x`` names, for this sender."""
+    if type(link) is not int or not 0 < link < 2 ** 63:
+        raise ProtocolError(Code.BAD_FIELD, "field 'x' must be a positive integer (a link)")
+    if areas is None:
+        raise ProtocolError(Code.NO_LINKS, "this peer takes no shared-area messages ('x'); "
+                                           "send the tensors as frames")
+    slot = areas(link, msg.worker, msg.incarnation)
+    if slot is None:
+        raise ProtocolError(Code.UNKNOWN_LINK, f"no shared area {link} for worker "
+                                               f"{msg.worker!r} incarnation {msg.incarnation} "
+                                               "here; attach again or send frames")
+    return slot
+
+
+def _shared_segment(desc: Any, slot: torch.Tensor) -> Segment:
+    """A float32 run of ``slot``, as a descriptor places it; checked against the slot."""
+    if not (isinstance(desc, list) and len(desc) == 3):
+        raise ProtocolError(Code.BAD_DESCRIPTOR, "a descriptor is [offset, dtype, shape]")
+    offset, dtype_name, shape = desc
+    if dtype_name != "float32":
+        raise ProtocolError(Code.BAD_DTYPE, f"a shared area holds float32, not {dtype_name!r}")
+    if not (isinstance(shape, list) and len(shape) == 1 and type(shape[0]) is int
+            and type(offset) is int and 0 <= offset and 0 < shape[0]
+            and offset + shape[0] <= len(slot)):
+        raise ProtocolError(Code.BAD_DESCRIPTOR, f"[{offset!r}, {shape!r}] is not a 1-D run "
+                                                 f"inside the area's {len(slot)} elements")
+    return Segment(offset, slot[offset:offset + shape[0]])
 
 
 def _segment(desc: Any, buf: memoryview) -> Segment:

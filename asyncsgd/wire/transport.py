@@ -17,8 +17,10 @@ turns on CURVE authentication and encryption.
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any, Optional, Sequence
+import socket
+from typing import Any, Callable, Optional, Sequence
 
 import zmq
 
@@ -94,13 +96,15 @@ def _send_parts(sock: zmq.Socket, parts: Sequence, copy: bool) -> bool:
     return False
 
 
-def send(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None, copy: bool = True) -> bool:
+def send(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None, copy: bool = True,
+         local: Optional[tuple] = None) -> bool:
     """Send ``msg`` (to ``peer`` on a ROUTER). False if the peer is gone or not keeping up.
 
     ``copy=False`` sends tensor frames without copying: only for buffers that stay
     unchanged until the peer has answered (a worker's gradients until the ACK).
+    ``local``: ``(link, slot)``: the tensors go into that same-host area slot instead.
     """
-    frames = encode(msg)
+    frames = encode(msg, local)
     zero_copy = not copy and any(len(f) >= COPY_BELOW for f in frames[1:])
     return _send_parts(sock, ([peer] if peer is not None else []) + frames, copy=not zero_copy)
 
@@ -119,22 +123,47 @@ def send_tracked(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None
     return zmq.MessageTracker(*tracked)
 
 
-def recv(sock: zmq.Socket) -> Message:
+def recv(sock: zmq.Socket, areas: Optional[Callable] = None) -> Message:
     """The next message on a DEALER, decoded; ``ProtocolError`` when it breaks the protocol.
-    Tensors stay views of the received frames (no copy)."""
+    Tensors stay views of the received frames, or of the same-host area slot that
+    ``areas(link, worker, incarnation)`` gives (no copy)."""
     frames = sock.recv_multipart(copy=False)
-    return decode(frames)
+    return decode(frames, areas)
 
 
-def recv_from(sock: zmq.Socket) -> tuple:
+def recv_from(sock: zmq.Socket, areas: Optional[Callable] = None) -> tuple:
     """``(peer, message)`` from a ROUTER; ``message`` is the ``ProtocolError`` instead when
-    the bytes break the protocol, so the peer can still be answered."""
+    the bytes break the protocol, so the peer can still be answered. ``areas(link,
+    worker, incarnation, peer)``: the slot of a same-host area, as for ``recv``."""
     frames = sock.recv_multipart(copy=False)
     peer = frames[0].bytes
     try:
-        return peer, decode(frames[1:])
+        resolve = None if areas is None else functools.partial(_for_peer, areas, peer)
+        return peer, decode(frames[1:], resolve)
     except ProtocolError as exc:
         return peer, exc
+
+
+def _for_peer(areas: Callable, peer: bytes, link: int, worker: str, incarnation: int):
+    return areas(link, worker, incarnation, peer)
+
+
+def is_local(host: str) -> bool:
+    """Whether ``host`` is an address of this machine *in this network namespace*: one a
+    socket can bind. (A server across a veth pair in another namespace, whose traffic a
+    shaped link must carry, is not.)"""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _name, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def parse_endpoint(address: str, flag: str) -> tuple:
