@@ -87,11 +87,16 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
     next_checkpoint = time.monotonic() + (settings.checkpoint_every or float("inf"))
     next_tick = 0.0
     try:
-        while not stop[0]:
-            if sock.poll(int(TICK_SECONDS * 1000)):
+        # Per message, Socket.poll (a new Poller each call) cost 2.2 us and stop[0] 1.1 us;
+        # a Poller kept and a numpy view of the flag cost 1.3 and 0.1.
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        stopped = stop.numpy()
+        while not stopped[0]:
+            if poller.poll(int(TICK_SECONDS * 1000)):
                 for _ in range(BATCH):
                     _serve_one(sock, state, gate, sessions, areas)
-                    if not sock.poll(0):
+                    if not poller.poll(0):
                         break
             now = time.monotonic()
             if now >= next_tick:  # liveness needs no finer grain than this
@@ -194,7 +199,8 @@ def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
             areas.drop_worker(msg.worker)
     for to, reply in replies:
         if reply.type == STATS:
-            reply.meta.update(transport=gate.stats(), pid=os.getpid(), **areas.stats())
+            reply.meta.update(transport=gate.stats(), pid=os.getpid(), **areas.stats(),
+                              reply_copies=state.store.inflight.copies)
         _reply(sock, state, to, reply, areas)
 
 
