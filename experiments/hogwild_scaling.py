@@ -12,6 +12,13 @@ measured in this one run. Targets on the 2-core project machine:
 2 processes >= 1.9x one process on mnist1d-cnn, and 8 processes >= 0.9x
 the 2-process figure (no collapse from oversubscription).
 
+Start-up: the table's column comes from runs in this process, which after
+the first reuse one fork server (~0.4 s). The figure to quote is measured
+last, on ``--repeats`` fresh ``asyncsgd hogwild`` commands with the largest
+``--procs`` and the default (or given) ``--start-method``: seconds from
+``train()`` to every worker training, target <= 2.5 s for 8 processes
+(issue 14), and from the command's start, imports included.
+
 Writes ``experiments/results/hogwild_scaling.md`` (and ``.json``, and the
 figure ``hogwild_scaling.png``: speed-up over one process per task) unless --no-save.
 """
@@ -20,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +41,7 @@ from asyncsgd.run.process_group import available_cores
 from results import RESULTS, save_results  # this script's folder
 
 FIGURE_DPI = 80
+STARTUP_TARGET = 2.5  # seconds to the last of 8 processes training (issue 14)
 
 
 def measure(task: str, procs: int, lock: bool, seconds: float, start_method: str,
@@ -44,6 +54,31 @@ def measure(task: str, procs: int, lock: bool, seconds: float, start_method: str
         summary = train(cfg).summary
     return {"rate": summary["steady_samples_per_second"] or 0.0,
             "startup": summary["startup_seconds"], "accuracy": summary["final_metric"]}
+
+
+def fresh_startup(task: str, procs: int, start_method: str) -> dict:
+    """Start-up of a fresh ``asyncsgd hogwild`` command, as a user sees it: seconds from
+    its ``train()`` to the last worker training (``startup_seconds``), and from the
+    command's start (its imports included). In-process runs of ``measure`` after the
+    first reuse the fork server and start in ~0.4 s: this is the figure to quote."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        started = time.time()
+        proc = subprocess.run(
+            [sys.executable, "-m", "asyncsgd", "hogwild", "--task", task, "--procs", str(procs),
+             "--max-seconds", "8", "--eval-every", "1000000", "--checkpoint-every", "0",
+             "--progress", "off", "--out", str(out), "--start-method", start_method],
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        if proc.returncode != 0:
+            raise RuntimeError(f"asyncsgd hogwild failed ({proc.returncode}): "
+                               f"{proc.stderr[-2000:]}")
+        summary = json.loads((out / "summary.json").read_text())
+        first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    if summary["startup_seconds"] is None:
+        raise RuntimeError(f"{procs} {start_method} workers were not all training within 8 s")
+    return {"startup": summary["startup_seconds"],
+            "from_command": first["wall"] - started + summary["startup_seconds"]}
 
 
 def label(lock: bool, share: str, procs: int, cores: int) -> str:
@@ -98,7 +133,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=8.0, help="training seconds per configuration")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-lock", action="store_true", help="skip the locked baseline")
-    ap.add_argument("--start-method", default="forkserver", choices=["spawn", "forkserver"])
+    ap.add_argument("--start-method", default=HogwildConfig().start_method,
+                    choices=["spawn", "forkserver"],
+                    help="default: the library's (forkserver where the platform has it)")
     ap.add_argument("--no-save", action="store_true")
     ap.add_argument("--plot-only", action="store_true",
                     help="measure nothing: redraw the figure from the saved JSON")
@@ -122,7 +159,8 @@ def main() -> int:
             m = measure(g[0], g[1], g[2], args.seconds, args.start_method, g[3])
             results[g].append(m)
             print(f"  {g[0]:14s} procs={g[1]} {label(g[2], g[3], g[1], cores)}: "
-                  f"{m['rate']:,.0f} samples/s (start-up {m['startup']:.1f} s)", file=sys.stderr)
+                  f"{m['rate']:,.0f} samples/s (start-up {m['startup'] or float('nan'):.1f} s)",
+                  file=sys.stderr)
 
     lines = [f"Hogwild throughput, {available_cores()} cores, median of {args.repeats} x "
              f"{args.seconds:g} s per configuration ({time.strftime('%Y-%m-%d %H:%M')})", "",
@@ -141,7 +179,8 @@ def main() -> int:
                 rate = statistics.median(m["rate"] for m in ms)
                 vs1 = rate / base[1] if base.get(1) else float("nan")
                 vs2 = rate / base[2] if base.get(2) else float("nan")
-                start = statistics.median(m["startup"] for m in ms)
+                start = statistics.median(m["startup"] if m["startup"] is not None
+                                          else float("nan") for m in ms)
                 kind = label(lk, share, p, cores)
                 lines.append(f"| {t} | {kind} | {p} | {rate:,.0f} | {vs1:.2f}x | {vs2:.2f}x "
                              f"| {start:.1f} |")
@@ -155,6 +194,17 @@ def main() -> int:
     if 1 in cnn and 2 in cnn and 8 in cnn:
         print(f"\ntargets (mnist1d-cnn, lock-free): 2 procs / 1 proc = {cnn[2]['vs_1']:.2f}x "
               f"(target >= 1.9x); 8 procs / 2 procs = {cnn[8]['vs_2']:.2f}x (target >= 0.9x)")
+    starts = [fresh_startup(tasks[0], max(procs_list), args.start_method)
+              for _ in range(args.repeats)]
+    start = statistics.median(s["startup"] for s in starts)
+    command = statistics.median(s["from_command"] for s in starts)
+    verdict = "met" if start <= STARTUP_TARGET else "NOT met"
+    note = (f"{max(procs_list)}-process start-up of a fresh `asyncsgd hogwild --task {tasks[0]}` "
+            f"(--start-method {args.start_method}, median of {args.repeats}): {start:.2f} s from "
+            f"train() to every worker training ({command:.2f} s from the command, imports "
+            f"included); target <= {STARTUP_TARGET:g} s: {verdict}")
+    print(note)
+    text += "\n\n" + note
     if not args.no_save:
         save_results("hogwild_scaling", text, table)
         draw(table, cores, RESULTS / "hogwild_scaling.png")

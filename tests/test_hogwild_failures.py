@@ -100,22 +100,32 @@ def _assert_no_shm_leak(shm_before: set) -> None:
     assert leaked() == set()
 
 
-def test_child_killed_by_sigkill_is_reported_clearly(tmp_path, cli_env):
+@pytest.mark.parametrize("victim,reported", [
+    ("worker", "was killed by signal SIGKILL"),
+    ("forkserver", "was lost with the fork server that started it")])
+def test_child_killed_by_sigkill_is_reported_clearly(tmp_path, cli_env, victim, reported):
+    """The default start method forks workers from a fork server: a killed worker is
+    reported as killed, and a killed fork server (which takes its workers along) as such."""
     shm_before = _shm_entries()
     out = tmp_path / "run"
-    proc = _start_training(out, cli_env)
+    proc = _start_training(out, cli_env, "--start-method", "forkserver")
 
-    def kill_a_worker(proc, children):
-        workers = [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
-        assert len(workers) >= 3
-        workers[0].send_signal(signal.SIGKILL)
+    def kill(proc, children):
+        def role(c):  # forked workers share the fork server's command line: its children
+            line = " ".join(c.cmdline())
+            if "resource_tracker" in line:
+                return "resource_tracker"
+            return "forkserver" if "forkserver" in line and c.ppid() == proc.pid else "worker"
+        targets = [c for c in children if role(c) == victim]
+        assert len([c for c in children if role(c) == "worker"]) >= 3
+        targets[0].send_signal(signal.SIGKILL)
 
-    _, stderr, stopped_in, _ = stop_tree(proc, kill_a_worker)
+    _, stderr, stopped_in, _ = stop_tree(proc, kill)
     assert proc.returncode == 1, stderr
-    assert "was killed by signal SIGKILL" in stderr and "Traceback" not in stderr, stderr
+    assert reported in stderr and "Traceback" not in stderr, stderr
     _assert_no_shm_leak(shm_before)
     assert read_json(out / "summary.json")["status"] == "failed"
-    record_figure("Hogwild child SIGKILL", reported="was killed by signal SIGKILL",
+    record_figure(f"Hogwild {victim} SIGKILL", reported=reported,
                   run_stopped_s=round(stopped_in, 1), orphans=0, shm_leaks=0)
 
 

@@ -187,6 +187,20 @@ def describe_exit(code: Optional[int]) -> str:
 
 
 START_METHODS = ("spawn", "forkserver")
+_LOST = 255  # multiprocessing's exit code for a forkserver child whose status died with it
+
+
+def _fork_server_alive() -> bool:
+    """Whether this process's fork server still runs (True when it cannot tell)."""
+    from multiprocessing import forkserver
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is None or not _alive(pid):
+        return pid is None
+    try:  # killed but not yet reaped (multiprocessing reaps it at exit): a zombie
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def context(start_method: str, preload: Sequence[str] = ()):
@@ -212,6 +226,7 @@ class WorkerGroup:
     def __init__(self, target: Callable, procs: int, args: Sequence[tuple], name: str = "worker",
                  start_method: str = "spawn"):
         self.ctx = context(start_method, preload=[target.__module__])
+        self.start_method = start_method
         self.target, self.parent_pid = target, os.getpid()
         self.name = name
         self._errors = self.ctx.SimpleQueue()
@@ -256,7 +271,12 @@ class WorkerGroup:
         if text:
             raise WorkerError(rank, f"{self.name} {rank} raised an exception; its traceback:\n"
                                     f"{text.rstrip()}")
-        raise WorkerError(rank, f"{self.name} {rank} {describe_exit(proc.exitcode)}")
+        how = describe_exit(proc.exitcode)
+        if (self.start_method == "forkserver" and proc.exitcode == _LOST
+                and not _fork_server_alive()):
+            how = ("was lost with the fork server that started it, which died (was it killed?); "
+                   "--start-method spawn starts workers without one")
+        raise WorkerError(rank, f"{self.name} {rank} {how}")
 
     def failed(self) -> list:
         """Ranks whose process exited with an error or was killed (not by our own stop)."""
