@@ -1,31 +1,79 @@
-"""Parameter-server push+pull throughput against raw pyzmq, side by side in one run.
+r"""Parameter-server push+pull round trips: asyncsgd, an RPC PS, the floor, raw pyzmq.
 
-    python experiments/ps_throughput.py                       # 4 sizes x 1 and 2 shards, ~4 min
-    python experiments/ps_throughput.py --sizes 20KB,40MiB --seconds 2
+All in one interleaved run, with 1 to N trainers at once.
 
-For each model size (20 KB, 1 MB, 10 MB, 40 MiB of float32 parameters) and
-shard count, a real ``asyncsgd ps-server`` runs in its own process tree and
-this process acts as one worker: every round trip pushes the whole gradient
-and pulls the whole parameter vector through ``workers.client.PSClient``
-(msgpack headers, 4 MiB frames, one request per shard, the shards applying
-plain SGD). In the same loop ``experiments/raw_zmq.py`` measures raw pyzmq
-DEALER/ROUTER round trips of the same bytes (one frame, and 4 MiB frames),
-and ``experiments/ps_floor.py`` the floor: raw pyzmq plus only the work no
-parameter server can skip (NaN/Inf check, SGD, headers, the worker's copy);
-each is repeated ``--repeats`` times, interleaved, and the medians compared,
-because this machine drifts by 2x within minutes.
+    python experiments/ps_throughput.py           # 4 sizes x 1,2,4 trainers x 5 repeats, ~10 min
+    python experiments/ps_throughput.py --busy 2  # the same beside 2 spinning processes
+    python experiments/ps_throughput.py --sizes 20KB,1MB --trainers 1,2 --seconds 0.5 \
+        --repeats 1 --no-save                     # a quick look: 36 s
 
-Writes ``experiments/results/ps_throughput.md`` (and ``.json``, and the figure
-``ps_throughput.png``) unless --no-save.
+(Idle 2-core machine, 2026-11-25: the quick look took 36 s; the full run is
+estimated at ~10 min from its per-measurement cost, about 1.5 s of set-up
+beside each timed window. An earlier version of this script, which started
+every process afresh, took 16 min for ``--repeats 3 --seconds 1.5``.)
+
+A round trip is one trainer's step: push the whole gradient, the server
+applies SGD, pull the whole parameter vector. For each model size (20 KB,
+1 MB, 10 MB, 40 MiB of float32) and trainer count T (``--trainers``), it
+measures:
+
+* asyncsgd over TCP and over its same-host path: a real ``asyncsgd
+  ps-server`` (``--shards``, plain SGD, ``--workers`` max(4, T)) in its own
+  process tree, and T trainer processes, each a ``workers.client.PSClient``
+  doing ``push_pull`` in a loop, with ``transport="tcp"`` (every trainer
+  checks that all its shards send frames over tcp://; a run where one does
+  not is an error) and ``transport="auto"`` (the same-host fast path; each
+  trainer reports how many of its shards it reaches through a shared-memory
+  area, and a cell where one fell back to frames is marked);
+* an RPC parameter server on torch.distributed.rpc (``experiments/rpc_ps.py``,
+  as in pytorch/examples ``distributed/rpc``), TensorPipe's default (shared
+  memory and cross-memory attach on one host) and TensorPipe over TCP only;
+* with one trainer, the floor (``experiments/ps_floor.py``: raw pyzmq plus
+  only the work no server can skip) and raw pyzmq round trips in 4 MiB frames
+  (``experiments/raw_zmq.py``).
+
+Every trainer runs one torch thread, preallocates its buffers, warms up with
+3 round trips, and all T start at one shared instant; the aggregate rate is
+the round trips all of them complete in the next ``--seconds`` divided by
+``--seconds``, the latency the median of each trainer's median.
+
+Start-up is kept out of the way, not out of the measurement: one ps-server
+per size serves every asyncsgd measurement of that size (trainer counts,
+both transports, all repeats), each measurement's trainers joining under
+worker ids never used before (``bench<n>-<rank>``, so the shards'
+exactly-once bookkeeping never mixes two measurements) and saying ``bye``
+at the end, which frees their areas. Trainer processes, asyncsgd's and the
+RPC PS's (its PS too: a fresh one per measurement, since an RPC world has a
+fixed size), are forked from one fork server that imported torch,
+torch.distributed.rpc and the trainers' modules once (``--start-method
+forkserver``, the default; ``spawn`` starts each as a fresh interpreter, as
+before). They stay owned as before: start-up and results bounded by
+timeouts, tracebacks sent back and raised here, exit codes checked,
+anything left killed, and each child ends when this process dies (a pidfd
+watcher, as ``asyncsgd.run.process_group`` does for forkserver workers,
+whose direct parent is the fork server). The methods' order rotates from
+repeat to repeat and the medians of ``--repeats`` runs are compared, because
+this machine drifts by 2x within minutes. ``--busy N`` runs N pure-Python
+spinning processes beside the whole run. Progress goes to stderr.
+
+The tables give per size and trainer count: ms per round trip, aggregate
+round trips/s and GB/s (push + pull bytes) of every method, and the ratios
+issue 14's "Done when" asks for, each marked met or NOT met: same-host
+asyncsgd / RPC default and TCP asyncsgd / RPC TCP as rate ratios (>1:
+asyncsgd faster), floor / TCP asyncsgd (ms) with one trainer, and the
+aggregate rate with 4 trainers / with 1.
+
+Writes ``experiments/results/ps_throughput.md`` (``ps_throughput_busyN`` with
+--busy), ``.json`` and the figure ``.png``, unless --no-save.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,9 +88,25 @@ sys.path.insert(0, str(HERE))
 
 from ps_floor import measure_floor  # noqa: E402
 from raw_zmq import measure_raw  # noqa: E402
-from results import save_results  # noqa: E402
+from results import RESULTS, save_results  # noqa: E402
+from rpc_ps import (RESULT_GRACE_S, START_MARGIN_S, START_METHODS, START_TIMEOUT_S,  # noqa: E402
+                    Owned, aggregate, die_with_parent, free_port, measure_rpc, start_context,
+                    timed_round_trips)
 
 SIZES = {"20KB": 20_000, "1MB": 1_000_000, "10MB": 10_000_000, "40MiB": 40 * 2 ** 20}
+FRAME = 4 * 2 ** 20
+METHODS = {  # key: column title
+    "asyncsgd_tcp": "asyncsgd, TCP",
+    "asyncsgd_local": "asyncsgd, same host",
+    "rpc_default": "RPC PS, TensorPipe default",
+    "rpc_tcp": "RPC PS, TensorPipe TCP",
+}
+SERVER_STOP_S = 30.0
+PROBE_TIMEOUT_S = 2.0  # one try of the start-up probe; tries go on until START_TIMEOUT_S
+# What the asyncsgd trainers import, for the fork server to import once (rpc_ps adds its own).
+PRELOAD = ["asyncsgd.core.tasks", "asyncsgd.wire.layout", "asyncsgd.wire.memory",
+           "workers.client"]
+FELL_BACK = "†"  # marks a same-host cell where some trainer's shard went over TCP
 
 
 def flat_task(samples=None):
@@ -64,149 +128,471 @@ class FlatModel(torch.nn.Module):
         return self.w[:2].expand(len(x), 2)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def measure_ps(nbytes: int, shards: int, seconds: float) -> dict:
+def _signature(nbytes: int) -> dict:
     from asyncsgd.wire.layout import Layout
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    with tempfile.TemporaryDirectory() as tmp:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "asyncsgd", "ps-server", "--task", "ps_throughput:flat_task",
-             "--samples", str(nbytes), "--shards", str(shards), "--bind",
-             f"tcp://127.0.0.1:{port}", "--out", f"{tmp}/run", "--progress", "off",
-             "--eval-every", "100000", "--checkpoint-every", "0", "--no-exit-when-done"],
-            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        try:
-            layout = Layout.of(flat_task(nbytes).build_model())
-            params = torch.zeros(layout.total)
-            grads = torch.ones(layout.total)
-            client = _connect(f"tcp://127.0.0.1:{port}", layout, server)
-            with client:
-                for _ in range(3):
-                    client.push_pull(grads, params)
-                times = []
-                end = time.perf_counter() + seconds
-                while time.perf_counter() < end or len(times) < 5:
-                    t0 = time.perf_counter()
-                    client.push_pull(grads, params)
-                    times.append(time.perf_counter() - t0)
-        finally:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
-    ms = statistics.median(times) * 1000
-    return {"ms_per_round_trip": ms, "round_trips": len(times),
-            "gbps": 2 * nbytes / (ms / 1000) / 1e9}
+    return Layout.of(flat_task(nbytes).build_model()).signature()
 
 
-def _connect(address: str, layout, server: subprocess.Popen):
-    from workers.client import PSClient, ServerUnavailable
-    deadline = time.monotonic() + 60
-    while True:
-        if server.poll() is not None:
-            raise RuntimeError(f"server exited: {server.stderr.read().decode()[-2000:]}")
-        try:
-            return PSClient(address, "bench", layout.signature(), rank=0, world=1,
-                            heartbeat=0.5, server_timeout=2.0)
-        except ServerUnavailable:
-            if time.monotonic() > deadline:
-                raise
+# ---------------------------------------------------------------------------- asyncsgd
 
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default=",".join(SIZES))
-    ap.add_argument("--shards", default="1,2")
-    ap.add_argument("--seconds", type=float, default=1.5)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--no-save", action="store_true")
-    args = ap.parse_args()
+def _asyncsgd_trainer(conn, address: str, worker: str, nbytes: int, rank: int, world: int,
+                      seconds: float, transport: str) -> None:
+    """One trainer process (one torch thread): PSClient.push_pull in a timed loop."""
     from asyncsgd.wire.memory import keep_freed_memory
-    keep_freed_memory()  # as every asyncsgd worker does; applies to the raw client here too
-    # This process is the worker, sharing the machine with the server: one torch thread,
-    # as `asyncsgd worker` takes beside a local server. With two, OpenMP's spinning threads
-    # burnt a core after every parameter copy and starved the shard (40 MiB: 130 ms -> ?).
-    torch.set_num_threads(1)
-    rows = []
-    shard_counts = [int(s) for s in args.shards.split(",")]
-    for size in args.sizes.split(","):
+    from workers.client import PSClient
+    keep_freed_memory()  # as every asyncsgd worker does
+    numel = nbytes // 4
+    params = torch.zeros(numel)
+    grads = torch.ones(numel)
+    # server_timeout also bounds the wait for a server still starting up.
+    client = PSClient(address, worker, _signature(nbytes), rank=rank, world=world,
+                      heartbeat=0.5, server_timeout=60.0, transport=transport)
+    try:
+        before = dict(client.stats)
+        warmed = []  # params[0] once warmed up: the server is shared, it was moved before
+        result = timed_round_trips(conn, lambda: client.push_pull(grads, params), seconds,
+                                   lambda: warmed.append(float(params[0])))
+        if not float(params[0]) < warmed[0]:
+            raise RuntimeError(f"parameters did not move: params[0] = {float(params[0])} "
+                               f"after the timed part, {warmed[0]} before it")
+        stats = {k: v - before.get(k, 0) for k, v in client.stats.items()}
+        # How the tensors went, at the end: through a same-host area (per shard), or frames.
+        shared = [area is not None for area in client.areas]
+        stats.update(shards=len(shared), shared_shards=sum(shared), all_shared=all(shared),
+                     tcp_only=(client.transport == "tcp" and not any(shared) and all(
+                         a.startswith("tcp://") for a in [client.server, *client.shard_addrs])))
+        client.bye()
+    finally:
+        client.close()
+    conn.send(("result", {**result, **stats}))
+
+
+def _log_tail(log) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read().decode(errors="replace")[-3000:]
+
+
+def _live_group_members(pgid: int) -> list:
+    """Pids of the live (not zombie) processes in process group ``pgid``, from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, _ppid, group = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(group) == pgid and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+class PSServer:
+    """One ``asyncsgd ps-server`` for one model size, up for every asyncsgd measurement of
+    that size; a context manager that stops it (and everything it started) on leaving.
+
+    Started in its own process group (its shards can be killed with it) and with
+    PR_SET_PDEATHSIG (it gets SIGTERM when this process dies); up once a probe
+    client got its welcome and said bye."""
+
+    def __init__(self, nbytes: int, shards: int, workers: int):
+        self.nbytes = nbytes
+        self.port = free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.tmp = tempfile.TemporaryDirectory()
+        self.log = open(f"{self.tmp.name}/server.log", "w+b")
+        self.serial = itertools.count()
+        env = dict(os.environ,
+                   PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "asyncsgd", "ps-server", "--task", "ps_throughput:flat_task",
+             "--samples", str(nbytes), "--shards", str(shards), "--workers", str(workers),
+             "--bind", self.address, "--out", f"{self.tmp.name}/run", "--progress", "off",
+             "--eval-every", "100000", "--checkpoint-every", "0", "--no-exit-when-done"],
+            env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=functools.partial(die_with_parent, signal.SIGTERM))
+        try:
+            self._wait_up()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - t0
+
+    def _wait_up(self) -> None:
+        from workers.client import PSClient, ServerUnavailable
+        signature = _signature(self.nbytes)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            self.check()
+            try:
+                client = PSClient(self.address, "bench-probe", signature, rank=0, world=1,
+                                  heartbeat=0.5, server_timeout=PROBE_TIMEOUT_S,
+                                  transport="tcp")
+            except ServerUnavailable:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"ps-server not up within {START_TIMEOUT_S:g} s:\n"
+                                       f"{_log_tail(self.log)}") from None
+                continue
+            try:
+                client.bye()
+            finally:
+                client.close()
+            return
+
+    def worker_ids(self, trainers: int) -> list:
+        """Ids no earlier measurement used: exactly-once state never spans two."""
+        n = next(self.serial)
+        return [f"bench{n}-{rank}" for rank in range(trainers)]
+
+    def check(self) -> None:
+        """Raise if the server exited (it must serve until ``stop``)."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"ps-server exited with {self.proc.returncode}:\n"
+                               f"{_log_tail(self.log)}")
+
+    def stop(self) -> None:
+        """SIGTERM, as a job scheduler would (SIGINT is ignored by a server started from a
+        background shell); kill its whole process group if anything of it stays."""
+        server, log = self.proc, self.log
+        try:
+            if server.poll() is None:
+                server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(SERVER_STOP_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)  # the leader is not reaped: its group
+                server.wait()
+                print(f"    ps-server ignored SIGTERM for {SERVER_STOP_S:g} s: killed\n"
+                      f"{_log_tail(log)}", file=sys.stderr)
+                return
+            if server.returncode not in (0, 130, 143, -signal.SIGTERM):
+                print(f"    ps-server exited with {server.returncode}:\n{_log_tail(log)}",
+                      file=sys.stderr)
+            deadline = time.monotonic() + 5  # its shards and resource tracker leave after it
+            while (left := _live_group_members(server.pid)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if left:
+                os.killpg(server.pid, signal.SIGKILL)
+                print(f"    ps-server left processes {left} behind: killed", file=sys.stderr)
+        finally:
+            log.close()
+            self.tmp.cleanup()
+
+    def __enter__(self) -> "PSServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def measure_asyncsgd(server: PSServer, trainers: int, seconds: float, transport: str,
+                     ctx) -> dict:
+    """Aggregate round trips/s of ``trainers`` PSClient processes against ``server``, all
+    with ``transport`` ("tcp" or "auto"), started from ``ctx``."""
+    names = [f"trainer{i}" for i in range(trainers)]
+    workers = server.worker_ids(trainers)
+    t0 = time.monotonic()
+    with Owned(f"asyncsgd({transport})", ctx) as group:
+        for rank, (name, worker) in enumerate(zip(names, workers)):
+            group.spawn(name, _asyncsgd_trainer, server.address, worker, server.nbytes, rank,
+                        trainers, seconds, transport)
+        group.expect("ready", names, START_TIMEOUT_S, server.check)
+        startup = time.monotonic() - t0
+        start = time.monotonic() + START_MARGIN_S
+        for name in names:
+            group.send(name, start)
+        results = group.expect("result", names, seconds + START_MARGIN_S + RESULT_GRACE_S,
+                               server.check)
+    per_trainer = [results[n] for n in names]
+    if transport == "tcp" and not all(r["tcp_only"] for r in per_trainer):
+        raise RuntimeError("asyncsgd with transport='tcp': a trainer's tensors did not all go "
+                           f"as frames over tcp:// ({[r['shared_shards'] for r in per_trainer]}"
+                           " shards through shared memory)")
+    return aggregate(per_trainer, server.nbytes, seconds, transport=transport, startup_s=startup,
+                     retries=sum(r["retries"] for r in per_trainer),
+                     reconnects=sum(r["reconnects"] for r in per_trainer),
+                     shards=per_trainer[0]["shards"],
+                     shared_shards=min(r["shared_shards"] for r in per_trainer),
+                     all_shared=all(r["all_shared"] for r in per_trainer),
+                     tcp_only=all(r["tcp_only"] for r in per_trainer))
+
+
+# ---------------------------------------------------------------------------- the run
+
+def _spin() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+
+
+def measure(method: str, trainers: int, server: PSServer, ctx, args) -> dict:
+    nbytes = server.nbytes
+    if method == "asyncsgd_tcp":
+        return measure_asyncsgd(server, trainers, args.seconds, "tcp", ctx)
+    if method == "asyncsgd_local":
+        return measure_asyncsgd(server, trainers, args.seconds, "auto", ctx)
+    if method == "rpc_default":
+        return measure_rpc(nbytes, trainers, args.seconds, "default", ctx)
+    if method == "rpc_tcp":
+        return measure_rpc(nbytes, trainers, args.seconds, "tcp", ctx)
+    if method == "floor":
+        return measure_floor(nbytes, args.seconds)
+    if method == "raw":
+        return measure_raw(nbytes, FRAME, args.seconds)
+    raise ValueError(method)
+
+
+def run(args, sizes: list, trainer_counts: list, methods: list, ctx) -> dict:
+    """{(size, trainers, method): [result of each repeat]}, interleaved, progress on stderr."""
+    single = ["floor", "raw"]
+    per_repeat = len(trainer_counts) * len(methods) + len(single)
+    total = len(sizes) * args.repeats * per_repeat
+    runs: dict = {}
+    done, t_run = 0, time.monotonic()
+    workers = max(4, *trainer_counts)  # every same-host trainer gets an area (max(8, 2x))
+    for size in sizes:
         nbytes = SIZES[size]
-        runs: dict = {"one": [], "framed": [], "floor": [], **{k: [] for k in shard_counts}}
-        for _ in range(args.repeats):  # interleaved, so drift hits raw and asyncsgd alike
-            runs["one"].append(measure_raw(nbytes, None, args.seconds)["ms_per_round_trip"])
-            runs["framed"].append(
-                measure_raw(nbytes, 4 * 2 ** 20, args.seconds)["ms_per_round_trip"])
-            runs["floor"].append(measure_floor(nbytes, args.seconds)["ms_per_round_trip"])
-            for shards in shard_counts:
-                runs[shards].append(measure_ps(nbytes, shards, args.seconds)["ms_per_round_trip"])
-        one, framed = statistics.median(runs["one"]), statistics.median(runs["framed"])
-        floor = statistics.median(runs["floor"])
-        best_raw = min(one, framed)
-        for shards in shard_counts:
-            ps_ms = statistics.median(runs[shards])
-            row = {"size": size, "bytes": nbytes, "shards": shards, "ps_ms": ps_ms,
-                   "ps_gbps": 2 * nbytes / (ps_ms / 1000) / 1e9,
-                   "ps_round_trips_per_s": 1000 / ps_ms, "raw_one_frame_ms": one,
-                   "raw_4mib_frames_ms": framed, "floor_ms": floor,
-                   "vs_best_raw": best_raw / ps_ms, "vs_floor": floor / ps_ms,
-                   "overhead_us": (ps_ms - best_raw) * 1000,
-                   "floor_overhead_us": (floor - best_raw) * 1000, "runs_ms": runs[shards]}
+        with PSServer(nbytes, args.shards, workers) as server:
+            print(f"ps-server for {size} ({args.shards} shard(s), --workers {workers}) up in "
+                  f"{server.startup_s:.1f} s", file=sys.stderr, flush=True)
+            for rep in range(args.repeats):
+                # Rotate the order every repeat, so that no method always follows the same one.
+                order = [(1, m) for m in single] + [(t, m) for t in trainer_counts
+                                                    for m in methods]
+                k = rep % len(order)
+                for trainers, method in order[k:] + order[:k]:
+                    t0 = time.monotonic()
+                    r = measure(method, trainers, server, ctx, args)
+                    r["wall_s"] = time.monotonic() - t0
+                    done += 1
+                    runs.setdefault((size, trainers, method), []).append(r)
+                    left = (time.monotonic() - t_run) / done * (total - done)
+                    rate = r.get("round_trips_per_s", 1000 / r["ms_per_round_trip"])
+                    extra = f", start-up {r['startup_s']:.2f} s" if "startup_s" in r else ""
+                    if method == "asyncsgd_local":
+                        extra += f", same-host areas {r['shared_shards']}/{r['shards']}" + (
+                            "" if r["all_shared"] else f" {FELL_BACK} a trainer fell back to TCP")
+                    if r.get("retries") or r.get("reconnects"):
+                        extra += f", {r['retries']} retries, {r['reconnects']} reconnects"
+                    print(f"[{done}/{total}] {size:>5} x{trainers} {label(method):27s} "
+                          f"rep {rep + 1}/{args.repeats}: {r['ms_per_round_trip']:8.3f} ms, "
+                          f"{rate:9,.1f} round trips/s, {2 * nbytes * rate / 1e9:5.2f} GB/s "
+                          f"({r['wall_s']:.1f} s{extra}; ~{left / 60:.1f} min left)",
+                          file=sys.stderr, flush=True)
+    return runs
+
+
+def label(method: str) -> str:
+    return METHODS.get(method) or {"floor": "floor", "raw": "raw pyzmq, 4 MiB frames"}[method]
+
+
+def summarise(runs: dict, sizes: list, trainer_counts: list, methods: list) -> list:
+    """One row per (size, trainers): medians over repeats of every method, and the ratios."""
+    rows = []
+    for size in sizes:
+        nbytes = SIZES[size]
+        for trainers in trainer_counts:
+            row = {"size": size, "bytes": nbytes, "trainers": trainers}
+            for method in methods:
+                rs = runs[(size, trainers, method)]
+                rate = statistics.median(r["round_trips_per_s"] for r in rs)
+                row[method] = {"ms": statistics.median(r["ms_per_round_trip"] for r in rs),
+                               "round_trips_per_s": rate, "gbps": 2 * nbytes * rate / 1e9,
+                               "runs_ms": [r["ms_per_round_trip"] for r in rs],
+                               "runs_round_trips_per_s": [r["round_trips_per_s"] for r in rs],
+                               "startup_s": statistics.median(r["startup_s"] for r in rs),
+                               "wall_s": statistics.median(r["wall_s"] for r in rs)}
+                if method == "asyncsgd_local":  # fewest shards any trainer reached by an area
+                    row[method]["shared_shards"] = [r["shared_shards"] for r in rs]
+                    row[method]["all_shared"] = all(r["all_shared"] for r in rs)
+            if trainers == 1:
+                for method in ("floor", "raw"):
+                    rs = runs[(size, 1, method)]
+                    row[f"{method}_ms"] = statistics.median(r["ms_per_round_trip"] for r in rs)
+                    row[f"{method}_runs_ms"] = [r["ms_per_round_trip"] for r in rs]
             rows.append(row)
-            print(f"  {size:6s} shards={shards}: asyncsgd {ps_ms:.3f} ms, raw "
-                  f"{one:.3f} / {framed:.3f} ms, floor {floor:.3f} ms", file=sys.stderr)
-    lines = [f"Push + pull of the whole model, one worker, 127.0.0.1 "
-             f"({time.strftime('%Y-%m-%d %H:%M')}); "
-             f"median of {args.repeats} interleaved runs of {args.seconds:g} s; raw pyzmq in the "
-             "same loop. Floor: raw pyzmq plus only the work no server can skip "
-             "(experiments/ps_floor.py).", "",
-             "| model | shards | asyncsgd ms | round trips/s | GB/s | raw 1 frame ms | "
-             "raw 4 MiB frames ms | floor ms | best raw / asyncsgd | floor / asyncsgd | "
-             "overhead µs (floor's) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    by_key = {(r["size"], r["trainers"]): r for r in rows}
+    for row in rows:
+        def ratio(a, b):
+            return row[a]["round_trips_per_s"] / row[b]["round_trips_per_s"] \
+                if a in row and b in row else None
+        row["local_vs_rpc_default"] = ratio("asyncsgd_local", "rpc_default")
+        row["tcp_vs_rpc_tcp"] = ratio("asyncsgd_tcp", "rpc_tcp")
+        row["floor_vs_tcp"] = row["floor_ms"] / row["asyncsgd_tcp"]["ms"] \
+            if "floor_ms" in row else None
+        one = by_key.get((row["size"], 1))
+        for method in methods:
+            row[f"{method}_vs_1_trainer"] = (
+                row[method]["round_trips_per_s"] / one[method]["round_trips_per_s"]
+                if one is not None else None)
+    return rows
+
+
+TARGETS = [  # (key, what, threshold, rows it applies to)
+    ("local_vs_rpc_default", "same-host asyncsgd / RPC PS, TensorPipe default (rate)", 1.0,
+     lambda r: True),
+    ("tcp_vs_rpc_tcp", "TCP asyncsgd / RPC PS, TensorPipe TCP (rate)", 1.0, lambda r: True),
+    ("floor_vs_tcp", "floor / TCP asyncsgd (ms), 1 trainer", 0.9, lambda r: r["trainers"] == 1),
+    ("asyncsgd_tcp_vs_1_trainer", "TCP asyncsgd: aggregate rate, 4 trainers / 1", 1.0,
+     lambda r: r["trainers"] == 4),
+    ("asyncsgd_local_vs_1_trainer", "same-host asyncsgd: aggregate rate, 4 trainers / 1", 1.0,
+     lambda r: r["trainers"] == 4),
+]
+
+
+def mark(value, threshold: float) -> str:
+    if value is None:
+        return ""
+    return f"{value:.2f}× {'met' if value >= threshold else '**NOT met**'}"
+
+
+def report(rows: list, methods: list, header: str) -> str:
+    cols = [m for m in METHODS]
+    fell_back = [f"{r['size']} x{r['trainers']}" for r in rows
+                 if not r["asyncsgd_local"].get("all_shared", True)]
+    lines = [header, "",
+             "Per cell: ms per round trip (median over the trainers) · aggregate round trips/s "
+             "of all trainers · GB/s (push + pull). Floor and raw pyzmq: one trainer.", "",
+             "| model | trainers | " + " | ".join(METHODS[m] for m in cols)
+             + " | floor | raw pyzmq, 4 MiB frames |",
+             "|---|---:|" + "---:|" * (len(cols) + 2)]
     for r in rows:
-        lines.append(f"| {r['size']} | {r['shards']} | {r['ps_ms']:.3f} | "
-                     f"{r['ps_round_trips_per_s']:,.0f} | {r['ps_gbps']:.2f} | "
-                     f"{r['raw_one_frame_ms']:.3f} | {r['raw_4mib_frames_ms']:.3f} | "
-                     f"{r['floor_ms']:.3f} | {r['vs_best_raw']:.2f}x | {r['vs_floor']:.2f}x | "
-                     f"{r['overhead_us']:,.0f} ({r['floor_overhead_us']:,.0f}) |")
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_save:
-        save_results("ps_throughput", text, rows)
-        plot(rows, shard_counts, HERE / "results" / "ps_throughput.png")
-    return 0
+        cells = []
+        for m in cols:
+            f = r[m]
+            cells.append(f"{f['ms']:.3f} ms · {f['round_trips_per_s']:,.0f}/s · "
+                         f"{f['gbps']:.2f} GB/s" + ("" if f.get("all_shared", True)
+                                                      else f" {FELL_BACK}"))
+        floor = f"{r['floor_ms']:.3f} ms" if "floor_ms" in r else ""
+        raw = f"{r['raw_ms']:.3f} ms" if "raw_ms" in r else ""
+        lines.append(f"| {r['size']} | {r['trainers']} | " + " | ".join(cells)
+                     + f" | {floor} | {raw} |")
+    titles = ["same-host / RPC default (≥ 1.0)", "TCP / RPC TCP (≥ 1.0)",
+              "floor / TCP, 1 trainer (≥ 0.9)", "4 trainers / 1, TCP (≥ 1.0)",
+              "4 trainers / 1, same host (≥ 1.0)"]
+    lines += ["", "Targets (issue 14, \"Done when\"); rate ratios > 1: asyncsgd faster.", "",
+              "| model | trainers | " + " | ".join(titles) + " |",
+              "|---|---:|" + "---:|" * len(titles)]
+    for r in rows:
+        cells = []
+        for key, _, threshold, applies in TARGETS:
+            cells.append(mark(r.get(key), threshold) if applies(r) else "")
+        lines.append(f"| {r['size']} | {r['trainers']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for key, what, threshold, applies in TARGETS:
+        cells = [r for r in rows if applies(r)]
+        if not cells or any(r.get(key) is None for r in cells):
+            verdict = "not measured in this run (--trainers needs 1" + (
+                " and 4)" if key.endswith("_vs_1_trainer") else ")")
+        else:
+            misses = [f"{r['size']} x{r['trainers']}: {r[key]:.2f}×" for r in cells
+                      if r[key] < threshold]
+            verdict = "met" if not misses else "**NOT met** (" + ", ".join(misses) + ")"
+        lines.append(f"- {what} ≥ {threshold:g} at every size: {verdict}")
+    lines += ["", f"{FELL_BACK} Same-host cells where a trainer's shard went over TCP at the end "
+              "of some repeat: " + (", ".join(fell_back) if fell_back else
+                                    "none (every trainer reached every shard by its area)")]
+    return "\n".join(lines)
 
 
-def plot(rows: list, shard_counts: list, path: Path) -> None:
-    """Round-trip time against model size: asyncsgd per shard count, raw pyzmq beside it."""
+def plot(rows: list, methods: list, path: Path, title: str) -> None:
+    """Left: round trip against model size, one trainer. Then one panel per size: aggregate
+    round trips/s against trainers."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=90)
-    sizes = sorted({r["bytes"] for r in rows})
-    for shards in shard_counts:
-        mine = sorted((r["bytes"], r["ps_ms"]) for r in rows if r["shards"] == shards)
-        ax.plot(*zip(*mine), marker="o", label=f"asyncsgd, {shards} shard(s)")
-    for key, label in (("raw_one_frame_ms", "raw pyzmq, one frame"),
-                       ("raw_4mib_frames_ms", "raw pyzmq, 4 MiB frames"),
-                       ("floor_ms", "floor: raw + the work no server can skip")):
-        raw = {r["bytes"]: r[key] for r in rows}
-        ax.plot(sizes, [raw[b] for b in sizes], linestyle="--", marker=".", label=label)
-    ax.set(xscale="log", yscale="log", xlabel="model size (bytes of float32 parameters)",
-           ylabel="push + pull round trip (ms)", title="Parameter server vs raw ZeroMQ, 127.0.0.1")
+    sizes = list(dict.fromkeys(r["size"] for r in rows))
+    fig, axes = plt.subplots(1, 1 + len(sizes), figsize=(4 + 3 * len(sizes), 3.8), dpi=90)
+    ax = axes[0]
+    ones = [r for r in rows if r["trainers"] == 1]
+    for m in methods:
+        ax.plot([r["bytes"] for r in ones], [r[m]["ms"] for r in ones], marker="o",
+                label=METHODS[m])
+    for key, name in (("floor_ms", "floor"), ("raw_ms", "raw pyzmq, 4 MiB frames")):
+        ax.plot([r["bytes"] for r in ones], [r[key] for r in ones], linestyle="--", marker=".",
+                label=name)
+    ax.set(xscale="log", yscale="log", xlabel="model size (bytes of float32)",
+           ylabel="push + pull round trip (ms)", title="1 trainer")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
+    for ax, size in zip(axes[1:], sizes):
+        mine = [r for r in rows if r["size"] == size]
+        for m in methods:
+            ax.plot([r["trainers"] for r in mine], [r[m]["round_trips_per_s"] for r in mine],
+                    marker="o", label=METHODS[m])
+        ax.set(xlabel="trainers", ylabel="aggregate round trips/s", title=size,
+               xticks=[r["trainers"] for r in mine], ylim=(0, None))
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--sizes", default=",".join(SIZES), help="model sizes, of those")
+    ap.add_argument("--trainers", default="1,2,4", help="trainer counts")
+    ap.add_argument("--shards", type=int, default=1, help="asyncsgd shard processes")
+    ap.add_argument("--seconds", type=float, default=2.0, help="timed seconds per measurement")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats (medians)")
+    ap.add_argument("--busy", type=int, default=0, metavar="N",
+                    help="run N spinning processes beside the whole measurement")
+    ap.add_argument("--start-method", choices=START_METHODS, default="forkserver",
+                    help="how trainer and RPC processes start: forked from a fork server "
+                         "with torch preloaded, or each a fresh interpreter")
+    ap.add_argument("--no-save", action="store_true", help="print only, write no results")
+    args = ap.parse_args()
+    sizes = args.sizes.split(",")
+    unknown = [s for s in sizes if s not in SIZES]
+    trainer_counts = [int(t) for t in args.trainers.split(",")]
+    if unknown or min(trainer_counts) < 1 or args.repeats < 1 or args.seconds <= 0 \
+            or args.busy < 0 or args.shards < 1:
+        ap.error(f"sizes must be of {','.join(SIZES)}; trainers, repeats, shards >= 1; "
+                 "seconds > 0; busy >= 0")
+    from asyncsgd.wire.memory import keep_freed_memory
+    keep_freed_memory()  # as every asyncsgd worker does; applies to the raw and floor clients
+    # This process is the raw and floor client, sharing the machine with their servers: one
+    # torch thread, as `asyncsgd worker` takes beside a local server.
+    torch.set_num_threads(1)
+    methods = list(METHODS)
+    # Before the spinners, so that they never slow the fork server's one start (~1 s).
+    ctx = start_context(args.start_method, PRELOAD)
+    load0 = os.getloadavg()[0]
+    t0 = time.monotonic()
+    spinners = [_spin() for _ in range(args.busy)]
+    try:
+        runs = run(args, sizes, trainer_counts, methods, ctx)
+    finally:
+        for p in spinners:
+            p.kill()
+        for p in spinners:
+            p.wait()
+    minutes = (time.monotonic() - t0) / 60
+    count = sum(len(rs) for rs in runs.values())
+    rows = summarise(runs, sizes, trainer_counts, methods)
+    busy = f", {args.busy} spinning processes beside it" if args.busy else ", no added load"
+    header = (f"Push + pull of the whole model, 127.0.0.1, {os.cpu_count()} cores"
+              f"{busy} (1-min load {load0:.1f} before, {os.getloadavg()[0]:.1f} after; "
+              f"{time.strftime('%Y-%m-%d %H:%M')}; {count} measurements in {minutes:.1f} min, "
+              f"processes started by {args.start_method}). Median of "
+              f"{args.repeats} interleaved runs of {args.seconds:g} s; asyncsgd with "
+              f"{args.shards} shard(s), one ps-server per size; "
+              f"torch {torch.__version__.split('+')[0]}. "
+              "`python experiments/ps_throughput.py "
+              + " ".join(a for a in sys.argv[1:] if a != "--no-save") + "`")
+    text = report(rows, methods, header)
+    print(text)
+    if not args.no_save:
+        name = f"ps_throughput_busy{args.busy}" if args.busy else "ps_throughput"
+        save_results(name, text, rows)
+        plot(rows, methods, RESULTS / f"{name}.png",
+             f"Parameter server round trips, 127.0.0.1{busy}")
+    return 0
 
 
 if __name__ == "__main__":
