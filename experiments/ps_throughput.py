@@ -2,15 +2,21 @@ r"""Parameter-server push+pull round trips: asyncsgd, an RPC PS, the floor, raw 
 
 All in one interleaved run, with 1 to N trainers at once.
 
-    python experiments/ps_throughput.py           # 4 sizes x 1,2,4 trainers x 5 repeats, ~10 min
-    python experiments/ps_throughput.py --busy 2  # the same beside 2 spinning processes
+    python experiments/ps_throughput.py           # 4 sizes x 1,2,4 trainers x 5 repeats: ~13 min
+    python experiments/ps_throughput.py --busy 2  # the same beside 2 spinning processes: ~14.5 min
     python experiments/ps_throughput.py --sizes 20KB,1MB --trainers 1,2 --seconds 0.5 \
-        --repeats 1 --no-save                     # a quick look: 36 s
+        --repeats 1 --no-save                     # a quick look: ~35 s
 
-(Idle 2-core machine, 2026-11-25: the quick look took 36 s; the full run is
-estimated at ~10 min from its per-measurement cost, about 1.5 s of set-up
-beside each timed window. An earlier version of this script, which started
-every process afresh, took 16 min for ``--repeats 3 --seconds 1.5``.)
+(Run times on this 2-core machine, 2026-11-25, measured. The quick look took
+32-36 s idle, 31 s with --busy 1. One repeat of the default run, 56
+measurements of 2 s, took 2.9 min idle: 2.76 s a measurement on average,
+plus 2.4 s to start each size's ps-server; beside 2 spinning processes 3.1
+min, 2.99 s a measurement; so five repeats take ~13 and ~14.5 min. Beyond its
+timed seconds a measurement costs: asyncsgd ~0.3 s (the 0.2 s start margin,
+then fork, connect and warm-up), the RPC PS 0.3-2.7 s (rendezvous, init_rpc,
+shutdown), the floor and raw pyzmq 1.4-2.5 s (``raw_zmq.time_against_server``
+still spawns their servers). Before the fork server and the kept ps-server it
+was ~35 and ~50 min, almost all of it processes importing torch.)
 
 A round trip is one trainer's step: push the whole gradient, the server
 applies SGD, pull the whole parameter vector. For each model size (20 KB,
@@ -72,6 +78,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import logging
 import os
 import signal
 import statistics
@@ -223,25 +230,32 @@ class PSServer:
         self.startup_s = time.monotonic() - t0
 
     def _wait_up(self) -> None:
+        """Return once a probe client got its welcome (and said bye); raise if the server
+        exits or is not up within START_TIMEOUT_S."""
         from workers.client import PSClient, ServerUnavailable
+        from workers.client import log as client_log
         signature = _signature(self.nbytes)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            self.check()
-            try:
-                client = PSClient(self.address, "bench-probe", signature, rank=0, world=1,
-                                  heartbeat=0.5, server_timeout=PROBE_TIMEOUT_S,
-                                  transport="tcp")
-            except ServerUnavailable:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"ps-server not up within {START_TIMEOUT_S:g} s:\n"
-                                       f"{_log_tail(self.log)}") from None
-                continue
-            try:
-                client.bye()
-            finally:
-                client.close()
-            return
+        level = client_log.level
+        client_log.setLevel(logging.ERROR)  # its "retrying" while the shards start: expected
+        try:
+            while True:
+                self.check()
+                try:
+                    client = PSClient(self.address, "bench-probe", signature, rank=0, world=1,
+                                      heartbeat=0.5, server_timeout=PROBE_TIMEOUT_S,
+                                      transport="tcp")
+                    break
+                except ServerUnavailable:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"ps-server not up within {START_TIMEOUT_S:g} s:\n"
+                                           f"{_log_tail(self.log)}") from None
+        finally:
+            client_log.setLevel(level)
+        try:
+            client.bye()
+        finally:
+            client.close()
 
     def worker_ids(self, trainers: int) -> list:
         """Ids no earlier measurement used: exactly-once state never spans two."""

@@ -1,6 +1,6 @@
 """A parameter server on torch.distributed.rpc: the yardstick a PyTorch user would reach for.
 
-    python experiments/rpc_ps.py         # 4 sizes x 2 transports x 1, 2 trainers, ~1.5 min
+    python experiments/rpc_ps.py         # 4 sizes x 2 transports x 1, 2 trainers, ~30 s
     python experiments/rpc_ps.py --sizes 1MB --trainers 1,4 --transport tcp --seconds 1
 
 As in pytorch/examples ``distributed/rpc`` (parameter_server, batch): one PS
