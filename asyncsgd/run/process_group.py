@@ -190,17 +190,26 @@ START_METHODS = ("spawn", "forkserver")
 _LOST = 255  # multiprocessing's exit code for a forkserver child whose status died with it
 
 
-def _fork_server_alive() -> bool:
-    """Whether this process's fork server still runs (True when it cannot tell)."""
+def _fork_server_alive(wait: float = 1.0) -> bool:
+    """Whether this process's fork server still runs (True when it cannot tell). Its
+    children learn of its death while it is still exiting: wait up to ``wait`` s for it
+    to be gone or a zombie (multiprocessing reaps it only at exit)."""
     from multiprocessing import forkserver
     pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
-    if pid is None or not _alive(pid):
-        return pid is None
-    try:  # killed but not yet reaped (multiprocessing reaps it at exit): a zombie
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
+    if pid is None:
         return True
+    deadline = time.monotonic() + wait
+    while _alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                    return False
+        except OSError:
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def context(start_method: str, preload: Sequence[str] = ()):
