@@ -133,6 +133,7 @@ class PSClient:
         # Same-host areas, one per shard (None: frames); shards still to attach to.
         self.transport = transport
         self.areas: list = [None] * len(self.shards)
+        self._slots = [self._area_slot(i) for i in range(len(self.shards))]  # made once: hot path
         self._attach_tries = [0] * len(self.shards)
         self._to_attach: set = set()
         # ZeroMQ sockets are not thread-safe: whoever uses them holds this lock.
@@ -196,7 +197,7 @@ class PSClient:
         while (left := deadline - time.monotonic()) > 0:
             if not self.shards[i].poll(int(left * 1000) + 1):
                 break
-            reply = recv(self.shards[i], self._area_slot(i))
+            reply = recv(self.shards[i], self._slots[i])
             if reply.seq != msg.seq:
                 continue  # a heartbeat's answer, or a late one
             if reply.type != ATTACH:
@@ -337,7 +338,7 @@ class PSClient:
                 if sock not in events:
                     continue
                 while True:
-                    reply = recv(sock, self._area_slot(i))
+                    reply = recv(sock, self._slots[i])
                     # Another shard of a restarted server may listen on this port now:
                     # its answers are no sign of life of shard i.
                     if reply.shard in (-1, i):
