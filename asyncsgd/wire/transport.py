@@ -31,6 +31,11 @@ log = logging.getLogger(__name__)
 
 MAX_FRAME = FRAME_BYTES + MAX_HEADER_BYTES
 COPY_BELOW = 64 * 1024  # pyzmq: zero-copy costs more than a memcpy for small frames
+# Flags as plain ints, frames sent and received one by one: pyzmq's send_multipart
+# combines enum flags per frame and type-checks every part, 14.3 us for a 3-frame
+# message here against 5.0 us this way; recv_multipart costs 2 us more than the loop.
+_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
+_LAST = int(zmq.NOBLOCK)
 
 
 def frame_limit(elements: int) -> int:
@@ -85,7 +90,11 @@ def dealer(ctx: zmq.Context, connect: str, identity: Optional[bytes] = None, cur
 def _send_parts(sock: zmq.Socket, parts: Sequence, copy: bool) -> bool:
     """True when libzmq took the message; False if the peer is gone or not keeping up."""
     try:
-        sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=copy)
+        # libzmq takes a multipart message whole or not at all: the high-water mark and
+        # ROUTER_MANDATORY refuse its first frame, never a later one.
+        last = len(parts) - 1
+        for j, part in enumerate(parts):
+            sock.send(part, _MORE if j < last else _LAST, copy=copy)
         return True
     except zmq.Again:
         log.warning("send queue full for a peer; reply dropped (the peer will retry)")
@@ -123,19 +132,26 @@ def send_tracked(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None
     return zmq.MessageTracker(*tracked)
 
 
+def _recv_frames(sock: zmq.Socket) -> list:
+    """The frames of the next message, uncopied (``recv_multipart(copy=False)``, leaner)."""
+    frames = [sock.recv(0, copy=False)]
+    while frames[-1].more:
+        frames.append(sock.recv(0, copy=False))
+    return frames
+
+
 def recv(sock: zmq.Socket, areas: Optional[Callable] = None) -> Message:
     """The next message on a DEALER, decoded; ``ProtocolError`` when it breaks the protocol.
     Tensors stay views of the received frames, or of the same-host area slot that
     ``areas(link, worker, incarnation)`` gives (no copy)."""
-    frames = sock.recv_multipart(copy=False)
-    return decode(frames, areas)
+    return decode(_recv_frames(sock), areas)
 
 
 def recv_from(sock: zmq.Socket, areas: Optional[Callable] = None) -> tuple:
     """``(peer, message)`` from a ROUTER; ``message`` is the ``ProtocolError`` instead when
     the bytes break the protocol, so the peer can still be answered. ``areas(link,
     worker, incarnation, peer)``: the slot of a same-host area, as for ``recv``."""
-    frames = sock.recv_multipart(copy=False)
+    frames = _recv_frames(sock)
     peer = frames[0].bytes
     try:
         resolve = None if areas is None else functools.partial(_for_peer, areas, peer)
