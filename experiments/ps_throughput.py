@@ -2,7 +2,7 @@ r"""Parameter-server push+pull round trips: asyncsgd, an RPC PS, the floor, raw 
 
 All in one interleaved run, with 1 to N trainers at once.
 
-    python experiments/ps_throughput.py           # 4 sizes x 1,2,4 trainers x 5 repeats: ~13 min
+    python experiments/ps_throughput.py           # 4 sizes x 1,2,4 trainers x 5 repeats: ~17 min
     python experiments/ps_throughput.py --busy 2  # the same beside 2 spinning processes: ~14.5 min
     python experiments/ps_throughput.py --sizes 20KB,1MB --trainers 1,2 --seconds 0.5 \
         --repeats 1 --no-save                     # a quick look: ~35 s
@@ -24,7 +24,7 @@ applies SGD, pull the whole parameter vector. For each model size (20 KB,
 measures:
 
 * asyncsgd over TCP and over its same-host path: a real ``asyncsgd
-  ps-server`` (``--shards``, plain SGD, ``--workers`` max(4, T)) in its own
+  ps-server`` (the first of ``--shards``, plain SGD, ``--workers`` max(4, T)) in its own
   process tree, and T trainer processes, each a ``workers.client.PSClient``
   doing ``push_pull`` in a loop, with ``transport="tcp"`` (every trainer
   checks that all its shards send frames over tcp://; a run where one does
@@ -34,6 +34,10 @@ measures:
 * an RPC parameter server on torch.distributed.rpc (``experiments/rpc_ps.py``,
   as in pytorch/examples ``distributed/rpc``), TensorPipe's default (shared
   memory and cross-memory attach on one host) and TensorPipe over TCP only;
+* how many shards pay: every further count in ``--shards`` (default 1,2)
+  gets its own ps-server, and asyncsgd over TCP and the same-host path is
+  measured on it with 1 trainer and the largest trainer count, in the same
+  rotation; a table gives its rate against the first count's;
 * with one trainer, the floor (``experiments/ps_floor.py``: raw pyzmq plus
   only the work no server can skip) and raw pyzmq round trips in 4 MiB frames
   (``experiments/raw_zmq.py``).
@@ -76,6 +80,7 @@ Writes ``experiments/results/ps_throughput.md`` (``ps_throughput_busyN`` with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import logging
@@ -342,6 +347,9 @@ def _spin() -> subprocess.Popen:
                             stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
 
 
+SHARD_METHODS = ["asyncsgd_tcp", "asyncsgd_local"]  # measured at every --shards count
+
+
 def measure(method: str, trainers: int, server: PSServer, ctx, args) -> dict:
     nbytes = server.nbytes
     if method == "asyncsgd_tcp":
@@ -362,27 +370,37 @@ def measure(method: str, trainers: int, server: PSServer, ctx, args) -> dict:
 def run(args, sizes: list, trainer_counts: list, methods: list, ctx) -> dict:
     """{(size, trainers, method): [result of each repeat]}, interleaved, progress on stderr."""
     single = ["floor", "raw"]
-    per_repeat = len(trainer_counts) * len(methods) + len(single)
+    more_shards = args.shard_counts[1:]
+    shard_trainers = sorted({1, max(trainer_counts)})
+    per_repeat = (len(trainer_counts) * len(methods) + len(single)
+                  + len(more_shards) * len(shard_trainers) * len(SHARD_METHODS))
     total = len(sizes) * args.repeats * per_repeat
     runs: dict = {}
     done, t_run = 0, time.monotonic()
     workers = max(4, *trainer_counts)  # every same-host trainer gets an area (max(8, 2x))
     for size in sizes:
         nbytes = SIZES[size]
-        with PSServer(nbytes, args.shards, workers) as server:
-            print(f"ps-server for {size} ({args.shards} shard(s), --workers {workers}) up in "
-                  f"{server.startup_s:.1f} s", file=sys.stderr, flush=True)
+        with contextlib.ExitStack() as stack:
+            servers = {}
+            for shards in args.shard_counts:
+                servers[shards] = stack.enter_context(PSServer(nbytes, shards, workers))
+                print(f"ps-server for {size} ({shards} shard(s), --workers {workers}) up in "
+                      f"{servers[shards].startup_s:.1f} s", file=sys.stderr, flush=True)
+            first = args.shard_counts[0]
             for rep in range(args.repeats):
                 # Rotate the order every repeat, so that no method always follows the same one.
-                order = [(1, m) for m in single] + [(t, m) for t in trainer_counts
-                                                    for m in methods]
+                order = ([(1, m, first) for m in single]
+                         + [(t, m, first) for t in trainer_counts for m in methods]
+                         + [(t, m, n) for n in more_shards for t in shard_trainers
+                            for m in SHARD_METHODS])
                 k = rep % len(order)
-                for trainers, method in order[k:] + order[:k]:
+                for trainers, method, shards in order[k:] + order[:k]:
                     t0 = time.monotonic()
-                    r = measure(method, trainers, server, ctx, args)
+                    r = measure(method, trainers, servers[shards], ctx, args)
                     r["wall_s"] = time.monotonic() - t0
                     done += 1
-                    runs.setdefault((size, trainers, method), []).append(r)
+                    key = (size, trainers, method) + (() if shards == first else (shards,))
+                    runs.setdefault(key, []).append(r)
                     left = (time.monotonic() - t_run) / done * (total - done)
                     rate = r.get("round_trips_per_s", 1000 / r["ms_per_round_trip"])
                     extra = f", start-up {r['startup_s']:.2f} s" if "startup_s" in r else ""
@@ -391,7 +409,8 @@ def run(args, sizes: list, trainer_counts: list, methods: list, ctx) -> dict:
                             "" if r["all_shared"] else f" {FELL_BACK} a trainer fell back to TCP")
                     if r.get("retries") or r.get("reconnects"):
                         extra += f", {r['retries']} retries, {r['reconnects']} reconnects"
-                    print(f"[{done}/{total}] {size:>5} x{trainers} {label(method):27s} "
+                    name = label(method) + ("" if shards == first else f", {shards} shards")
+                    print(f"[{done}/{total}] {size:>5} x{trainers} {name:37s} "
                           f"rep {rep + 1}/{args.repeats}: {r['ms_per_round_trip']:8.3f} ms, "
                           f"{rate:9,.1f} round trips/s, {2 * nbytes * rate / 1e9:5.2f} GB/s "
                           f"({r['wall_s']:.1f} s{extra}; ~{left / 60:.1f} min left)",
@@ -443,6 +462,51 @@ def summarise(runs: dict, sizes: list, trainer_counts: list, methods: list) -> l
                 row[method]["round_trips_per_s"] / one[method]["round_trips_per_s"]
                 if one is not None else None)
     return rows
+
+
+def summarise_shards(runs: dict, sizes: list, shard_counts: list, trainers: list) -> list:
+    """One row per (size, trainers, shard count) of the asyncsgd methods, each with its rate
+    against the first shard count's (> 1: more shards paid)."""
+    rows = []
+    for size in sizes:
+        for t in trainers:
+            base = {m: statistics.median(r["round_trips_per_s"] for r in runs[(size, t, m)])
+                    for m in SHARD_METHODS}
+            for n in shard_counts:
+                row = {"size": size, "trainers": t, "shards": n}
+                for m in SHARD_METHODS:
+                    rs = runs[(size, t, m) + (() if n == shard_counts[0] else (n,))]
+                    rate = statistics.median(r["round_trips_per_s"] for r in rs)
+                    row[m] = {"ms": statistics.median(r["ms_per_round_trip"] for r in rs),
+                              "round_trips_per_s": rate, "vs_first": rate / base[m],
+                              "runs_round_trips_per_s": [r["round_trips_per_s"] for r in rs]}
+                rows.append(row)
+    return rows
+
+
+def report_shards(rows: list, first: int) -> str:
+    lines = ["", f"How many shards pay: asyncsgd at each shard count; × = aggregate rate "
+                 f"against {first} shard(s) (> 1: the extra shards paid).", "",
+             "| model | trainers | shards | " + " | ".join(
+                 f"{METHODS[m]} | × {first}" for m in SHARD_METHODS) + " |",
+             "|---|---:|---:|" + "---:|---:|" * len(SHARD_METHODS)]
+    for r in rows:
+        cells = [f"{r[m]['ms']:.3f} ms · {r[m]['round_trips_per_s']:,.0f}/s | "
+                 f"{r[m]['vs_first']:.2f}×" for m in SHARD_METHODS]
+        lines.append(f"| {r['size']} | {r['trainers']} | {r['shards']} | "
+                     + " | ".join(cells) + " |")
+    best = {}
+    for r in rows:
+        for m in SHARD_METHODS:
+            key = (r["size"], r["trainers"], m)
+            if key not in best or r[m]["vs_first"] > best[key][1]:
+                best[key] = (r["shards"], r[m]["vs_first"])
+    lines += ["", "Best shard count (1 % more rate at least): " + "; ".join(
+        f"{size} x{t} {METHODS[m].split(', ')[1]}: "
+        + (f"{n} ({ratio:.2f}×)" if ratio >= 1.01 else str(first))
+        for (size, t, m), (n, ratio) in sorted(
+            best.items(), key=lambda kv: (SIZES[kv[0][0]], kv[0][1], kv[0][2])))]
+    return "\n".join(lines)
 
 
 TARGETS = [  # (key, what, threshold, rows it applies to)
@@ -551,7 +615,9 @@ def main() -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--sizes", default=",".join(SIZES), help="model sizes, of those")
     ap.add_argument("--trainers", default="1,2,4", help="trainer counts")
-    ap.add_argument("--shards", type=int, default=1, help="asyncsgd shard processes")
+    ap.add_argument("--shards", default="1,2",
+                    help="asyncsgd shard processes: the first for the comparison, each other "
+                         "measured beside it (1 and the most trainers) to show which pays")
     ap.add_argument("--seconds", type=float, default=2.0, help="timed seconds per measurement")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats (medians)")
     ap.add_argument("--busy", type=int, default=0, metavar="N",
@@ -563,9 +629,14 @@ def main() -> int:
     args = ap.parse_args()
     sizes = args.sizes.split(",")
     unknown = [s for s in sizes if s not in SIZES]
-    trainer_counts = [int(t) for t in args.trainers.split(",")]
+    try:
+        trainer_counts = [int(t) for t in args.trainers.split(",")]
+        args.shard_counts = list(dict.fromkeys(int(n) for n in args.shards.split(",")))
+    except ValueError:
+        ap.error(f"--trainers {args.trainers!r} and --shards {args.shards!r}: comma-separated "
+                 "integers, e.g. --trainers 1,2,4 --shards 1,2")
     if unknown or min(trainer_counts) < 1 or args.repeats < 1 or args.seconds <= 0 \
-            or args.busy < 0 or args.shards < 1:
+            or args.busy < 0 or min(args.shard_counts) < 1:
         ap.error(f"sizes must be of {','.join(SIZES)}; trainers, repeats, shards >= 1; "
                  "seconds > 0; busy >= 0")
     from asyncsgd.wire.memory import keep_freed_memory
@@ -589,21 +660,27 @@ def main() -> int:
     minutes = (time.monotonic() - t0) / 60
     count = sum(len(rs) for rs in runs.values())
     rows = summarise(runs, sizes, trainer_counts, methods)
+    shard_rows = summarise_shards(runs, sizes, args.shard_counts,
+                                  sorted({1, max(trainer_counts)})) \
+        if len(args.shard_counts) > 1 else []
     busy = f", {args.busy} spinning processes beside it" if args.busy else ", no added load"
     header = (f"Push + pull of the whole model, 127.0.0.1, {os.cpu_count()} cores"
               f"{busy} (1-min load {load0:.1f} before, {os.getloadavg()[0]:.1f} after; "
               f"{time.strftime('%Y-%m-%d %H:%M')}; {count} measurements in {minutes:.1f} min, "
               f"processes started by {args.start_method}). Median of "
               f"{args.repeats} interleaved runs of {args.seconds:g} s; asyncsgd with "
-              f"{args.shards} shard(s), one ps-server per size; "
+              f"{args.shard_counts[0]} shard(s) (shard counts compared: {args.shards}), "
+              "one ps-server per size and shard count; "
               f"torch {torch.__version__.split('+')[0]}. "
               "`python experiments/ps_throughput.py "
               + " ".join(a for a in sys.argv[1:] if a != "--no-save") + "`")
     text = report(rows, methods, header)
+    if shard_rows:
+        text += "\n" + report_shards(shard_rows, args.shard_counts[0])
     print(text)
     if not args.no_save:
         name = f"ps_throughput_busy{args.busy}" if args.busy else "ps_throughput"
-        save_results(name, text, rows)
+        save_results(name, text, {"rows": rows, "shards": shard_rows})
         plot(rows, methods, RESULTS / f"{name}.png",
              f"Parameter server round trips, 127.0.0.1{busy}")
     return 0
