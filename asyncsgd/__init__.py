@@ -6,8 +6,9 @@ errors answer at once instead of first importing torch.
 Where things live: ``core`` (tasks, data, models), ``wire`` (the parameter
 server's protocol, transport and security), ``run`` (run directory, metrics,
 checkpoints, owned processes), ``modes`` (Hogwild, single, DDP), ``analysis``
-(compare, reports, plots); the parameter server itself is in the ``servers``
-and ``workers`` packages beside this one.
+(compare, reports, plots); the parameter server itself is ``asyncsgd.servers``
+and ``asyncsgd.workers`` (in the repository, ``servers/`` and ``workers/`` beside
+this folder: setup.cfg maps them here, so nothing generic lands in site-packages).
 """
 
 import importlib

@@ -147,7 +147,7 @@ def ps_server(ctx: click.Context, **_: object) -> None:
     --max-seconds, --target, Ctrl-C); the run directory has the same
     format as every mode's, with updates/s and staleness added.
     """
-    from servers.server import serve
+    from asyncsgd.servers.server import serve
     sigint_now()
     cfg = _build_config(ServerConfig, ctx)
     result = serve(cfg, argv=sys.argv)
@@ -166,7 +166,7 @@ def worker(**params: object) -> None:
     Its partition of the training data follows from --rank and --world (or the
     RANK/WORLD_SIZE that torchrun sets, or SLURM_PROCID/SLURM_NTASKS).
     """
-    from workers.worker import run_worker
+    from asyncsgd.workers.worker import run_worker
     sigint_now()
     result = run_worker(WorkerConfig(**params))
     if result.stats.get("ended_by_server"):

@@ -25,7 +25,7 @@ measures:
 
 * asyncsgd over TCP and over its same-host path: a real ``asyncsgd
   ps-server`` (the first of ``--shards``, plain SGD, ``--workers`` max(4, T)) in its own
-  process tree, and T trainer processes, each a ``workers.client.PSClient``
+  process tree, and T trainer processes, each a ``asyncsgd.workers.client.PSClient``
   doing ``push_pull`` in a loop, with ``transport="tcp"`` (every trainer
   checks that all its shards send frames over tcp://; a run where one does
   not is an error) and ``transport="auto"`` (the same-host fast path; each
@@ -117,7 +117,7 @@ SERVER_STOP_S = 30.0
 PROBE_TIMEOUT_S = 2.0  # one try of the start-up probe; tries go on until START_TIMEOUT_S
 # What the asyncsgd trainers import, for the fork server to import once (rpc_ps adds its own).
 PRELOAD = ["asyncsgd.core.tasks", "asyncsgd.wire.layout", "asyncsgd.wire.memory",
-           "workers.client"]
+           "asyncsgd.workers.client"]
 FELL_BACK = "†"  # marks a same-host cell where some trainer's shard went over TCP
 
 
@@ -151,7 +151,7 @@ def _asyncsgd_trainer(conn, address: str, worker: str, nbytes: int, rank: int, w
                       seconds: float, transport: str) -> None:
     """One trainer process (one torch thread): PSClient.push_pull in a timed loop."""
     from asyncsgd.wire.memory import keep_freed_memory
-    from workers.client import PSClient
+    from asyncsgd.workers.client import PSClient
     keep_freed_memory()  # as every asyncsgd worker does
     numel = nbytes // 4
     params = torch.zeros(numel)
@@ -237,8 +237,8 @@ class PSServer:
     def _wait_up(self) -> None:
         """Return once a probe client got its welcome (and said bye); raise if the server
         exits or is not up within START_TIMEOUT_S."""
-        from workers.client import PSClient, ServerUnavailable
-        from workers.client import log as client_log
+        from asyncsgd.workers.client import PSClient, ServerUnavailable
+        from asyncsgd.workers.client import log as client_log
         signature = _signature(self.nbytes)
         deadline = time.monotonic() + START_TIMEOUT_S
         level = client_log.level

@@ -93,7 +93,7 @@ def measure(args, staleness: list, seeds: list) -> list:
 
 def quantile(hist: list, q: float) -> int:
     """The value at quantile ``q`` of a histogram (bucket i counts staleness i), as the
-    server computes its p50/p99 (servers.evaluator.percentile)."""
+    server computes its p50/p99 (asyncsgd.servers.evaluator.percentile)."""
     total, seen = sum(hist), 0
     for value, count in enumerate(hist):
         seen += count
@@ -114,7 +114,7 @@ def ps_staleness(args) -> list:
                 argv=["asyncsgd", "compare", f"(experiments/{NAME}.py)"])
             attempt = result.attempts[0]
             hist = (attempt.run.summary.get("staleness_hist") or []) if attempt.ok else []
-            # the server's last bucket counts everything at or past it (servers.shard)
+            # the server's last bucket counts everything at or past it (asyncsgd.servers.shard)
             row = {"workers": workers, "pushes": sum(hist), "status": attempt.status,
                    "error": attempt.error, "hist": hist}
             if sum(hist):

@@ -17,7 +17,7 @@ from asyncsgd.wire.protocol import (ACK, ERROR, HEARTBEAT, HELLO, PULL, PUSH, WE
                                     VERSION, Message, Segment, decode, encode)
 from conftest import shard_stats, wait_for
 from faults import observe
-from servers.dedupe import DUPLICATE, FRESH, OUT_OF_WINDOW, SeqWindow
+from asyncsgd.servers.dedupe import DUPLICATE, FRESH, OUT_OF_WINDOW, SeqWindow
 from tasks_for_tests import index_counter
 
 TASK = "tasks_for_tests:index_counter"

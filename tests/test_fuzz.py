@@ -20,7 +20,7 @@ from asyncsgd.wire.protocol import (ACK, DTYPES, ERROR, MAX_HEADER_BYTES, STATS,
 from conftest import CurveServer
 from faults import observe, record_figure
 from malformed import WORKERS, malformed, valid_push
-from servers.shard import ShardConfig, ShardState
+from asyncsgd.servers.shard import ShardConfig, ShardState
 
 SIZE = 96
 

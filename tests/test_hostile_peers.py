@@ -15,7 +15,7 @@ import torch
 from asyncsgd.wire.protocol import ACK, BYE, ERROR, HELLO, PARAMS, PULL, PUSH, Key
 from conftest import read_events, shard_stats
 from faults import observe, record_figure
-from servers.rules import dc_asgd
+from asyncsgd.servers.rules import dc_asgd
 from test_exactly_once import SIZE, TASK, Peer
 
 IDS = 3000

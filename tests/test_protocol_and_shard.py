@@ -8,7 +8,7 @@ import torch
 
 from asyncsgd.wire.protocol import (ACK, BYE, ERROR, HEARTBEAT, PARAMS, PULL, PUSH, STATS, VERSION,
                                     Key, Message, ProtocolError, Segment, decode, encode, split)
-from servers.shard import ShardConfig, ShardState, parse_consistency
+from asyncsgd.servers.shard import ShardConfig, ShardState, parse_consistency
 
 
 def _frames(msg):

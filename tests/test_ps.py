@@ -216,7 +216,7 @@ def test_resume_continues_from_the_shard_checkpoints(server, cli_env, tmp_path):
 def test_rank_and_world_come_from_flags_torchrun_or_slurm():
     from asyncsgd.config import WorkerConfig
     from asyncsgd.errors import ConfigError
-    from workers.worker import rank_and_world
+    from asyncsgd.workers.worker import rank_and_world
     assert rank_and_world(WorkerConfig(), {}) == (0, 1)
     assert rank_and_world(WorkerConfig(), {"RANK": "2", "WORLD_SIZE": "4"}) == (2, 4)
     assert rank_and_world(WorkerConfig(), {"SLURM_PROCID": "1", "SLURM_NTASKS": "3"}) == (1, 3)

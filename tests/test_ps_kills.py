@@ -18,7 +18,7 @@ from asyncsgd.run.checkpoint import load_checkpoint
 from asyncsgd.wire.layout import Layout
 from conftest import finish, read_json, shard_stats, wait_for, worker
 from faults import observe, record_figure
-from servers.shard import params_digest
+from asyncsgd.servers.shard import params_digest
 from tasks_for_tests import index_counter
 
 TASK = "tasks_for_tests:index_counter"

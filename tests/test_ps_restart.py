@@ -157,7 +157,7 @@ def test_worker_gives_up_on_a_server_killed_for_good(cli_env, tmp_path):
     *earlier, last = err.strip().splitlines()
     assert last.startswith("error: shard(s) [") and "silent for 4 s; giving up" in last, err
     waits = [float(line.split("retrying in ")[1].split(" s")[0]) for line in earlier
-             if line.startswith("workers.client: server unavailable")]
+             if line.startswith("asyncsgd.workers.client: server unavailable")]
     assert waits[:2] == [0.2, 0.4] and waits == sorted(waits), waits  # exponential backoff
     # Not before --server-timeout of silence (it began at the kill); the rest is the worker's
     # exit on a maybe loaded machine.

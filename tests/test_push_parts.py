@@ -6,11 +6,11 @@ import torch
 
 from asyncsgd.wire.layout import Layout
 from asyncsgd.wire.protocol import ACK, ERROR, PARAMS, PUSH, STATS, Message, encode, in_parts, split
-from servers.shard import ShardConfig, ShardState
-from servers.store import ParamStore
-from servers.zero_copy import ZeroCopyStore
+from asyncsgd.servers.shard import ShardConfig, ShardState
+from asyncsgd.servers.store import ParamStore
+from asyncsgd.servers.zero_copy import ZeroCopyStore
 from tasks_for_tests import index_counter
-from workers.client import PSClient, ServerRefused
+from asyncsgd.workers.client import PSClient, ServerRefused
 
 SIZE = 12
 

@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from servers.rules import (RULES, SGD, Adagrad, Adam, Momentum, UpdateRule, dc_asgd, make_rule,
-                           staleness_scale)
+from asyncsgd.servers.rules import (RULES, SGD, Adagrad, Adam, Momentum, UpdateRule, dc_asgd,
+                                    make_rule, staleness_scale)
 
 SIZE = 50
 STEPS = 10

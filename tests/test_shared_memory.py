@@ -19,7 +19,7 @@ from conftest import shard_stats
 from faults import observe
 from tasks_for_tests import index_counter
 from test_exactly_once import Peer, applied, grad
-from workers.client import PSClient
+from asyncsgd.workers.client import PSClient
 
 pytestmark = pytest.mark.skipif(not supported(), reason="no sealed memory files (memfd) here")
 

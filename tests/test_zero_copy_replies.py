@@ -10,9 +10,9 @@ import zmq
 
 from asyncsgd.wire.protocol import PULL, PUSH, Message, split
 from asyncsgd.wire.transport import recv_from, router
-from servers.shard import ShardConfig, ShardState
-from servers.shard_process import _reply
-from servers.zero_copy import InFlight, ZeroCopyStore
+from asyncsgd.servers.shard import ShardConfig, ShardState
+from asyncsgd.servers.shard_process import _reply
+from asyncsgd.servers.zero_copy import InFlight, ZeroCopyStore
 
 SIZE = 4 * 2 ** 20  # 16 MiB of float32: more than the loopback socket buffers hold
 

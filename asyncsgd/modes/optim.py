@@ -70,7 +70,7 @@ class SGD:
 
 class Adam(SGD):
     """torch.optim.Adam (not amsgrad; weight decay is L2 added to the gradient), with the
-    arithmetic of the parameter server's ``adam`` rule (``servers.rules.Adam``), so a
+    arithmetic of the parameter server's ``adam`` rule (``asyncsgd.servers.rules.Adam``), so a
     single-process run and a PS run apply the same update. Dense gradients only."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float,
