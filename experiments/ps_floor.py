@@ -77,45 +77,60 @@ def _serve(conn, nbytes: int) -> None:
         ctx.term()
 
 
+class FloorClient:
+    """The floor's worker: ``round_trip()`` pushes the gradient and copies the parameters
+    back, frame by frame; ``close()`` says bye (the server then exits) and closes."""
+
+    def __init__(self, port: int, nbytes: int):
+        torch.set_num_threads(1)
+        self.ctx = zmq.Context()
+        self.sock = _socket(self.ctx, zmq.DEALER, 10_000)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.grads = torch.full((nbytes // 4,), 1e-3)
+        self.params = torch.zeros(nbytes // 4)
+        self.frames = [memoryview(self.grads[i:i + FRAME // 4].numpy()).cast("B")
+                       for i in range(0, len(self.grads), FRAME // 4)]
+        self.seq = 0
+
+    def round_trip(self) -> None:
+        sock, frames = self.sock, self.frames
+        self.seq += 1
+        for part, frame in enumerate(frames):
+            head = msgpack.packb({"t": "push", "s": self.seq, "part": part, "parts": len(frames)})
+            sock.send_multipart([head, frame], copy=len(frame) < 65536)
+        for _ in frames:
+            head, data = sock.recv_multipart(copy=False)
+            header = msgpack.unpackb(head.buffer)
+            lo = header["part"] * (FRAME // 4)
+            got = torch.frombuffer(data.buffer, dtype=torch.float32)
+            self.params[lo:lo + len(got)].copy_(got)
+
+    def close(self, bye: bool = True) -> None:
+        try:
+            if bye:
+                self.sock.send(msgpack.packb({"t": "bye"}))
+                self.sock.recv()
+        finally:
+            self.sock.close()
+            self.ctx.term()
+
+
 def _round_trips(port: int, nbytes: int, seconds: float) -> list:
-    torch.set_num_threads(1)
-    ctx = zmq.Context()
-    sock = _socket(ctx, zmq.DEALER, 10_000)
+    client = FloorClient(port, nbytes)
+    done = False
     try:
-        sock.connect(f"tcp://127.0.0.1:{port}")
-        grads = torch.full((nbytes // 4,), 1e-3)
-        params = torch.zeros(nbytes // 4)
-        frames = [memoryview(grads[i:i + FRAME // 4].numpy()).cast("B")
-                  for i in range(0, len(grads), FRAME // 4)]
-        seq = 0
-
-        def round_trip():
-            nonlocal seq
-            seq += 1
-            for part, frame in enumerate(frames):
-                head = msgpack.packb({"t": "push", "s": seq, "part": part, "parts": len(frames)})
-                sock.send_multipart([head, frame], copy=len(frame) < 65536)
-            for _ in frames:
-                head, data = sock.recv_multipart(copy=False)
-                header = msgpack.unpackb(head.buffer)
-                lo = header["part"] * (FRAME // 4)
-                got = torch.frombuffer(data.buffer, dtype=torch.float32)
-                params[lo:lo + len(got)].copy_(got)
-
         for _ in range(WARMUP_ROUND_TRIPS):
-            round_trip()
+            client.round_trip()
         durations = []
         end = time.perf_counter() + seconds
         while len(durations) < 5 or time.perf_counter() < end:
             start = time.perf_counter()
-            round_trip()
+            client.round_trip()
             durations.append(time.perf_counter() - start)
-        sock.send(msgpack.packb({"t": "bye"}))
-        sock.recv()
+        done = True
         return durations
     finally:
-        sock.close()
-        ctx.term()
+        client.close(bye=done)
 
 
 def measure_floor(nbytes: int, seconds: float = 2.0) -> dict:
