@@ -1,6 +1,7 @@
 """The front: the address workers connect to first.
 
-It checks a worker's model signature in the handshake and welcomes it with
+It checks a worker's model and data signatures in the handshake (``wire.layout``,
+``core.signature``: the same model, trained on the same data) and welcomes it with
 where the shards listen, which slice each owns and the session token the
 shards ask for (``sessions.py``); it answers heartbeats,
 ``bye`` and ``stats`` (its own counters with the shards' latest, as the
@@ -20,6 +21,7 @@ from typing import Callable, Optional
 import zmq
 
 from asyncsgd.config import ServerConfig
+from asyncsgd.core.signature import data_mismatch
 from asyncsgd.errors import ConfigError
 from asyncsgd.wire.layout import Layout, signature_mismatch
 from asyncsgd.wire.protocol import (BYE, HEARTBEAT, HELLO, STATS, WELCOME, Code, Key, Message,
@@ -40,12 +42,13 @@ STATS_NAMES = 32
 class Front:
     """Handshakes, stats and the roster of workers."""
 
-    def __init__(self, cfg: ServerConfig, layout: Layout, sock: zmq.Socket, endpoint: str,
-                 gate: Gatekeeper, sessions: Sessions):
+    def __init__(self, cfg: ServerConfig, layout: Layout, data: dict, sock: zmq.Socket,
+                 endpoint: str, gate: Gatekeeper, sessions: Sessions):
         self.cfg, self.layout, self.sock, self.gate = cfg, layout, sock, gate
         self.sessions = sessions
         self.endpoint = endpoint
         self.signature = layout.signature()
+        self.data = data  # the data signature of the server's task (core.signature)
         self.shards: list = []  # [{port, start, end}], once the shards listen
         self.shard_stats: Callable[[], list] = list
         self.joined: dict = {}  # worker id -> last seen (monotonic)
@@ -56,7 +59,7 @@ class Front:
         self.instance = uuid.uuid4().hex
 
     @classmethod
-    def listen(cls, ctx: zmq.Context, cfg: ServerConfig, layout: Layout,
+    def listen(cls, ctx: zmq.Context, cfg: ServerConfig, layout: Layout, data: dict,
                keys: Optional[ServerKeys], sessions: Sessions) -> "Front":
         """Bind ``--bind`` (a taken port is a ConfigError saying so), with its gatekeeper."""
         gate = Gatekeeper(ctx, keys)
@@ -67,7 +70,7 @@ class Front:
             raise ConfigError(f"cannot listen on --bind {cfg.bind}: {exc}; choose another "
                               "port or stop the process using it") from exc
         gate.watch(sock)
-        return cls(cfg, layout, sock, endpoint, gate, sessions)
+        return cls(cfg, layout, data, sock, endpoint, gate, sessions)
 
     def open(self, shards: list, shard_stats: Callable[[], list]) -> None:
         """Welcome workers to ``shards``; ``shard_stats()`` gives the shards' latest counters."""
@@ -101,6 +104,12 @@ class Front:
                 log.warning("refused worker %s: %s", msg.worker or "?", problem)
                 return error_message(Code.SIGNATURE_MISMATCH, f"this server trains task "
                                      f"{self.cfg.task}: {problem}", msg)
+            problem = self._data_problem(msg.meta)
+            if problem:
+                self.refused += 1
+                log.warning("refused worker %s: %s", msg.worker or "?", problem)
+                return error_message(Code.DATA_MISMATCH, "this worker would train on other data "
+                                     f"than the server's: {problem}", msg)
             if not msg.worker:
                 return error_message(Code.BAD_FIELD, "a hello needs a worker id ('w')", msg)
             self._forget_gone(now)
@@ -125,6 +134,19 @@ class Front:
         if msg.type == STATS:
             return Message(type=STATS, seq=msg.seq, meta=self.stats())
         return error_message(Code.BAD_TYPE, f"the front does not serve {msg.type!r}", msg)
+
+    def _data_problem(self, meta: dict) -> str:
+        """Why a hello's data signature differs from the server's, with the fix; '' when it
+        agrees. A hello without one (a worker of an older asyncsgd, a tool speaking the
+        protocol by hand) claims nothing about data and is not checked."""
+        if Key.DATA not in meta:
+            return ""
+        cfg = self.cfg
+        settings = ", ".join([f"--task {cfg.task}",
+                             f"--samples {cfg.samples}" if cfg.samples else "no --samples",
+                             *([f"--data-dir {cfg.data_dir}"] if cfg.data_dir else []),
+                             *([f"--seed {cfg.seed}"] if self.data["seed"] is not None else [])])
+        return data_mismatch(self.data, meta[Key.DATA], settings)
 
     def _forget_gone(self, now: float) -> None:
         """Keep the roster bounded: past ``ROSTER`` names, forget the ones that left or

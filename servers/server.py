@@ -5,8 +5,8 @@
 
 The parent process is the *front* (``front.py``): workers connect to
 ``--bind`` and get, in the handshake, the ports of the shard processes and
-their slices of the flat parameter vector (after the model signature was
-checked). Workers then push and pull to every shard directly, in parallel.
+their slices of the flat parameter vector (after the model and data signatures
+were checked). Workers then push and pull to every shard directly, in parallel.
 The shards (``shard_process.py``, each a ``ShardState`` of ``shard.py``) are
 started and restarted by a ``ShardSupervisor``; between requests the parent
 evaluates the current parameters every ``--eval-every`` seconds
@@ -23,6 +23,7 @@ import torch
 import zmq
 
 from asyncsgd.config import ServerConfig
+from asyncsgd.core.signature import data_signature
 from asyncsgd.core.tasks import task_of
 from asyncsgd.errors import ConfigError
 from asyncsgd.run.recorder import Outcome, Recorder, RunResult
@@ -67,6 +68,7 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
     model = task.build_model(cfg.seed)
     recorder = Recorder(cfg, task, model, run, argv=argv)
     layout = Layout.of(model)
+    data = data_signature(task, cfg.task, cfg.seed)  # what a worker's data must match
     ranges = layout.shard_ranges(cfg.shards)
     lr = cfg.lr or task.lr
     torch.set_num_threads(max(1, cfg.threads or 1))
@@ -77,7 +79,7 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
     sessions = Sessions.new()  # a new key at every start: old tokens are refused
     ctx = zmq.Context()
     try:
-        front = Front.listen(ctx, cfg, layout, keys, sessions)
+        front = Front.listen(ctx, cfg, layout, data, keys, sessions)
     except BaseException:
         ctx.term()
         raise

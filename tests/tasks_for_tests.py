@@ -257,3 +257,53 @@ def regression(samples=None):
     return Task(name="regression", model_fn=functools.partial(nn.Linear, 8, 1),
                 train=Split((x[:cut],), y[:cut]), test=Split((x[cut:],), y[cut:]),
                 loss_fn=_mse, lr=0.05, batch_size=16, metric=MSE)
+
+
+class Standardize:
+    """A Dataset's own transform: a raw float64 row to float32 of zero mean and unit variance
+    per feature. Module-level, so the Dataset pickles to spawned processes."""
+
+    def __init__(self, mean, std):
+        self.mean, self.std = mean, std
+
+    def __call__(self, row):
+        return ((row - self.mean) / self.std).float()
+
+
+class BlobDataset(torch.utils.data.Dataset):
+    """A map-style Dataset of (row, label): raw rows through ``transform``, labels as Python
+    ints (default_collate makes them a tensor). With ``probe``, every item it serves appends
+    its index to this process's file in $ASYNCSGD_TEST_PROBE_DIR: the rows each process read,
+    in the order it read them."""
+
+    def __init__(self, rows, labels, transform, probe=False):
+        self.rows, self.labels, self.transform, self.probe = rows, labels, transform, probe
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        if self.probe:
+            _note(str(i))
+        return self.transform(self.rows[i]), int(self.labels[i])
+
+
+def _blob_mlp():
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def blob_dataset(samples=None, seed=0):
+    """Four Gaussian blobs in 8 dimensions, one per class, as torch Datasets (80% train,
+    20% test) standardized by their transform; the blobs depend on ``seed``. The training
+    Dataset probes the rows it serves when $ASYNCSGD_TEST_PROBE_DIR is set."""
+    n = samples or 2000
+    g = torch.Generator().manual_seed(1234 + seed)
+    labels = torch.randint(0, 4, (n,), generator=g)
+    centers = torch.randn(4, 8, generator=g, dtype=torch.float64) * 3
+    rows = centers[labels] + torch.randn(n, 8, generator=g, dtype=torch.float64) + 5
+    cut = int(0.8 * n)
+    transform = Standardize(rows[:cut].mean(0), rows[:cut].std(0))
+    probe = bool(os.environ.get("ASYNCSGD_TEST_PROBE_DIR"))
+    return Task(name="blob-dataset", model_fn=_blob_mlp,
+                train=BlobDataset(rows[:cut], labels[:cut], transform, probe),
+                test=BlobDataset(rows[cut:], labels[cut:], transform), lr=0.1, batch_size=32)

@@ -89,11 +89,14 @@ def new_incarnation() -> int:
 class PSClient:
     """``transport``: ``auto`` moves tensors through shared memory when the server runs
     on this host (``asyncsgd.wire.shared``) and over TCP otherwise; ``shared`` insists
-    on shared memory (an error when it cannot be had); ``tcp`` always sends frames."""
+    on shared memory (an error when it cannot be had); ``tcp`` always sends frames.
+    ``data``: the worker's data signature (``asyncsgd.core.signature``), sent in the
+    hello so that the server refuses a worker about to train on other data."""
 
     def __init__(self, server: str, worker: str, signature: dict, *, rank: int, world: int,
                  heartbeat: float = 1.0, server_timeout: float = 60.0,
-                 curve: Optional[ClientKeys] = None, transport: str = "auto"):
+                 curve: Optional[ClientKeys] = None, transport: str = "auto",
+                 data: Optional[dict] = None):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r} is not one of {TRANSPORTS}")
         self.server, self.worker = server, worker
@@ -119,6 +122,8 @@ class PSClient:
         self.front = self._front_socket()
         self.hello = {Key.SIGNATURE: signature, Key.RANK: rank, Key.WORLD: world,
                       Key.HOST: socket.gethostname()}
+        if data is not None:  # the data signature: refused unless the server's data match
+            self.hello[Key.DATA] = data
         welcome = self._request_front(Message(type=HELLO, meta=self.hello))
         self.info = welcome.meta
         self.shard_addrs, self.ranges = self._layout(welcome.meta)

@@ -24,7 +24,8 @@ import torch
 
 from asyncsgd.config import WorkerConfig
 from asyncsgd.core.pacing import Pacer, Pacing, pace_note
-from asyncsgd.core.tasks import epoch_order, load_task, partition_indices
+from asyncsgd.core.signature import PS_PARTITION_SEED, data_signature
+from asyncsgd.core.tasks import epoch_order, partition_indices, task_of
 from asyncsgd.errors import ConfigError
 from asyncsgd.run.lifetime import command_started_at
 from asyncsgd.run.process_group import available_cores
@@ -118,15 +119,17 @@ def run_worker(cfg: WorkerConfig) -> WorkerResult:
     pacing.check_ranks(world, "--world")
     keys = ClientKeys.load(cfg.curve_server_key, cfg.curve_secret)
     keep_freed_memory()
-    task = load_task(cfg.task, samples=cfg.samples, data_dir=cfg.data_dir,
-                     cache_dir=cfg.cache_dir)
+    # Built as the server builds it (the same --seed reaches a task function that takes
+    # one); the hello's data signature lets the server refuse a worker whose data differ.
+    task = task_of(cfg)
     model = task.build_model(0)
     layout = Layout.of(model)
     client = PSClient(cfg.server, f"{socket.gethostname()}-r{rank}", layout.signature(),
                       rank=rank, world=world, heartbeat=cfg.heartbeat,
-                      server_timeout=cfg.server_timeout, curve=keys, transport=cfg.transport)
+                      server_timeout=cfg.server_timeout, curve=keys, transport=cfg.transport,
+                      data=data_signature(task, cfg.task, cfg.seed, PS_PARTITION_SEED))
     set_threads(cfg, world, is_local(client.host), len(client.shards))
-    part = partition_indices(len(task.train), world, rank, 0)
+    part = partition_indices(len(task.train), world, rank, PS_PARTITION_SEED)
     loop = _Loop(cfg, task, model, layout, client, part, rank, pacing)
     if pacing.active:
         log.info("worker %d: stragglers: %s", rank, pacing.describe())

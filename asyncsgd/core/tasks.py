@@ -5,7 +5,8 @@ accuracy, perplexity, MSE or your own), which every report, plot and ``--target`
 Data are tensors: ``Split.inputs`` is a tuple of tensors whose first dimension
 indexes samples (the model is called as ``model(*inputs)``) and
 ``Split.targets`` holds the labels. Modes index rows, so any data that fits
-in memory works, dense or sparse.
+in memory works, dense or sparse. Or a map-style ``torch.utils.data.Dataset`` of
+``(input, ..., target)`` items, read and collated batch by batch (``core.datasets``).
 
 Your own task: write a module-level function returning a ``Task`` and pass
 ``--task package.module:function``. The function may take any of the keyword
@@ -22,8 +23,10 @@ process of a run builds the same task.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import inspect
+import json
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 
 from ..errors import DataError, TaskError
 from . import data, models, text
+from .datasets import DatasetSplit, dataset_split
 from .scoring import ACCURACY, PERPLEXITY, Metric
 
 
@@ -63,6 +67,19 @@ class Split:
             t.share_memory_()
         return self
 
+    def fingerprint(self) -> str:
+        """What the handshake compares of this split beyond its length: each tensor's
+        per-sample shape and dtype, and the bytes of integer targets (labels). Labels are
+        exact on every host; generated float data may differ in their last bit from host
+        to host, and hashing every input would cost seconds for large data."""
+        shapes = [[list(t.shape[1:]), str(t.dtype)] for t in (*self.inputs, self.targets)]
+        digest = hashlib.sha256(json.dumps(shapes).encode())
+        targets = self.targets
+        if not targets.is_sparse and not targets.is_floating_point() \
+                and not targets.is_complex():
+            digest.update(targets.detach().cpu().contiguous().view(-1).numpy().tobytes())
+        return digest.hexdigest()
+
 
 @dataclass
 class Task:
@@ -70,7 +87,7 @@ class Task:
 
     name: str
     model_fn: Callable[[], nn.Module]
-    train: Split
+    train: Split  # or a map-style torch.utils.data.Dataset, wrapped in a DatasetSplit
     test: Split
     loss_fn: Callable = F.cross_entropy
     lr: float = 0.1
@@ -79,6 +96,12 @@ class Task:
     info: dict = field(default_factory=dict)
     metric: Metric = ACCURACY
     default_target: Optional[float] = None  # what compare times when given no --target
+
+    def __post_init__(self):
+        if not isinstance(self.train, (Split, DatasetSplit)):
+            self.train = dataset_split(self.train, "train")
+        if not isinstance(self.test, (Split, DatasetSplit)):
+            self.test = dataset_split(self.test, "test")
 
     def build_model(self, seed: int = 0) -> nn.Module:
         """The model, initialised from ``seed`` so every mode starts from the same weights."""
@@ -322,12 +345,8 @@ def load_task(name: str, *, samples: Optional[int] = None, data_dir: Optional[st
         raise TaskError(f"--data-dir is only read by the tasks {', '.join(sorted(_FILE_TASKS))}; "
                         f"task {name} generates its data (drop --data-dir)")
     offered = {"samples": samples, "data_dir": data_dir, "cache_dir": cache_dir, "seed": seed}
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        params = {}
-    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    kwargs = {k: v for k, v in offered.items() if takes_all or k in params}
+    received = _received(factory)
+    kwargs = {k: v for k, v in offered.items() if k in received}
     if data_dir is not None and "data_dir" not in kwargs:
         raise TaskError(f"task {name} does not read --data-dir (drop it)")
     try:
@@ -342,11 +361,42 @@ def load_task(name: str, *, samples: Optional[int] = None, data_dir: Optional[st
     return task
 
 
+def _received(factory: Callable) -> set:
+    """The arguments offered to every task (``_OFFERED``) that ``factory`` takes."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return set()
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return {k for k in _OFFERED if takes_all or k in params}
+
+
+def task_identity(name: str, seed: int) -> tuple:
+    """``(canonical name, data seed)`` of the task ``name`` built with ``seed``.
+
+    The canonical name spells out every option of the task's function at its value, so
+    ``lm`` and ``lm:layers=4`` name the same task; the data seed is ``seed`` when the
+    function takes one (its data may depend on it) and None when it does not (then
+    every seed builds the same data). What two processes compare to know they build
+    the same data (``core.signature``)."""
+    base, options = split_options(name)
+    factory = _resolve_factory(base)
+    values = {**task_options(factory), **options}
+    canonical = base + (":" + ",".join(f"{k}={v}" for k, v in sorted(values.items()))
+                        if values else "")
+    return canonical, seed if "seed" in _received(factory) else None
+
+
 def task_of(settings) -> Task:
     """The task a run's settings name: their ``task``, ``samples``, ``data_dir``,
     ``cache_dir`` and ``seed``."""
     return load_task(settings.task, samples=settings.samples, data_dir=settings.data_dir,
                      cache_dir=settings.cache_dir, seed=settings.seed)
+
+
+# The name of the partitioning below, in the handshake's data signature: change it with
+# partition_indices, so that processes partitioning differently refuse to train together.
+PARTITION_SCHEME = "seeded-permutation-split/1"
 
 
 def partition_indices(n: int, parts: int, index: int, seed: int = 0) -> torch.Tensor:

@@ -5,7 +5,8 @@ flat float32 vector; shard ``i`` of ``S`` owns a contiguous, equal-sized range
 of it, so shards are balanced by bytes and a large tensor may be split across
 shards. The *signature* (names, shapes, dtypes and their digest) is what a
 worker and the server compare at the handshake: a worker running another
-model is refused instead of silently corrupting the parameters.
+model is refused instead of silently corrupting the parameters. (The same model
+on other data is the data signature's to catch: ``asyncsgd.core.signature``.)
 
 A worker binds its local model to two flat buffers: every parameter becomes a
 view of ``flat_params`` and every gradient a view of ``flat_grads``. A pull

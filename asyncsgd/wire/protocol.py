@@ -43,6 +43,7 @@ class Key:
 
     # hello
     SIGNATURE, RANK, WORLD, HOST, REJOIN = "signature", "rank", "world", "host", "rejoin"
+    DATA = "data"  # the data signature (core.signature)
     # welcome; SHARDS is a list of {PORT, START, END}
     SHARDS, PORT, START, END = "shards", "port", "start", "end"
     CONSISTENCY, HEARTBEAT_TIMEOUT, TOTAL, TASK, INSTANCE, TOKEN = (
@@ -77,6 +78,7 @@ class Code:
     OLD_INCARNATION, OUT_OF_WINDOW, TOO_MANY_WORKERS = (
         "old-incarnation", "out-of-window", "too-many-workers")
     UNKNOWN_LINK, NO_LINKS = "unknown-link", "no-links"
+    DATA_MISMATCH = "data-mismatch"
 
 DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
