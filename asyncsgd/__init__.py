@@ -1,5 +1,9 @@
 """asyncsgd: asynchronous SGD on PyTorch (Hogwild!, parameter server, comparisons).
 
+The Python API mirrors the commands: ``asyncsgd.hogwild``, ``single``, ``ddp``,
+``compare`` (``asyncsgd.api``), ``asyncsgd.ps.serve`` and ``asyncsgd.ps.work`` (the
+parameter server), and ``asyncsgd.load_run`` to read a run and load its model.
+
 The names below are re-exported lazily, so ``asyncsgd --help`` and option
 errors answer at once instead of first importing torch.
 
@@ -16,6 +20,8 @@ import importlib
 from .version import __version__
 
 _EXPORTS = {
+    "hogwild": "api", "single": "api", "ddp": "api", "compare": "api", "load_run": "api",
+    "Run": "api", "CompareResult": "analysis.compare",
     "HogwildConfig": "config", "TrainConfig": "config",
     "SingleConfig": "config", "DDPConfig": "config", "ServerConfig": "config",
     "WorkerConfig": "config", "CompareConfig": "config",
@@ -28,10 +34,14 @@ _EXPORTS = {
     "MSE": "core.scoring", "LOSS": "core.scoring",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+_MODULES = ("ps",)  # submodules re-exported whole: asyncsgd.ps.serve, asyncsgd.ps.work
+
+__all__ = sorted(_EXPORTS) + list(_MODULES) + ["__version__"]
 
 
 def __getattr__(name):
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    if name in _MODULES:
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'asyncsgd' has no attribute {name!r}")

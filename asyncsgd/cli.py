@@ -10,7 +10,6 @@ code 2 for bad usage and 1 otherwise; Ctrl-C exits 130 after saving the run.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -19,8 +18,7 @@ from typing import Optional
 import click
 
 from .config import (CompareConfig, DDPConfig, HogwildConfig, PlotConfig, ServerConfig,
-                     RENAMED, SingleConfig, WorkerConfig, click_options,
-                     config_from_dict)
+                     SingleConfig, WorkerConfig, click_options)
 from .errors import AsyncSGDError, ConfigError
 from .run.lifetime import exit_now, start_command_clock
 from .run.signals import defer_sigint, restore_sigint, sigint_now
@@ -28,42 +26,48 @@ from .version import __version__
 
 INTERRUPTED = 130
 
-log = logging.getLogger(__name__)
+
+def _verbose(ctx: click.Context, param: click.Parameter, count: int) -> None:
+    """-v/--verbose counts wherever it is given, before the command's name or after it:
+    ``asyncsgd -v single -v`` is -vv."""
+    total = ctx.meta.get("asyncsgd.verbose", 0) + count
+    ctx.meta["asyncsgd.verbose"] = total
+    level = logging.DEBUG if total > 1 else logging.INFO if total else logging.WARNING
+    logging.basicConfig(format="%(name)s: %(message)s", stream=sys.stderr)  # once
+    logging.getLogger().setLevel(level)
 
 
-def _configure_logging(verbose: int) -> None:
-    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING
-    logging.basicConfig(level=level, format="%(name)s: %(message)s", stream=sys.stderr)
+def _add_verbose(params: list) -> None:
+    params.append(click.Option(["-v", "--verbose"], count=True, expose_value=False,
+                               callback=_verbose,
+                               help="More log output (-v info, -vv debug)."))
 
 
-def _explicit(ctx: click.Context) -> set:
-    """Options given on the command line (or by environment), not left at their default."""
-    return {name for name in ctx.params
+class _Command(click.Command):
+    """A command that takes -v/--verbose after its name too."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _add_verbose(self.params)
+
+
+class _Group(click.Group):
+    """A group that takes -v/--verbose, as do its commands and subgroups."""
+
+    command_class = _Command
+    group_class = type  # subgroups are _Groups
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _add_verbose(self.params)
+
+
+def _given(ctx: click.Context) -> dict:
+    """The settings given on the command line, not left at their default: what the command
+    passes to the Python API (with --resume, they override the run's saved settings)."""
+    return {name: value for name, value in ctx.params.items()
             if ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT,
                                                       click.core.ParameterSource.DEFAULT_MAP)}
-
-
-def _build_config(cls, ctx: click.Context):
-    """The run's settings; with --resume, the saved ones overridden by explicit flags."""
-    params = dict(ctx.params)
-    resume = params.get("resume")
-    if not resume:
-        return cls(**params)
-    from .run.rundir import RunDir
-    explicit = _explicit(ctx)
-    if "out" in explicit:
-        raise ConfigError("--out cannot be combined with --resume: a resumed run "
-                          "continues in its own directory")
-    saved = {RENAMED.get(k, k): v
-             for k, v in RunDir.open(resume).read_config().get("config", {}).items()}
-    known = {f.name for f in dataclasses.fields(cls)}
-    retired = sorted(set(saved) - known)
-    if retired:  # settings this mode no longer has (single's --start-method, which it never used)
-        log.warning("ignoring saved setting(s) %s: %s no longer has them",
-                    ", ".join(retired), ctx.command.name)
-    merged = {**{k: v for k, v in saved.items() if k in known},
-              **{k: params[k] for k in explicit}, "resume": resume, "out": None}
-    return config_from_dict(cls, merged)
 
 
 def _report(summary: dict) -> None:
@@ -83,16 +87,16 @@ def _report(summary: dict) -> None:
     click.echo(f"run directory: {summary['run_dir']}")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=_Group,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="asyncsgd")
-@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
-def cli(verbose: int) -> None:
+def cli() -> None:
     """Asynchronous SGD on PyTorch: Hogwild!, a parameter server, and honest comparisons.
 
     Every training command writes a run directory (config.json, metrics.jsonl,
-    summary.json, checkpoint.pt) and prints the final test metric.
+    summary.json, checkpoint.pt) and prints the final test metric. From Python:
+    asyncsgd.hogwild(...), asyncsgd.ps.serve(...), asyncsgd.load_run(DIR) (see the README).
     """
-    _configure_logging(verbose)
 
 
 @cli.command()
@@ -122,15 +126,9 @@ def hogwild(ctx: click.Context, **_: object) -> None:
     optimizer; the parent evaluates the shared model every --eval-every seconds
     without pausing them. --lock gives the locked baseline.
     """
-    from .modes import hogwild as hogwild_mode
+    from . import api
     sigint_now()
-    cfg = _build_config(HogwildConfig, ctx)
-    result = hogwild_mode.train(cfg, argv=sys.argv)
-    _report(result.summary)
-    if result.summary["status"] == "interrupted":
-        click.echo(f"interrupted; continue with: asyncsgd hogwild --resume {result.run_dir}",
-                   err=True)
-        ctx.exit(INTERRUPTED)
+    _finish(ctx, "hogwild", api.hogwild(**_given(ctx)))
 
 
 @cli.command("ps-server", epilog="Examples:\n\n\b\n"
@@ -147,28 +145,25 @@ def ps_server(ctx: click.Context, **_: object) -> None:
     --max-seconds, --target, Ctrl-C); the run directory has the same
     format as every mode's, with updates/s and staleness added.
     """
-    from asyncsgd.servers.server import serve
+    from . import ps
     sigint_now()
-    cfg = _build_config(ServerConfig, ctx)
-    result = serve(cfg, argv=sys.argv)
-    _report(result.summary)
-    if result.summary["status"] == "interrupted":
-        ctx.exit(INTERRUPTED)
+    _finish(ctx, "ps-server", ps.serve(**_given(ctx)))
 
 
 @cli.command(epilog="Examples:\n\n\b\n"
              "  asyncsgd worker --server tcp://10.0.0.1:5555 --rank 0 --world 2\n"
              "  RANK=1 WORLD_SIZE=2 asyncsgd worker --server tcp://10.0.0.1:5555")
 @click_options(WorkerConfig)
-def worker(**params: object) -> None:
+@click.pass_context
+def worker(ctx: click.Context, **_: object) -> None:
     """A parameter-server worker: pull, compute gradients on its partition, push.
 
     Its partition of the training data follows from --rank and --world (or the
     RANK/WORLD_SIZE that torchrun sets, or SLURM_PROCID/SLURM_NTASKS).
     """
-    from asyncsgd.workers.worker import run_worker
+    from . import ps
     sigint_now()
-    result = run_worker(WorkerConfig(**params))
+    result = ps.work(**_given(ctx))
     if result.stats.get("ended_by_server"):
         click.echo("the server ended training")
     click.echo(f"worker {result.worker}: {result.steps} steps, {result.pushes} pushes, "
@@ -256,9 +251,9 @@ def single(ctx: click.Context, **_: object) -> None:
     Same task, data order, SGD and run directory as the parallel modes, with
     every core's threads (--threads) in one process.
     """
-    from .modes import single as single_mode
+    from . import api
     sigint_now()
-    _finish(ctx, "single", single_mode.train(_build_config(SingleConfig, ctx), argv=sys.argv))
+    _finish(ctx, "single", api.single(**_given(ctx)))
 
 
 @cli.command(epilog="Examples:\n\n\b\n"
@@ -278,9 +273,9 @@ def ddp(ctx: click.Context, **_: object) -> None:
     update of 'single --batch-size N*B'. Rank 0 evaluates every --eval-every
     seconds between steps, and all ranks stop together.
     """
-    from .modes import ddp as ddp_mode
+    from . import api
     sigint_now()
-    result = ddp_mode.train(_build_config(DDPConfig, ctx), argv=sys.argv)
+    result = api.ddp(**_given(ctx))
     if result is not None:  # None: a rank other than 0 under torchrun; rank 0 reports
         _finish(ctx, "ddp", result)
 
@@ -300,7 +295,8 @@ def _finish(ctx: click.Context, command: str, result) -> None:
              "  asyncsgd compare --modes hogwild,ps-async --mode-args 'ps-async=--optimizer adam'\n"
              "  asyncsgd compare --link 100mbit --modes ps-async,ddp --procs 2   # as root")
 @click_options(CompareConfig)
-def compare(**params: object) -> None:
+@click.pass_context
+def compare(ctx: click.Context, **_: object) -> None:
     """Run every mode on the same task, data, seeds and time budget, and report.
 
     Runs go one after another (never overlapping) as subprocesses of this
@@ -313,9 +309,9 @@ def compare(**params: object) -> None:
     (table and plots), results.json, PNGs, and every run's directory and logs.
     Exits 1 when any run failed.
     """
-    from .analysis.compare import compare as run_compare
+    from . import api
     sigint_now()
-    result = run_compare(CompareConfig(**params), argv=sys.argv)
+    result = api.compare(**_given(ctx))
     click.echo(result.table)
     click.echo(f"report: {result.out / 'report.md'}")
     if result.failed:
@@ -394,7 +390,8 @@ def hosts_list() -> None:
 def main(argv: Optional[list] = None) -> None:
     """Console entry point: one clear line for every error a user can fix. It ends the
     process once the command is done (``run.lifetime.exit_now`` says why): from Python,
-    call what the commands call (``asyncsgd.modes.hogwild.train``...), not this."""
+    call what the commands call (``asyncsgd.hogwild``, ``asyncsgd.ps.serve``...: the
+    ``asyncsgd.api`` and ``asyncsgd.ps`` modules), not this."""
     start_command_clock()  # --max-seconds counts the start-up a user waits for
     defer_sigint()  # until a command's imports are done (run.signals says why)
     try:

@@ -12,6 +12,7 @@ command, then the helpers that turn them into click options and back.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -113,16 +114,15 @@ class RunConfig:
         "('asyncsgd tasks'): accuracy as a fraction (0.9), lm's perplexity (2.0) from above.",
         type=float, metavar="VALUE", show="none", aliases=("--target-accuracy",))
     eval_every: float = knob(
-        2.0, "Seconds between evaluations on the test set (run beside training).",
+        2.0, "Seconds between evaluations of the model on the test set.",
         type=click.FloatRange(min=0.05))
-    seed: int = knob(0, "Random seed; process r seeds with seed + r.")
+    seed: int = knob(0, "Random seed of the model's initial weights, the data order and torch.")
     device: str = knob(
-        "cpu", "Where the model lives: cpu, or cuda to share it on a GPU.",
+        "cpu", "Where the model lives and trains: cpu, or cuda (a GPU).",
         type=click.Choice(["cpu", "cuda"]))
     threads: int = knob(
-        0, "Torch threads per process; 0 means CPU cores // processes (at least 1); for "
-        "single, the cores not busy with other work (less the 1-minute load average).",
-        type=click.IntRange(min=0))
+        0, "Torch threads; 0 means the cores not busy with other work (the cores less the "
+        "1-minute load average, at least 1).", type=click.IntRange(min=0))
     out: Optional[str] = knob(
         None, "Run directory to write (config.json, metrics.jsonl, summary.json, "
         "checkpoint.pt).", metavar="DIR", show="runs/<time>-<mode>")
@@ -155,12 +155,11 @@ class TrainConfig(RunConfig):
         None, "SGD learning rate (of every process).", type=click.FloatRange(min=0, min_open=True),
         show="task's default")
     momentum: float = knob(
-        0.0, "SGD momentum. In Hogwild each process keeps its own momentum buffer.",
-        type=click.FloatRange(0, 1, max_open=True))
+        0.0, "SGD momentum (adam has its own: give it none). 0: plain SGD, the update every "
+        "mode makes by default (the parameter server's default rule too), so that modes "
+        "compare alike.", type=click.FloatRange(0, 1, max_open=True))
     weight_decay: float = knob(0.0, "L2 weight decay.", type=click.FloatRange(min=0))
-    epochs: int = knob(
-        20, "Passes over the training data (each process passes over its own partition).",
-        type=click.IntRange(min=1))
+    epochs: int = knob(20, "Passes over the training data.", type=click.IntRange(min=1))
     slowdown: Optional[str] = _slowdown()
     delay: Optional[str] = _delay()
     mode = "train"
@@ -186,6 +185,26 @@ class HogwildConfig(TrainConfig):
         250.0, "Milliseconds a process computes before passing its run token on (ring only). "
         "Each switch costs here: 10 ms quanta lose ~20%, 250 ms none.",
         type=click.FloatRange(min=1))
+    eval_every: float = knob(
+        2.0, "Seconds between evaluations of the shared model on the test set; the parent "
+        "evaluates beside training, without pausing the processes.",
+        type=click.FloatRange(min=0.05))
+    seed: int = knob(
+        0, "Random seed: the model's initial weights and the data partition; process r "
+        "seeds torch with seed + r, and its data order follows from seed and r.")
+    device: str = knob(
+        "cpu", "Where the shared model lives and trains: cpu, or cuda to share it on one "
+        "GPU (every process updates it there).", type=click.Choice(["cpu", "cuda"]))
+    threads: int = knob(
+        0, "Torch threads per process; 0 means CPU cores // --procs (at least 1): N "
+        "processes each running a thread per core thrash.", type=click.IntRange(min=0))
+    momentum: float = knob(
+        0.0, "SGD momentum; each process keeps its own momentum buffer (only the "
+        "parameters are shared). 0: plain SGD, the update every mode makes by default, so "
+        "that modes compare alike.", type=click.FloatRange(0, 1, max_open=True))
+    epochs: int = knob(
+        20, "Passes over the training data: each process passes over its own partition.",
+        type=click.IntRange(min=1))
 
     mode = "hogwild"
 
@@ -209,6 +228,9 @@ class SingleConfig(TrainConfig):
         "first STEPS steps apply nothing and the last STEPS gradients are never applied; "
         "the queue is not checkpointed (a --resume starts it empty).",
         type=click.IntRange(min=0), metavar="STEPS")
+    eval_every: float = knob(
+        2.0, "Seconds between evaluations on the test set, taken between steps (training "
+        "waits for them).", type=click.FloatRange(min=0.05))
 
     mode = "single"
 
@@ -231,6 +253,23 @@ class DDPConfig(SingleConfig):
         "gives up with an error, so a hung rank cannot hang the others forever. Must "
         "exceed the longest pause of rank 0 (evaluation, checkpoint).",
         type=click.FloatRange(min=1))
+    eval_every: float = knob(
+        2.0, "Seconds between evaluations on the test set: rank 0 evaluates between steps "
+        "and the other ranks wait for it at the next all-reduce.",
+        type=click.FloatRange(min=0.05))
+    seed: int = knob(
+        0, "Random seed: the model's initial weights (the same on every rank) and the data "
+        "partition; rank r seeds torch with seed + r, and its data order follows from seed "
+        "and r.")
+    device: str = knob(
+        "cpu", "Where each rank's model lives and trains: cpu, or cuda (one GPU per rank).",
+        type=click.Choice(["cpu", "cuda"]))
+    threads: int = knob(
+        0, "Torch threads per rank; 0 means CPU cores // the ranks on this host (at least 1).",
+        type=click.IntRange(min=0))
+    epochs: int = knob(
+        20, "Passes over the training data: each rank passes over its own partition.",
+        type=click.IntRange(min=1))
 
     mode = "ddp"
 
@@ -249,8 +288,11 @@ class ServerConfig(RunConfig):
     lr: Optional[float] = knob(
         None, "Learning rate of the shards' update rule.",
         type=click.FloatRange(min=0, min_open=True), show="task's default")
-    momentum: float = knob(0.9, "Momentum of the 'momentum' rule.",
-                           type=click.FloatRange(0, 1, max_open=True))
+    momentum: float = knob(
+        0.9, "Momentum of --optimizer momentum (sgd, adagrad and adam ignore it). 0.9, the "
+        "usual value, since choosing that rule asks for momentum; the default rule, sgd, is "
+        "plain SGD, as the other modes' default --momentum 0 is.",
+        type=click.FloatRange(0, 1, max_open=True))
     weight_decay: float = knob(0.0, "L2 weight decay of the update rule.",
                                type=click.FloatRange(min=0))
     consistency: str = knob(
@@ -293,6 +335,22 @@ class ServerConfig(RunConfig):
         3, "Restart a crashed shard from its last checkpoint up to this many times: workers "
         "reconnect on their own, and the updates applied since that checkpoint are lost and "
         "counted (lost_updates). 0: a crashed shard ends the run.", type=click.IntRange(min=0))
+    eval_every: float = knob(
+        2.0, "Seconds between evaluations of the current parameters on the test set; the "
+        "shards keep serving meanwhile.", type=click.FloatRange(min=0.05))
+    seed: int = knob(
+        0, "Random seed of the model's initial weights, which the shards start from, and of "
+        "the data of a task function that takes a seed (give its workers the same --seed). "
+        "Workers split the training data with seed 0 whatever this seed, and order their "
+        "batches with their own --seed.")
+    device: str = knob(
+        "cpu", "The server keeps the parameters in CPU memory and evaluates there: only cpu. "
+        "Compute gradients on GPUs with 'asyncsgd worker --device cuda'.",
+        type=click.Choice(["cpu", "cuda"]))
+    threads: int = knob(
+        0, "Torch threads of each shard process and of the evaluation; 0 means CPU cores // "
+        "(--shards + 1) for each shard (at least 1) and 1 for the evaluation.",
+        type=click.IntRange(min=0))
 
     mode = "ps"
 
@@ -332,11 +390,18 @@ class WorkerConfig:
                                         "started (its start-up counts).",
                                         type=click.FloatRange(min=0, min_open=True),
                                         show="no limit")
-    seed: int = knob(0, "Seed of the data order (the partition uses the server's seed 0).")
+    seed: int = knob(
+        0, "Seed of this worker's data order (each epoch's shuffle of its partition) and of "
+        "its --delay draws; a task function that takes a seed builds its data with it, so "
+        "give such a task the server's --seed. The partition always uses seed 0, whatever "
+        "the seeds, so workers given different seeds still split the data disjointly.")
     slowdown: Optional[str] = _slowdown()
     delay: Optional[str] = _delay()
-    device: str = knob("cpu", "Where the gradients are computed.",
-                       type=click.Choice(["cpu", "cuda"]))
+    device: str = knob(
+        "cpu", "Where the gradients are computed: cpu, or cuda (a GPU of this host). With "
+        "cuda the model lives on the GPU, each pull is copied onto it and each gradient "
+        "off it; the bytes to and from the server go through host memory as with cpu.",
+        type=click.Choice(["cpu", "cuda"]))
     threads: int = knob(
         0, "Torch threads; 0 means CPU cores // the server's processes on this host (its "
         "workers, --local-workers, and its shards when the server runs here too), at least "
@@ -487,6 +552,46 @@ def config_from_dict(cls, data: dict):
     return cls(**data)
 
 
+def make_config(cls, config: Any = None, given: Optional[dict] = None):
+    """``cls`` from ``config`` (an instance of exactly ``cls``; None: the defaults) with the
+    settings ``given`` over it, every value checked as its CLI option checks it: what the
+    Python API takes (``asyncsgd.hogwild(procs=0)`` fails as ``--procs 0`` does)."""
+    if config is not None and type(config) is not cls:
+        raise ConfigError(f"expected a {cls.__name__}, got a {type(config).__name__}; pass a "
+                          f"{cls.__name__} or its settings as keyword arguments")
+    given = dict(given or {})
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(given) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)} for {cls.__name__}; "
+                          f"known: {', '.join(sorted(fields))}")
+    cfg = dataclasses.replace(config, **given) if config is not None else cls(**given)
+    checked = {name: _checked(f, getattr(cfg, name)) for name, f in fields.items()}
+    return dataclasses.replace(cfg, **checked)
+
+
+def _checked(f: dataclasses.Field, value: Any) -> Any:
+    """``value`` of field ``f`` converted and checked by its option's click type."""
+    if value is None or f.type in (bool, "bool"):
+        return value
+    if f.metadata.get("multiple"):
+        return (value,) if isinstance(value, str) else tuple(value)
+    kind = _click_type(f)
+    if kind is None:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+    try:
+        return click.types.convert_type(kind).convert(value, None, None)
+    except click.BadParameter as exc:
+        raise ConfigError(f"{f.name}={value!r}: {exc.message}") from None
+
+
+def _click_type(f: dataclasses.Field) -> Any:
+    """The click type of field ``f``'s option; None where click takes the text as it is."""
+    if f.metadata.get("type") is not None:
+        return f.metadata["type"]
+    return {int: int, "int": int, float: float, "float": float}.get(f.type)
+
+
 def identity_fields(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.metadata.get("identity")]
 
@@ -504,12 +609,8 @@ def click_options(cls):
                 if f.default:  # a flag that is on by default needs a way to turn it off
                     flag = f"{flag}/--no-{flag[2:]}"
                 kwargs["is_flag"] = True
-            elif meta.get("type") is not None:
-                kwargs["type"] = meta["type"]
-            elif f.type in (int, "int"):
-                kwargs["type"] = int
-            elif f.type in (float, "float"):
-                kwargs["type"] = float
+            elif _click_type(f) is not None:
+                kwargs["type"] = _click_type(f)
             if meta.get("show"):
                 kwargs["show_default"] = meta["show"]
             elif f.default is None:

@@ -4,6 +4,7 @@ import dataclasses
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -168,3 +169,113 @@ def test_ctrl_c_while_a_command_starts_is_never_lost(cli_env, delay):
     assert proc.returncode in (130, -signal.SIGINT), err
     assert time.monotonic() - sent < 20, err  # not the 30 s of --server-timeout
     assert "no answer from the server" not in err, err
+
+
+LOUD_TASK = '''
+import logging
+
+import torch
+
+from asyncsgd import Split, Task
+
+log = logging.getLogger("loud_task")
+
+
+def make_model():
+    return torch.nn.Linear(4, 2)
+
+
+def make_task(samples=None):
+    log.info("built at info")
+    log.debug("built at debug")
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    y = (x[:, 0] > 0).long()
+    return Task(name="loud", model_fn=make_model, train=Split((x[:48],), y[:48]),
+                test=Split((x[48:],), y[48:]), lr=0.1, batch_size=16)
+'''
+
+
+@pytest.mark.parametrize("before, after, info, debug", [
+    ([], [], False, False),
+    (["-v"], [], True, False),
+    ([], ["-v"], True, False),
+    ([], ["--verbose"], True, False),
+    (["-v"], ["-v"], True, True),  # the counts add up
+    ([], ["-vv"], True, True),
+])
+def test_verbose_is_taken_before_and_after_the_command(tmp_path, cli_env, run_cli, before,
+                                                        after, info, debug):
+    (tmp_path / "loud_task.py").write_text(LOUD_TASK)
+    cli_env["PYTHONPATH"] = f"{tmp_path}:{cli_env['PYTHONPATH']}"
+    res = run_cli(*before, "single", *after, "--task", "loud_task:make_task", "--epochs", 1,
+                  "--threads", 1, "--out", tmp_path / "run", "--progress", "off")
+    assert res.returncode == 0, res.stderr
+    assert ("loud_task: built at info" in res.stderr) == info, res.stderr
+    assert ("loud_task: built at debug" in res.stderr) == debug, res.stderr
+
+
+@pytest.mark.parametrize("args", [["tasks", "-v"], ["worker", "-v", "--help"],
+                                  ["hosts", "-v", "--help"], ["hosts", "down", "--help", "-v"]])
+def test_every_command_takes_verbose(run_cli, args):
+    res = run_cli(*args, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "No such option" not in res.stderr
+
+
+def test_resuming_another_modes_run_refuses_before_any_warning(tmp_path, run_cli):
+    """A Hogwild run's saved settings (procs, lock...) are no single/ddp/ps-server settings:
+    the refusal comes first, as the only line, not after warnings about them."""
+    run = tmp_path / "run"
+    res = run_cli("hogwild", "--task", "mnist1d-mlp", "--samples", 500, "--procs", 1,
+                  "--epochs", 1, "--out", run, "--progress", "off")
+    assert res.returncode == 0, res.stderr
+    for command, mode in (("single", "single"), ("ddp", "ddp"), ("ps-server", "ps")):
+        res = run_cli(command, "--resume", run, "--progress", "off", timeout=120)
+        one_line_error(res, f"{run} is a hogwild run, not a {mode} run",
+                       f"'asyncsgd hogwild --resume {run}'")
+        assert res.returncode == 2
+
+
+@pytest.mark.parametrize("command, flag, says, never", [
+    ("hogwild", "--seed", ["process r seeds torch with seed + r"], []),
+    ("single", "--seed", ["initial weights, the data order"], ["process r", "seed + r"]),
+    ("ddp", "--seed", ["rank r seeds torch with seed + r"], ["process r"]),
+    ("ps-server", "--seed", ["initial weights", "split the training data with seed 0"],
+     ["seed + r"]),
+    ("worker", "--seed", ["data order", "The partition always uses seed 0"],
+     ["the server's seed 0"]),
+    ("hogwild", "--momentum", ["each process keeps its own momentum buffer"], []),
+    ("single", "--momentum", ["0: plain SGD"], ["Hogwild", "process"]),
+    ("ddp", "--momentum", ["0: plain SGD"], ["Hogwild", "process"]),
+    ("ps-server", "--momentum", ["--optimizer momentum", "asks for momentum",
+                                 "[default: 0.9;"], ["Hogwild"]),
+    ("hogwild", "--threads", ["CPU cores // --procs"], ["single"]),
+    ("single", "--threads", ["not busy with other work"], ["processes"]),
+    ("ddp", "--threads", ["CPU cores // the ranks on this host"], ["single"]),
+    ("ps-server", "--threads", ["each shard", "(--shards + 1)"], ["single", "processes"]),
+    ("ps-server", "--device", ["only cpu", "worker --device cuda"], []),
+    ("worker", "--device", ["computed", "copied onto it"], []),
+    ("single", "--epochs", ["Passes over the training data"], ["process"]),
+    ("single", "--eval-every", ["between steps"], ["beside training"]),
+    ("ps-server", "--eval-every", ["shards keep serving"], ["between steps"]),
+])
+def test_each_commands_help_is_true_for_it(run_cli, command, flag, says, never):
+    res = run_cli(command, "--help", timeout=60)
+    assert res.returncode == 0, res.stderr
+    entry = _option_entries(res.stdout)[flag]
+    for text in says:
+        assert text in entry, entry
+    for text in never:
+        assert text not in entry, entry
+
+
+def test_the_cli_module_and_the_exports_do_not_import_torch(cli_env):
+    """`asyncsgd --help` and option errors answer before torch is imported: the API behind
+    the commands is imported only once a command runs."""
+    probe = ("import sys, asyncsgd, asyncsgd.cli; asyncsgd.HogwildConfig; asyncsgd.ConfigError;"
+             " print(sorted(m for m in ('torch', 'asyncsgd.api', 'asyncsgd.ps') "
+             "if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", probe], env=cli_env, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"

@@ -1,0 +1,110 @@
+"""The Python API: one function per command, each what the command runs.
+
+    import asyncsgd
+
+    if __name__ == "__main__":
+        result = asyncsgd.hogwild(task="mnist1d-cnn", procs=4, epochs=30)
+        print(result.summary["final_metric"], result.run_dir)
+        model = asyncsgd.load_run(result.run_dir).model()
+
+Hogwild, DDP and the parameter server start processes with forkserver or spawn, which
+import the calling script again in each child: without the ``__main__`` guard every
+child would start a run of its own, and Python stops it with "An attempt has been made to
+start a new process before the current process has finished its bootstrapping phase".
+
+Each function takes its command's settings dataclass (``HogwildConfig`` for ``hogwild``
+...), or that dataclass's fields as keyword arguments, or both (the keywords override the
+dataclass's fields). Every value is checked as the command checks its option, and each
+function returns what the command prints: ``cli.py`` only parses options and calls these
+(``asyncsgd.ps`` has the parameter server's two). With ``resume``, a run continues with
+its saved settings, overridden by those given here (the keywords, and a dataclass's fields
+that differ from their defaults), as flags given beside ``--resume`` override them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from .analysis.compare import CompareResult
+from .analysis.compare import compare as run_compare
+from .config import CompareConfig, DDPConfig, HogwildConfig, SingleConfig, config_from_dict
+from .core.tasks import Task, task_of
+from .errors import CheckpointError
+from .modes import ddp as ddp_mode
+from .modes import hogwild as hogwild_mode
+from .modes import single as single_mode
+from .run.checkpoint import load_checkpoint
+from .run.recorder import RunResult
+from .run.rundir import RunDir
+from .run.settings import MODES, configure, saved_settings
+
+
+def hogwild(config: Optional[HogwildConfig] = None, /, **settings: Any) -> RunResult:
+    """``asyncsgd hogwild``: processes updating one shared model without locks. Returns
+    the run's directory and its summary.json."""
+    return hogwild_mode.train(configure(HogwildConfig, config, settings))
+
+
+def single(config: Optional[SingleConfig] = None, /, **settings: Any) -> RunResult:
+    """``asyncsgd single``: plain SGD in this process, the baseline. Returns the run's
+    directory and its summary.json."""
+    return single_mode.train(configure(SingleConfig, config, settings))
+
+
+def ddp(config: Optional[DDPConfig] = None, /, **settings: Any) -> Optional[RunResult]:
+    """``asyncsgd ddp``: synchronous DistributedDataParallel. Returns the run's directory and
+    its summary.json; None in a rank other than 0 under torchrun (rank 0 writes the run)."""
+    return ddp_mode.train(configure(DDPConfig, config, settings))
+
+
+def compare(config: Optional[CompareConfig] = None, /, **settings: Any) -> CompareResult:
+    """``asyncsgd compare``: every mode on the same task, seeds and budget, one after
+    another. Returns the report's directory, its table and every attempt (``.failed``:
+    those that failed)."""
+    return run_compare(configure(CompareConfig, config, settings))
+
+
+@dataclass
+class Run:
+    """A finished (or running) run, read back: what ``load_run`` returns."""
+
+    path: Path
+    mode: str  # hogwild, single, ddp or ps
+    config: Any  # its settings: a HogwildConfig, SingleConfig, DDPConfig or ServerConfig
+    metrics: list  # every event of metrics.jsonl, oldest first: pandas.DataFrame(run.metrics)
+    summary: dict  # summary.json; empty while the run has not ended
+    _task: Optional[Task] = field(default=None, repr=False, compare=False)
+
+    def task(self) -> Task:
+        """The run's task, with its data (built once)."""
+        if self._task is None:
+            self._task = task_of(self.config)
+        return self._task
+
+    def model(self, device: str = "cpu"):
+        """The task's model with the weights of the run's checkpoint (the final ones of a
+        finished run), in eval mode: ready for inference."""
+        checkpoint = load_checkpoint(RunDir(self.path).checkpoint)
+        model = self.task().build_model(self.config.seed)
+        try:
+            model.load_state_dict(checkpoint["model"])
+        except (KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"{RunDir(self.path).checkpoint} does not fit task "
+                                  f"{self.task().name}'s model: {str(exc).splitlines()[0]}"
+                                  ) from exc
+        return model.to(device).eval()
+
+
+def load_run(path: Union[str, Path]) -> Run:
+    """Read the run directory ``path`` of any training mode: its settings, its metrics as
+    a list of records and its summary; ``.model()`` loads the trained model."""
+    run = RunDir.open(str(path))
+    mode = run.read_config().get("mode")
+    if mode not in MODES:
+        raise CheckpointError(f"{path} holds a run of mode {mode!r}; load_run reads "
+                              f"{', '.join(MODES)} runs")
+    config = config_from_dict(MODES[mode][0], saved_settings(run, MODES[mode][0]))
+    summary = run.read_summary() if (run.path / "summary.json").is_file() else {}
+    return Run(run.path, mode, config, list(run.events()), summary)

@@ -1,0 +1,56 @@
+"""The parameter server from Python: ``serve`` is ``asyncsgd ps-server``, ``work`` is
+``asyncsgd worker``.
+
+    import multiprocessing
+
+    import asyncsgd
+
+    if __name__ == "__main__":
+        address = "tcp://127.0.0.1:5555"
+        spawn = multiprocessing.get_context("spawn")
+        workers = [spawn.Process(target=asyncsgd.ps.work,
+                                 kwargs=dict(server=address, rank=r, world=2))
+                   for r in range(2)]
+        for w in workers:
+            w.start()
+        result = asyncsgd.ps.serve(bind=address, workers=2)   # until both workers are done
+        for w in workers:
+            w.join()
+
+``serve`` blocks until a stop condition (by default: every worker that joined has
+left), as the command does; it may run in a thread of its own. A worker retries until
+its server answers (``server_timeout``), so either may start first. Both take their
+settings as ``asyncsgd.api`` describes: a ``ServerConfig`` / ``WorkerConfig``, or its
+fields as keyword arguments, or both.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .config import ServerConfig, WorkerConfig
+from .errors import ConfigError
+from .run.recorder import RunResult
+from .run.settings import configure
+from asyncsgd.servers.server import serve as run_server
+from asyncsgd.workers.worker import WorkerResult, run_worker
+
+__all__ = ["serve", "work", "WorkerResult"]
+
+
+def serve(config: Optional[ServerConfig] = None, /, **settings: Any) -> RunResult:
+    """``asyncsgd ps-server``: serve the parameters to workers until a stop condition.
+    Returns the run's directory and its summary.json (updates, staleness, lost updates)."""
+    cfg = configure(ServerConfig, config, settings)
+    if cfg.device != "cpu":
+        raise ConfigError(f"device {cfg.device} (--device): the parameter server keeps the "
+                          "parameters in CPU memory and evaluates there; leave it at cpu and "
+                          "compute gradients on GPUs with 'asyncsgd worker --device cuda'")
+    return run_server(cfg)
+
+
+def work(config: Optional[WorkerConfig] = None, /, **settings: Any) -> WorkerResult:
+    """``asyncsgd worker``: pull, compute gradients on this worker's partition, push, until
+    its epochs end, ``max_seconds`` pass or the server ends training. Returns its counts
+    (steps, pushes, samples, seconds) and its client's statistics."""
+    return run_worker(configure(WorkerConfig, config, settings))
