@@ -30,6 +30,7 @@ _EXPORTS = {
     "WorkerError": "errors",
     "RunDir": "run.rundir", "RunResult": "run.recorder",
     "Split": "core.tasks", "Task": "core.tasks", "load_task": "core.tasks",
+    "DatasetSplit": "core.datasets",
     "Metric": "core.scoring", "ACCURACY": "core.scoring", "PERPLEXITY": "core.scoring",
     "MSE": "core.scoring", "LOSS": "core.scoring",
 }
