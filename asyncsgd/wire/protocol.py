@@ -201,7 +201,10 @@ def _buffer(frame: Any) -> memoryview:
     return buf if buf is not None else memoryview(frame)
 
 
-def _int(header: dict, key: str, lo: int = 0, hi: int = 2 ** 63 - 1) -> int:
+_I63 = 2 ** 63 - 1
+
+
+def _int(header: dict, key: str, lo: int = 0, hi: int = _I63) -> int:
     value = header.get(key, 0)
     if type(value) is not int or not lo <= value <= hi:
         raise ProtocolError(Code.BAD_FIELD, f"field {key!r} must be an integer in [{lo}, {hi}]")
@@ -266,9 +269,16 @@ def _message(header: dict, frames: Sequence[Any], areas: Optional[Callable]) -> 
     if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS:
         raise ProtocolError(Code.BAD_FIELD, f"field 'k' must be a string of at most "
                                             f"{MAX_TOKEN_CHARS} characters")
-    msg = Message(type=kind, worker=worker, incarnation=_int(header, "i"), seq=_int(header, "s"),
-                  clock=_int(header, "c"), shard=_int(header, "sh", -1, 1 << 20), meta=meta,
-                  token=token)
+    get = header.get
+    incarnation, seq, clock, shard = get("i", 0), get("s", 0), get("c", 0), get("sh", 0)
+    if not (type(incarnation) is int and type(seq) is int and type(clock) is int
+            and type(shard) is int and 0 <= incarnation <= _I63 and 0 <= seq <= _I63
+            and 0 <= clock <= _I63 and -1 <= shard <= 1 << 20):
+        # One check for the four in the common case; the slow path names the culprit.
+        incarnation, seq, clock = _int(header, "i"), _int(header, "s"), _int(header, "c")
+        shard = _int(header, "sh", -1, 1 << 20)
+    msg = Message(type=kind, worker=worker, incarnation=incarnation, seq=seq, clock=clock,
+                  shard=shard, meta=meta, token=token)
     if link is not None:
         slot = _slot(link, areas, msg)
         msg.segments.extend(_shared_segment(desc, slot) for desc in descriptors)
@@ -315,13 +325,17 @@ def _segment(desc: Any, buf: memoryview) -> Segment:
     if type(offset) is not int or offset < 0 or offset >= 2 ** 62:
         raise ProtocolError(Code.BAD_DESCRIPTOR,
                             f"offset {offset!r} is not a small non-negative int")
-    dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
     if dtype is None:
         raise ProtocolError(Code.BAD_DTYPE, f"dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
-    if not (isinstance(shape, list) and len(shape) <= 8 and
+    if type(shape) is list and len(shape) == 1 and type(shape[0]) is int \
+            and 0 <= shape[0] < 2 ** 40:
+        numel = shape[0]  # the common 1-D case, without the general check's generator
+    elif (type(shape) is list and len(shape) <= 8 and
             all(type(n) is int and 0 <= n < 2 ** 40 for n in shape)):
+        numel = math.prod(shape)
+    else:
         raise ProtocolError(Code.BAD_DESCRIPTOR, f"shape {shape!r} is not a list of up to 8 sizes")
-    numel = math.prod(shape)
     itemsize = ITEMSIZE[dtype]
     if numel * itemsize != len(buf):
         raise ProtocolError(Code.LENGTH_MISMATCH,
