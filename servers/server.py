@@ -64,8 +64,9 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
     keys = ServerKeys.load(cfg.curve_secret, cfg.allowed_clients)
     keep_freed_memory()
     run = Recorder.open_run(cfg)
-    task = task_of(cfg)
-    model = task.build_model(cfg.seed)
+    with run.removed_on_error():
+        task = task_of(cfg)
+        model = task.build_model(cfg.seed)
     recorder = Recorder(cfg, task, model, run, argv=argv)
     layout = Layout.of(model)
     data = data_signature(task, cfg.task, cfg.seed)  # what a worker's data must match

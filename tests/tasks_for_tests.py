@@ -307,3 +307,28 @@ def blob_dataset(samples=None, seed=0):
     return Task(name="blob-dataset", model_fn=_blob_mlp,
                 train=BlobDataset(rows[:cut], labels[:cut], transform, probe),
                 test=BlobDataset(rows[cut:], labels[cut:], transform), lr=0.1, batch_size=32)
+
+
+class SlowDropoutMLP(nn.Module):
+    """A small MLP with dropout (so every step draws from torch's generator) that sleeps
+    ``ASYNCSGD_TEST_STEP_SLEEP`` seconds a forward pass in training, so a run can be
+    stopped mid-epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
+        self.pause = float(os.environ.get("ASYNCSGD_TEST_STEP_SLEEP", "0"))
+
+    def forward(self, x):
+        if self.training and self.pause:
+            time.sleep(self.pause)
+        return self.net(x)
+
+
+def dropout_regression(samples=None):
+    """``regression``'s data with a dropout MLP: a resumed run matches an uninterrupted one
+    only if the data position, the update rule's state and the random generators all
+    continue."""
+    task = regression(samples)
+    return Task(name="dropout-regression", model_fn=SlowDropoutMLP, train=task.train,
+                test=task.test, loss_fn=_mse, lr=0.05, batch_size=16, metric=task.metric)

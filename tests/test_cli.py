@@ -1,6 +1,7 @@
 """The installed CLI as a user meets it: help, bad input, progress, user tasks."""
 
 import dataclasses
+import os
 import re
 import signal
 import subprocess
@@ -279,3 +280,45 @@ def test_the_cli_module_and_the_exports_do_not_import_torch(cli_env):
                          text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+LAMBDA_TASK = '''
+import torch
+import torch.nn as nn
+from asyncsgd.core.tasks import Split, Task
+
+
+def make_task(samples=None):
+    x = torch.randn(64, 8)
+    y = (x.sum(1) > 0).long()
+    return Task(name="lambda-model", model_fn=lambda: nn.Linear(8, 2),
+                train=Split((x[:48],), y[:48]), test=Split((x[48:],), y[48:]))
+'''
+
+
+@pytest.mark.parametrize("mode", ["hogwild", "ddp"])
+def test_an_unpicklable_model_fn_is_one_line_and_leaves_nothing_behind(tmp_path, cli_env, mode):
+    """Spawned processes receive the task by pickle: a lambda model_fn is refused before the
+    run directory exists (not a 47-line traceback from the first child), and the same --out
+    then takes a run."""
+    (tmp_path / "lambda_task.py").write_text(LAMBDA_TASK)
+    env = {**cli_env, "PYTHONPATH": os.pathsep.join([str(tmp_path), cli_env["PYTHONPATH"]])}
+    out = tmp_path / "runs" / "first"
+    res = subprocess.run(asyncsgd_cmd(mode, "--task", "lambda_task:make_task", "--procs", "2",
+                                      "--epochs", "1", "--progress", "off", "--out", out),
+                         env=env, capture_output=True, text=True, timeout=240)
+    one_line_error(res, "task lambda-model cannot be sent", "lambda", "top level")
+    assert not (tmp_path / "runs").exists()
+    again = subprocess.run(asyncsgd_cmd(mode, "--task", "tasks_for_tests:dense_counter",
+                                        "--procs", "2", "--epochs", "1", "--progress", "off",
+                                        "--out", out),
+                           env=env, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr
+    assert (out / "summary.json").exists()
+
+
+def test_a_task_that_fails_to_load_leaves_no_run_directory(run_cli, tmp_path):
+    res = run_cli("single", "--task", "tasks_for_tests:not_a_task", "--progress", "off",
+                  "--out", tmp_path / "runs" / "x")
+    assert res.returncode != 0
+    assert not (tmp_path / "runs").exists()

@@ -52,6 +52,7 @@ from ..errors import AsyncSGDError, ConfigError, WorkerError
 from ..run.process_group import WorkerGroup, available_cores, context, threads_per_process
 from ..run.recorder import Outcome, Recorder, RunResult, check_target
 from ..run.rundir import RunDir
+from ..run.sendable import check_sendable
 from .syncloop import check_settings, train_process
 
 log = logging.getLogger(__name__)
@@ -162,9 +163,11 @@ def train(cfg: DDPConfig, task: Optional[Task] = None,
     Pacing.parse(cfg.slowdown, cfg.delay).check_ranks(procs, "--procs")  # before any rank
     backend, why = choose_backend(cfg, procs)
     run = Recorder.open_run(cfg)
-    task = task or task_of(cfg)
-    _check_model(task, cfg, backend)
-    check_target(cfg, task)  # before any rank starts
+    with run.removed_on_error():
+        task = task or task_of(cfg)
+        check_sendable(task, "DDP ranks")
+        _check_model(task, cfg, backend)
+        check_target(cfg, task)  # before any rank starts
     threads = threads_per_process(procs, cfg.threads)
     task.share_memory_()  # every rank reads the same pages instead of a pickled copy
     from torch.distributed import TCPStore

@@ -35,9 +35,12 @@ from ..config import HogwildConfig
 from ..core.pacing import Pacer, Pacing, other_seconds, pace_event, pace_note
 from ..core.tasks import Task, epoch_order, partition_indices, task_of
 from ..errors import ConfigError, WorkerError
+from ..run.sendable import check_sendable
 from ..run.process_group import WorkerGroup, available_cores, context, threads_per_process
-from ..run.recorder import Outcome, Recorder, RunResult
+from ..run.recorder import Outcome, RunResult
+from .hogwild_state import HogwildState, pack, unpack
 from .optim import SGD
+from .resume import StatefulRecorder, warn_model_only
 from .token_ring import TokenRing
 
 log = logging.getLogger(__name__)
@@ -64,7 +67,6 @@ class WorkerSettings:
     weight_decay: float
     batch_size: int
     epochs: int
-    start_epoch: int
     device: str
     quantum: float
     pacing: Pacing
@@ -72,12 +74,19 @@ class WorkerSettings:
 
 def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lock,
             ring_sems, control: torch.Tensor, counters: torch.Tensor,
-            losses: torch.Tensor) -> None:
+            losses: torch.Tensor, shared_state: tuple) -> None:
+    positions, rngs, rng_saved, buffers = shared_state
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed + rank)
+    if rng_saved[rank]:  # resumed: this worker's generator continues where it stopped
+        torch.set_rng_state(rngs[rank].clone())
     device = torch.device(s.device)
     part = partition_indices(len(task.train), s.procs, rank, s.seed)
     opt = SGD(model.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
+    if buffers:
+        opt.keep_buffers_in(buffers)
+    position = positions.numpy()[rank:rank + 1]
+    first_epoch, skip = unpack(int(position[0]))
     count = counters.numpy()[rank]  # views of shared memory: plain stores, no tensor op per step
     loss_acc = losses.numpy()[rank]
     pacer = Pacer(s.pacing, rank, s.seed, torch.cuda.synchronize if device.type == "cuda"
@@ -85,14 +94,15 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
     stop = control.numpy()
     ring = TokenRing(rank, ring_sems, counters.numpy()[:, DONE], stop, s.quantum) \
         if ring_sems else None
-    log.info("worker %d: %d thread(s), %d rows, epochs %d..%d%s", rank, s.threads, len(part),
-             s.start_epoch + 1, s.epochs, ", run token ring" if ring else "")
+    log.info("worker %d: %d thread(s), %d rows, epochs %d..%d%s%s", rank, s.threads, len(part),
+             first_epoch + 1, s.epochs, f" from row {skip}" if skip else "",
+             ", run token ring" if ring else "")
     count[READY] = 1
     holding = ring.acquire() if ring else True
     try:
-        for epoch in range(s.start_epoch, s.epochs):
+        for epoch in range(first_epoch, s.epochs):
             order = epoch_order(part, s.seed, rank, epoch)
-            for start in range(0, len(order), s.batch_size):
+            for start in range(skip if epoch == first_epoch else 0, len(order), s.batch_size):
                 if stop[0] or not holding:
                     return
                 pacer.begin()
@@ -115,10 +125,14 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
                 loss_acc[LOSS_STEPS] += 1
                 count[SAMPLES] += len(targets)
                 count[STEPS] += 1
+                position[0] = pack(epoch, min(start + s.batch_size, len(order)))
                 if ring:
                     holding = ring.tick()
+            position[0] = pack(epoch + 1, 0)
             count[EPOCHS] = epoch + 1
     finally:
+        rngs[rank] = torch.get_rng_state()
+        rng_saved[rank] = 1
         if ring:
             ring.leave(holding)
 
@@ -139,14 +153,16 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
         raise ConfigError(f"--procs must be at least 1 (got {procs})")
     pacing = Pacing.parse(cfg.slowdown, cfg.delay)
     pacing.check_ranks(procs, "--procs")
-    run = Recorder.open_run(cfg)
-    task = task or task_of(cfg)
-    model = task.build_model(cfg.seed)
-    _check_config(cfg, model)
+    run = StatefulRecorder.open_run(cfg)
+    with run.removed_on_error():
+        task = task or task_of(cfg)
+        check_sendable(task, "Hogwild workers")
+        model = task.build_model(cfg.seed)
+        _check_config(cfg, model)
     lr = cfg.lr or task.lr
     batch_size = cfg.batch_size or task.batch_size
     total = len(task.train) * cfg.epochs
-    recorder = Recorder(cfg, task, model, run, total_samples=total, argv=argv)
+    recorder = StatefulRecorder(cfg, task, model, run, total_samples=total, argv=argv)
     model.to(cfg.device)
     model.share_memory()
     task.share_memory_()
@@ -156,17 +172,18 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
     settings = WorkerSettings(
         procs=procs, threads=threads, seed=cfg.seed, lr=lr, momentum=cfg.momentum,
         weight_decay=cfg.weight_decay, batch_size=batch_size, epochs=cfg.epochs,
-        start_epoch=recorder.epochs_done, device=cfg.device, quantum=cfg.quantum_ms / 1000,
-        pacing=pacing)
+        device=cfg.device, quantum=cfg.quantum_ms / 1000, pacing=pacing)
+    state = _shared_state(cfg, task, model, recorder, procs)
     control = torch.zeros(1, dtype=torch.int64).share_memory_()
     counters = torch.zeros(procs, 5, dtype=torch.int64).share_memory_()
-    counters[:, EPOCHS] = recorder.epochs_done
+    counters[:, EPOCHS] = torch.tensor([unpack(int(p))[0] for p in state.positions])
     losses = torch.zeros(procs, SPAN + 1, dtype=torch.float64).share_memory_()
     ctx = context(cfg.start_method, preload=[__name__])
     lock = ctx.Lock() if cfg.lock else None
     ring_sems = _ring_semaphores(ctx, cfg, procs, threads)
     group = WorkerGroup(_worker, procs, name="worker", start_method=cfg.start_method, args=[
-        (settings, task, model, lock, ring_sems, control, counters, losses)] * procs)
+        (settings, task, model, lock, ring_sems, control, counters, losses,
+         state.for_worker(rank)) for rank in range(procs)])
     log.info("hogwild: %d processes x %d thread(s), task %s, lr %g, batch %d%s%s", procs,
              threads, task.name, lr, batch_size, ", locked updates" if cfg.lock else "",
              f", {len(TokenRing.first_holders(procs, available_cores()))} run tokens"
@@ -177,6 +194,24 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
                       extra={"procs": procs, "threads": threads, "lock": cfg.lock, "lr": lr,
                              "batch_size": batch_size, "token_ring": bool(ring_sems),
                              "pacing": pacing.to_dict()})
+
+
+def _shared_state(cfg: HogwildConfig, task: Task, model: torch.nn.Module,
+                  recorder: StatefulRecorder, procs: int) -> HogwildState:
+    """The workers' shared training state, loaded from a full checkpoint when resuming; the
+    recorder's checkpoints then hold it."""
+    state = HogwildState(procs, list(model.parameters()), cfg.momentum, recorder.epochs_done)
+    if recorder.resumed is not None:
+        rows = [len(partition_indices(len(task.train), procs, rank, cfg.seed))
+                for rank in range(procs)]
+        problem = state.restore(recorder.resumed, rows)
+        if problem:
+            raise recorder.bad_state(problem)
+    elif cfg.resume:
+        warn_model_only(recorder.run.checkpoint, ["each process's momentum buffer"]
+                        if cfg.momentum else [], recorder.epochs_done)
+    recorder.state_fn = state.state
+    return state
 
 
 def _ring_semaphores(ctx, cfg: HogwildConfig, procs: int, threads: int) -> Optional[list]:
@@ -198,7 +233,7 @@ def _ring_semaphores(ctx, cfg: HogwildConfig, procs: int, threads: int) -> Optio
 class _TrainEvents:
     """Turns the shared counters into per-worker train events and a recent samples/s."""
 
-    def __init__(self, recorder: Recorder, counters: torch.Tensor, losses: torch.Tensor):
+    def __init__(self, recorder: StatefulRecorder, counters: torch.Tensor, losses: torch.Tensor):
         self.recorder, self.counters, self.losses = recorder, counters, losses
         self.offset = recorder.samples_offset
         self.seen = losses.clone()
@@ -253,8 +288,9 @@ class _TrainEvents:
                 for row in self.losses.tolist()]
 
 
-def _supervise(cfg: HogwildConfig, recorder: Recorder, group: WorkerGroup, control: torch.Tensor,
-               counters: torch.Tensor, losses: torch.Tensor, extra: dict) -> RunResult:
+def _supervise(cfg: HogwildConfig, recorder: StatefulRecorder, group: WorkerGroup,
+               control: torch.Tensor, counters: torch.Tensor, losses: torch.Tensor,
+               extra: dict) -> RunResult:
     events = _TrainEvents(recorder, counters, losses)
     outcome = Outcome("epochs")
     next_train_event = 0.0

@@ -7,6 +7,10 @@ arithmetic (PyTorch's SGD with momentum and L2 weight decay, dampening 0)
 and handles sparse gradients so that an update touches only the rows a batch used.
 ``Adam`` is the parameter server's adam rule in the same shape, and ``Delayed`` applies
 any of them S steps late (``single --simulate-staleness``).
+
+Each has ``state_dict``/``load_state_dict`` (momentum buffers, adam's moments and
+step count, the queue of gradients in flight) for full checkpoints: without them
+a resumed momentum or adam run would not be the run it continues.
 """
 
 from __future__ import annotations
@@ -67,6 +71,58 @@ class SGD:
                 g = buf
             p.add_(g, alpha=-self.lr)
 
+    KIND = "sgd"
+
+    def keep_buffers_in(self, tensors: list) -> None:
+        """Momentum buffers in these zeroed tensors (e.g. shared memory, so another process
+        can checkpoint them), one per trainable parameter. A zero buffer's first update
+        ``b = m * b + g`` gives ``b = g``, as a fresh buffer would."""
+        if len(tensors) != len(self.params) or any(
+                t.shape != p.shape for t, p in zip(tensors, self.params)):
+            raise ValueError("the momentum buffers do not match the trainable parameters")
+        self.buffers = dict(enumerate(tensors))
+
+    def state_dict(self) -> dict:
+        """The momentum buffers (copies), by parameter index."""
+        return {"kind": self.KIND, "buffers": {i: b.detach().clone()
+                                               for i, b in self.buffers.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``; ValueError naming what does not fit this optimizer."""
+        _check_kind(state, self.KIND)
+        buffers = state.get("buffers")
+        if not isinstance(buffers, dict):
+            raise ValueError("its optimizer state has no buffers")
+        for i, saved in buffers.items():
+            self._copy_in(i, saved)
+
+    def _copy_in(self, i, saved: torch.Tensor) -> None:
+        """Buffer ``i`` from ``saved``: into the buffer there is (shared memory stays
+        shared), else a new one."""
+        saved = _fitting(self.params, i, saved)
+        if i in self.buffers:
+            self.buffers[i].copy_(saved)
+        else:
+            self.buffers[i] = saved
+
+
+def _fitting(params: list, i, saved) -> torch.Tensor:
+    """``saved`` as a new buffer of parameter ``i``; ValueError when it does not fit."""
+    if not isinstance(i, int) or not 0 <= i < len(params):
+        raise ValueError(f"its optimizer state has a buffer for parameter {i!r}; this "
+                         f"model has {len(params)} trainable parameters")
+    if not isinstance(saved, torch.Tensor) or saved.shape != params[i].shape:
+        raise ValueError(f"its optimizer buffer {i} has shape "
+                         f"{tuple(getattr(saved, 'shape', ()))}, parameter {i} of this "
+                         f"model {tuple(params[i].shape)}")
+    return saved.to(device=params[i].device, dtype=params[i].dtype).clone()
+
+
+def _check_kind(state, kind: str) -> None:
+    if not isinstance(state, dict) or state.get("kind") != kind:
+        found = state.get("kind") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"its optimizer state is {found}'s, this run's optimizer is {kind}")
+
 
 class Adam(SGD):
     """torch.optim.Adam (not amsgrad; weight decay is L2 added to the gradient), with the
@@ -103,6 +159,25 @@ class Adam(SGD):
             denom = (v.sqrt() / bias_correction2 ** 0.5).add_(self.eps)
             p.addcdiv_(m, denom, value=-self.lr / bias_correction1)
 
+    KIND = "adam"
+
+    def state_dict(self) -> dict:
+        """The moments (copies) by parameter index, and the step count of bias correction."""
+        return {"kind": self.KIND, "steps": self.steps,
+                "buffers": {i: [m.detach().clone(), v.detach().clone()]
+                            for i, (m, v) in self.buffers.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_kind(state, self.KIND)
+        buffers, steps = state.get("buffers"), state.get("steps")
+        if not isinstance(buffers, dict) or not isinstance(steps, int):
+            raise ValueError("its adam state lacks its moments or step count")
+        for i, pair in buffers.items():
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise ValueError(f"its adam moments of parameter {i!r} are not a pair")
+            self.buffers[i] = tuple(_fitting(self.params, i, saved) for saved in pair)
+        self.steps = steps
+
 
 class Delayed:
     """Staleness in isolation (Dai et al., ICLR 2019): the gradient computed at step t is
@@ -111,7 +186,7 @@ class Delayed:
 
     The first S steps apply nothing (their gradients are in flight); when the run ends the
     last S gradients are never applied, as a parameter server's run ends with pushes in
-    flight. The queue is not checkpointed: a resumed run starts with it empty.
+    flight. A full checkpoint holds the queue (``state_dict``).
 
     The queue holds the gradient tensors backward made, not copies: ``zero_grad`` sets
     ``p.grad`` to None before each backward, so the next one makes new tensors. Sparse
@@ -150,3 +225,28 @@ class Delayed:
             p.grad = g   # zero_grad() set p.grad = None before this step: no copy needed
         self.inner.step()
         self.applied += 1
+
+    def state_dict(self) -> dict:
+        """The inner rule's state, and the gradients in flight (oldest first)."""
+        return {"kind": "delayed", "staleness": self.staleness, "inner": self.inner.state_dict(),
+                "in_flight": [[None if g is None else g.detach().clone() for g in step]
+                              for step in self.in_flight]}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_kind(state, "delayed")
+        if state.get("staleness") != self.staleness:
+            raise ValueError(f"it was saved with --simulate-staleness {state.get('staleness')}, "
+                             f"this run has {self.staleness}")
+        queue = state.get("in_flight")
+        if not isinstance(queue, list) or any(
+                not isinstance(step, list) or len(step) != len(self.params) for step in queue):
+            raise ValueError("its queue of gradients in flight does not fit this model")
+        for step in queue:
+            for p, g in zip(self.params, step):
+                if g is not None and g.shape != p.shape:
+                    raise ValueError(f"a gradient in flight has shape {tuple(g.shape)}, "
+                                     f"its parameter {tuple(p.shape)}")
+        self.inner.load_state_dict(state.get("inner"))
+        device = self.params[0].device if self.params else None
+        # ``applied`` is not restored: summary.json counts it since this process started
+        self.in_flight = [[None if g is None else g.to(device) for g in step] for step in queue]

@@ -39,7 +39,8 @@ def train(cfg: SingleConfig, task: Optional[Task] = None, argv: Optional[list] =
     check_settings(cfg)
     Pacing.parse(cfg.slowdown, cfg.delay).check_ranks(1, "single")
     run = Recorder.open_run(cfg)
-    task = task or task_of(cfg)
+    with run.removed_on_error():
+        task = task or task_of(cfg)
     threads = cfg.threads or idle_cores()
     cores = available_cores()
     if threads > cores:
@@ -54,5 +55,7 @@ def train(cfg: SingleConfig, task: Optional[Task] = None, argv: Optional[list] =
     torch.set_num_threads(threads)
     log.info("single: 1 process x %d thread(s), task %s, lr %g, batch %d, amp %s", threads,
              task.name, cfg.lr or task.lr, cfg.batch_size or task.batch_size, cfg.amp)
+    # flag_signals: Ctrl-C and SIGTERM stop at the next check, between two steps, so the
+    # final checkpoint is one consistent state and --resume continues it exactly
     return train_process(cfg, task, device=torch.device(cfg.device), run=run, argv=argv,
-                         extra={"threads": threads, "device": cfg.device})
+                         flag_signals=True, extra={"threads": threads, "device": cfg.device})

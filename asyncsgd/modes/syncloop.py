@@ -23,12 +23,20 @@ the same split Hogwild and the parameter-server workers use, reshuffled each
 epoch. The shorter partitions repeat their first rows up to the longest (as
 DistributedSampler pads), because DDP needs every rank to take the same number
 of steps: a rank with one step more would wait forever for the others.
+
+Checkpoints are full (``modes.resume``): the update rule's state (equal on every
+rank: they apply the same averaged gradients), the position in the data (equal on
+every rank: they step together) and each rank's random generators, gathered in
+one extra all-reduce when rank 0 saves. Ranks stop only at checks, between steps
+(Ctrl-C and SIGTERM set a flag, in ``single`` too), so what is saved is one
+consistent state and a resumed run takes exactly the steps the stopped one would have.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import traceback
 from typing import Callable, Optional
@@ -40,11 +48,13 @@ from ..config import SingleConfig
 from ..core.pacing import Pacer, Pacing, other_seconds, pace_event, pace_note
 from ..core.tasks import Task, epoch_order, partition_indices
 from ..errors import ConfigError, WorkerError
-from ..run.recorder import Outcome, Recorder, RunResult
+from ..run.recorder import Outcome, RunResult
+from ..run.checkpoint import rng_state, set_rng_state
 from ..run.rundir import RunDir
 from ..run.signals import signals_as_flag
 from .optim import SGD, Adam, Delayed
 from .precision import Precision, check_amp
+from .resume import StatefulRecorder, warn_model_only
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +66,7 @@ MAX_SECONDS, TARGET = 1, 2
 # Slots of the vector the ranks sum at every check; then each rank's seconds computing,
 # waited on purpose and since its first step (core.pacing), in PACED slots per rank from
 # FIRST_RANK_SLOT.
-CODE, PACE, INTERRUPTS, LOSS_SUM, LOSS_STEPS, FIRST_RANK_SLOT = range(6)
+CODE, PACE, INTERRUPTS, LOSS_SUM, LOSS_STEPS, SAVE, FIRST_RANK_SLOT = range(7)
 PACED = 3
 
 Agree = Callable[[torch.Tensor], torch.Tensor]
@@ -112,14 +122,17 @@ class SyncLoop:
 
     def __init__(self, cfg: SingleConfig, task: Task, net: nn.Module, precision: Precision,
                  part: torch.Tensor, device: torch.device, *, rank: int, world: int,
-                 start_epoch: int, recorder: Optional[Recorder], agree: Agree,
+                 start: tuple, recorder: Optional[StatefulRecorder], agree: Agree,
                  interrupted: Callable[[], bool]):
         self.cfg, self.task, self.net, self.precision = cfg, task, net, precision
         self.part, self.device, self.rank, self.world = part, device, rank, world
         self.recorder, self.agree, self.interrupted = recorder, agree, interrupted
         self.batch_size = cfg.batch_size or task.batch_size
         self.opt = make_optimizer(cfg, task, net.parameters())
-        self.epochs_done = start_epoch
+        self.epochs_done = start[0]
+        self.position = start  # (epoch, rows of its order done): where the next step starts
+        self.rngs: Optional[list] = None  # rank 0: every rank's generators at the last gather
+        self.resumed_rng: Optional[dict] = None  # set just before the first step
         self.steps = 0
         self.local_samples = 0
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -153,19 +166,59 @@ class SyncLoop:
 
     def run(self) -> str:
         """Train until the epochs are done or the ranks agree to stop; what stopped it."""
+        stopped_by = self._train()
+        self.rngs = self._gather_rngs()  # every rank stopped at the same step: the final save
+        return stopped_by
+
+    def _train(self) -> str:
         until_check = 1
-        for epoch in range(self.epochs_done, self.cfg.epochs):
+        first_epoch, skip = self.position
+        if self.resumed_rng is not None:  # after the evaluation at the start, as it was saved
+            set_rng_state(self.resumed_rng, self.device)
+        for epoch in range(first_epoch, self.cfg.epochs):
             order = epoch_order(self.part, self.cfg.seed, self.rank, epoch)
-            for start in range(0, len(order), self.batch_size):
+            for start in range(skip if epoch == first_epoch else 0, len(order),
+                               self.batch_size):
                 self._step(order[start:start + self.batch_size])
+                self.position = (epoch, min(start + self.batch_size, len(order)))
                 until_check -= 1
                 if until_check == 0:
                     stopped_by, until_check = self._check(epoch)
                     if stopped_by:
                         return stopped_by
             self.epochs_done = epoch + 1
+            self.position = (epoch + 1, 0)
         self._check(self.epochs_done - 1)  # every rank gets here at the same step: the last losses
         return "epochs"
+
+    def _gather_rngs(self) -> list:
+        """Every rank's random generators, on rank 0 (an all-reduce of each rank's torch
+        state in its own slot; numpy's and Python's of rank 0 only)."""
+        mine = rng_state(self.device)
+        if self.world == 1:
+            return [mine]
+        flat = torch.cat([mine["torch"]] + ([mine["cuda"]] if "cuda" in mine else []))
+        n = flat.numel()
+        vector = torch.zeros(self.world * n, dtype=torch.float64)
+        vector[self.rank * n:(self.rank + 1) * n] = flat.double()
+        summed = self.agree(vector.to(self.device)).cpu().to(torch.uint8)
+        cut = mine["torch"].numel()
+        rngs = []
+        for r in range(self.world):
+            row = summed[r * n:(r + 1) * n]
+            rngs.append(mine if r == self.rank else
+                        {"torch": row[:cut].clone(), **({"cuda": row[cut:].clone()}
+                                                        if "cuda" in mine else {})})
+        return rngs
+
+    def state(self) -> dict:
+        """Rank 0: the training state for a full checkpoint (``modes.resume``)."""
+        rngs = self.rngs or [rng_state(self.device)] + [None] * (self.world - 1)
+        epoch, row = self.position
+        scaler = self.precision.scaler
+        return {"optimizer": self.opt.state_dict(),
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                "processes": [{"epoch": epoch, "row": row, "rng": rng} for rng in rngs]}
 
     def _step(self, index: torch.Tensor) -> None:
         self.pacer.begin()
@@ -188,6 +241,7 @@ class SyncLoop:
         if self.recorder is not None:
             vector[CODE] = self._decide()
             vector[PACE] = self._next_pace()
+            vector[SAVE] = float(self.recorder.checkpoint_due())
         vector[INTERRUPTS] = float(self.interrupted())
         vector[LOSS_SUM] = float(self._loss_sum)
         vector[LOSS_STEPS] = self._loss_steps
@@ -198,7 +252,11 @@ class SyncLoop:
         self._loss_sum.zero_()
         self._loss_steps = 0
         self._pace_mark = (time.monotonic(), self.steps)
+        if agreed[SAVE]:
+            self.rngs = self._gather_rngs()
         if self.recorder is not None:
+            if agreed[SAVE]:
+                self.recorder.checkpoint(self.samples(), self.epochs_done)
             self.ranks_paced = agreed[FIRST_RANK_SLOT:]
             self._record(agreed[LOSS_SUM], int(agreed[LOSS_STEPS]), epoch)
         if agreed[INTERRUPTS]:
@@ -212,7 +270,6 @@ class SyncLoop:
             return TARGET
         if rec.out_of_time():
             return MAX_SECONDS
-        rec.checkpoint_if_due(samples, self.epochs_done)
         return 0
 
     def _next_pace(self) -> int:
@@ -316,19 +373,30 @@ def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: 
     part = padded_partition(len(task.train), world, rank, cfg.seed)
     recorder = None
     if run is not None:
-        recorder = Recorder(cfg, task, model, run, total_samples=len(part) * world * cfg.epochs,
-                            argv=argv, started_at=started_at)
-    if recorder is not None and cfg.resume:
-        _say_what_resuming_restarts(cfg)
+        recorder = StatefulRecorder(cfg, task, model, run,
+                                    total_samples=len(part) * world * cfg.epochs, argv=argv,
+                                    started_at=started_at)
     model.to(device)
-    start = torch.tensor([float(recorder.epochs_done) if recorder else 0.0], dtype=torch.float64)
-    start_epoch = int(agree(start.to(device)).item())  # a resumed rank 0 tells the others
+    # what rank 0 resumes (epoch, row, whether it has a training state), told to every rank
+    start = torch.zeros(3, dtype=torch.float64)
+    if recorder is not None:
+        start[:] = torch.tensor(_resumed_start(recorder, len(part), world), dtype=torch.float64)
+    start = agree(start.to(device)).cpu().tolist()
     net = wrap(model)  # DDP's constructor copies rank 0's (maybe resumed) parameters everywhere
     precision = Precision(cfg.amp, device.type)
     interrupted = [False]
     loop = SyncLoop(cfg, task, net, precision, part, device, rank=rank, world=world,
-                    start_epoch=start_epoch, recorder=recorder, agree=agree,
+                    start=(int(start[0]), int(start[1])), recorder=recorder, agree=agree,
                     interrupted=lambda: interrupted[0] or stop_requested())
+    if start[2]:
+        _restore_state(loop, recorder.resumed if recorder else None, recorder, agree)
+    elif recorder is not None and cfg.resume:
+        warn_model_only(recorder.run.checkpoint, _fresh_state(cfg), int(start[0]))
+    if recorder is not None:
+        recorder.state_fn = loop.state
+    # signal handlers belong to the main thread: elsewhere (an API call from a thread)
+    # Ctrl-C reaches the main thread, not this loop
+    flag_signals = flag_signals and threading.current_thread() is threading.main_thread()
     signals = signals_as_flag(interrupted) if flag_signals else contextlib.nullcontext()
     if recorder is None:
         with signals:
@@ -350,10 +418,109 @@ def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: 
                              **_staleness(loop.opt), **(extra or {}))
 
 
-def _say_what_resuming_restarts(cfg: SingleConfig) -> None:
-    """A checkpoint holds the model only (``Recorder.checkpoint``), not the update rule's
-    state: a resumed run continues from the weights with a fresh optimizer. Say what that
-    drops, so a resumed run is not mistaken for an uninterrupted one."""
+def _resumed_start(recorder: StatefulRecorder, rows: int, world: int) -> list:
+    """Rank 0: [epoch, row, 1] from a full checkpoint of as many ranks; [epochs done, 0, 0]
+    from a model-only one (or one of another world size, with a warning)."""
+    state = recorder.resumed
+    if state is None:
+        return [recorder.epochs_done, 0, 0]
+    procs = state["processes"]
+    if len(procs) != world:
+        log.warning("%s was saved by %d process(es), this run has %d: their data partitions "
+                    "differ, so epoch %d restarts from its first row and the random generators "
+                    "are seeded afresh", recorder.run.checkpoint, len(procs), world,
+                    recorder.epochs_done + 1)
+        for proc in procs:
+            proc["rng"] = None
+        return [recorder.epochs_done, 0, 1]
+    epoch, row = procs[0]["epoch"], procs[0]["row"]
+    if row > rows:
+        raise recorder.bad_state(f"it resumes at row {row} of an epoch of {rows} rows")
+    return [epoch, row, 1]
+
+
+def _restore_state(loop: SyncLoop, state: Optional[dict], recorder: Optional[StatefulRecorder],
+                   agree: Agree) -> None:
+    """Every rank: the update rule, gradient scaler and random generators of a full
+    checkpoint. Rank 0 (which read it) loads them, then sends them to the others through
+    ``agree`` (a sum in which the others put zeros): exact, and no other collective."""
+    if recorder is not None:
+        try:
+            _load_on_rank_0(loop, state)
+        except (ValueError, TypeError, KeyError, RuntimeError, AttributeError) as exc:
+            raise recorder.bad_state(str(exc).splitlines()[0]) from None
+    if loop.world > 1:
+        _share(loop, state, agree)
+
+
+def _load_on_rank_0(loop: SyncLoop, state: dict) -> None:
+    saved, current = state.get("optimizer"), loop.opt.state_dict()
+    if saved is not None:
+        if (saved.get("kind"), saved.get("staleness")) != (current["kind"],
+                                                           current.get("staleness")):
+            log.warning("the checkpoint's update rule (%s) is not this run's (%s): it starts "
+                        "afresh", _rule(saved), _rule(current))
+        else:
+            loop.opt.load_state_dict(saved)
+    scaler = loop.precision.scaler
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    rng = state["processes"][0].get("rng")
+    if rng is not None:
+        size = torch.get_rng_state().numel()
+        for proc in state["processes"]:
+            if proc.get("rng") is not None and proc["rng"]["torch"].numel() != size:
+                raise ValueError(f"a saved torch generator state has "
+                                 f"{proc['rng']['torch'].numel()} bytes, this torch's {size}")
+        loop.resumed_rng = rng
+
+
+def _rule(state: dict) -> str:
+    staleness = state.get("staleness")
+    kind = state.get("inner", {}).get("kind") if state.get("kind") == "delayed" else None
+    return f"{kind} delayed {staleness} steps" if kind else str(state.get("kind"))
+
+
+def _share(loop: SyncLoop, state: Optional[dict], agree: Agree) -> None:
+    """DDP: rank 0's (just loaded) update rule, scaler and each rank's generator to the
+    ranks they belong to."""
+    opt, rank, device = loop.opt, loop.rank, loop.device
+    params = opt.params
+    head = torch.zeros(3 + len(params), dtype=torch.float64)
+    scaler = loop.precision.scaler
+    if rank == 0:
+        head[0] = getattr(opt, "steps", 0)
+        if scaler is not None:
+            head[1], head[2] = scaler.get_scale(), scaler.state_dict()["_growth_tracker"]
+        for i in opt.buffers:
+            head[3 + i] = 1
+    head = agree(head.to(device)).cpu().tolist()
+    if isinstance(opt, Adam):
+        opt.steps = int(head[0])
+    if scaler is not None and head[1]:
+        scaler.load_state_dict({**scaler.state_dict(), "scale": head[1],
+                                "_growth_tracker": int(head[2])})
+    for i, p in enumerate(params):
+        if not head[3 + i]:
+            continue
+        mine = opt.buffers[i] if rank == 0 else None
+        parts = (mine if isinstance(mine, tuple) else (mine,)) if rank == 0 else tuple(
+            torch.zeros_like(p) for _ in range(2 if isinstance(opt, Adam) else 1))
+        parts = tuple(agree(t) for t in parts)
+        opt.buffers[i] = parts if isinstance(opt, Adam) else parts[0]
+    n = torch.get_rng_state().numel()
+    rows = torch.zeros(loop.world, n + 1, dtype=torch.float64)
+    if rank == 0:
+        for r, proc in enumerate(state["processes"]):
+            if proc.get("rng") is not None:
+                rows[r, :n], rows[r, n] = proc["rng"]["torch"].double(), 1
+    rows = agree(rows.to(device)).cpu()
+    if rank != 0 and rows[rank, n]:
+        loop.resumed_rng = {"torch": rows[rank, :n].to(torch.uint8)}
+
+
+def _fresh_state(cfg: SingleConfig) -> list:
+    """What a model-only checkpoint leaves out of this run's update rule."""
     fresh = []
     if cfg.optimizer == "adam":
         fresh.append("adam's moments and step count (its bias correction starts over)")
@@ -363,9 +530,7 @@ def _say_what_resuming_restarts(cfg: SingleConfig) -> None:
         fresh.append(f"the --simulate-staleness queue: the {cfg.simulate_staleness} gradients "
                      "in flight at the checkpoint are never applied, and the first "
                      f"{cfg.simulate_staleness} steps after resuming apply nothing, as at a start")
-    if fresh:
-        log.warning("resuming from the model's weights only; starting afresh: %s",
-                    "; ".join(fresh))
+    return fresh
 
 
 def _staleness(opt) -> dict:

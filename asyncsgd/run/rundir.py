@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -76,6 +77,7 @@ class RunDir:
                 path = base.with_name(f"{base.name}-{n}")
         else:
             path = Path(out)
+        made = [p for p in (path, *path.parents) if not p.exists()]  # what mkdir will make
         if path.exists() and (path / CONFIG).exists():
             raise ConfigError(f"--out {path} already holds a run; choose a new directory, "
                               f"or continue it with --resume {path}")
@@ -87,7 +89,25 @@ class RunDir:
         except OSError as exc:
             raise ConfigError(f"cannot write the run directory {path}: {exc.strerror or exc}; "
                               "choose a writable place with --out DIR") from exc
-        return cls(path)
+        run = cls(path)
+        run.made = made
+        return run
+
+    made: tuple = ()  # the directories ``create`` made, deepest first
+
+    @contextlib.contextmanager
+    def removed_on_error(self) -> Iterator["RunDir"]:
+        """Around what a mode does before its run writes anything (loading and checking the
+        task): an error there removes the directories ``create`` made, so a failed start
+        leaves nothing behind and the same --out works next time. A directory that was
+        there before, or that holds anything, stays."""
+        try:
+            yield self
+        except BaseException:
+            with contextlib.suppress(OSError):
+                for directory in self.made:
+                    directory.rmdir()  # only when empty
+            raise
 
     @classmethod
     def open(cls, path: str) -> "RunDir":

@@ -1,0 +1,108 @@
+"""Hogwild's training state in shared memory, so the parent checkpoints it (``modes.resume``).
+
+Each worker's optimizer is its own, so the parent cannot read it from the model: a
+worker's momentum buffers live in shared tensors the parent allocated (zeros: a first
+``b = m * b + g`` then gives ``b = g``, as a fresh buffer would), its place in its data is
+one int64 it stores after every step (``epoch << 32 | rows done``: one aligned store, so
+the parent never reads an epoch with another epoch's row), and its torch generator is
+copied into a shared row when it stops. A periodic checkpoint is as racy as the
+parameters it saves (workers keep stepping); the final one, after every worker stopped,
+is exact. A worker that never started keeps the state it was resumed with.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from .optim import SGD
+
+log = logging.getLogger(__name__)
+
+ROW_BITS = 32
+
+
+def pack(epoch: int, row: int) -> int:
+    return epoch << ROW_BITS | row
+
+
+def unpack(position: int) -> tuple:
+    return position >> ROW_BITS, position & ((1 << ROW_BITS) - 1)
+
+
+class HogwildState:
+    """Positions, generators and momentum buffers of ``procs`` workers, in shared memory."""
+
+    def __init__(self, procs: int, params: list, momentum: float, start_epoch: int):
+        self.procs = procs
+        self.positions = torch.full((procs,), pack(start_epoch, 0),
+                                    dtype=torch.int64).share_memory_()
+        size = torch.get_rng_state().numel()
+        self.rngs = torch.zeros(procs, size, dtype=torch.uint8).share_memory_()
+        self.rng_saved = torch.zeros(procs, dtype=torch.int64).share_memory_()
+        trainable = [p for p in params if p.requires_grad]
+        # momentum 0 keeps no buffer, as SGD does
+        self.buffers = [[torch.zeros_like(p).share_memory_() for p in trainable]
+                        for _ in range(procs)] if momentum else [[] for _ in range(procs)]
+        self.momentum = momentum
+
+    def for_worker(self, rank: int) -> tuple:
+        """What worker ``rank`` is given: its shared slots."""
+        return self.positions, self.rngs, self.rng_saved, self.buffers[rank]
+
+    def state(self) -> dict:
+        """The training state for a checkpoint, in ``modes.resume``'s shape."""
+        processes = []
+        for rank in range(self.procs):
+            epoch, row = unpack(int(self.positions[rank]))
+            proc = {"epoch": epoch, "row": row,
+                    "rng": {"torch": self.rngs[rank].clone()} if self.rng_saved[rank] else None}
+            if self.momentum:
+                proc["optimizer"] = {"kind": SGD.KIND, "buffers": {
+                    i: b.clone() for i, b in enumerate(self.buffers[rank])}}
+            processes.append(proc)
+        return {"optimizer": None, "scaler": None, "processes": processes}
+
+    def restore(self, state: dict, rows: list) -> Optional[str]:
+        """Load a full checkpoint's state (``rows``: each worker's partition length); None
+        when it fits, else what does not (the caller raises it as the checkpoint's error)."""
+        procs = state["processes"]
+        if len(procs) != self.procs:
+            log.warning("the checkpoint was saved by %d Hogwild process(es), this run has %d: "
+                        "their data partitions differ, so each starts its epoch from its first "
+                        "row, with fresh momentum buffers and generators", len(procs), self.procs)
+            return None
+        size = self.rngs.shape[1]
+        for rank, proc in enumerate(procs):
+            if proc["row"] > rows[rank]:
+                return f"worker {rank} resumes at row {proc['row']} of a partition of {rows[rank]}"
+            rng = proc.get("rng")
+            if rng is not None:
+                saved = rng.get("torch") if isinstance(rng, dict) else None
+                if not isinstance(saved, torch.Tensor) or saved.numel() != size:
+                    return f"worker {rank}'s torch generator state does not fit this torch"
+            saved_opt = proc.get("optimizer")
+            if bool(saved_opt) != bool(self.momentum):
+                log.warning("worker %d: the checkpoint has %s momentum buffer; this run's "
+                            "--momentum is %g: it starts afresh", rank,
+                            "a" if saved_opt else "no", self.momentum)
+            elif saved_opt:
+                opt = SGD(_shaped(self.buffers[rank]), lr=1.0, momentum=self.momentum)
+                opt.keep_buffers_in(self.buffers[rank])
+                try:
+                    opt.load_state_dict(saved_opt)
+                except ValueError as exc:
+                    return f"worker {rank}: {exc}"
+        for rank, proc in enumerate(procs):
+            self.positions[rank] = pack(proc["epoch"], proc["row"])
+            if proc.get("rng") is not None:
+                self.rngs[rank] = proc["rng"]["torch"]
+                self.rng_saved[rank] = 1
+        return None
+
+
+def _shaped(buffers: list) -> list:
+    """Stand-in parameters of the buffers' shapes, for SGD's shape checks."""
+    return [torch.nn.Parameter(torch.empty_like(b)) for b in buffers]

@@ -1,0 +1,140 @@
+"""Full checkpoints: a run stopped anywhere and resumed ends with exactly the parameters of
+the same run never stopped (bit for bit, one process), with momentum, adam or a simulated
+staleness queue, and a dropout model (so torch's generator must continue too)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from asyncsgd.config import DDPConfig, HogwildConfig, SingleConfig
+from asyncsgd.modes import ddp, hogwild
+from asyncsgd.modes.single import train
+from asyncsgd.run.checkpoint import load_checkpoint, save_checkpoint
+
+from conftest import asyncsgd_cmd, start_training
+
+TASK, SAMPLES, EPOCHS = "tasks_for_tests:dropout_regression", 160, 3
+STEPS = EPOCHS * (SAMPLES * 4 // 5) // 16  # 128 training rows, batches of 16: 8 a epoch
+
+
+def _cfg(out, config=SingleConfig, **settings) -> SingleConfig:
+    return config(**{**dict(task=TASK, samples=SAMPLES, epochs=EPOCHS, threads=1,
+                                  eval_every=1e6, checkpoint_every=0, progress="off",
+                                  out=str(out)), **settings})
+
+
+def _model(run_dir) -> dict:
+    return load_checkpoint(run_dir / "checkpoint.pt")["model"]
+
+
+def _stopped_midway(tmp_path, monkeypatch, run=train, rows=128, **settings):
+    """A run stopped by --max-seconds part way through (not at an epoch's end): each step
+    sleeps 20 ms, and the budget is cut until the stop lands inside the run."""
+    monkeypatch.setenv("ASYNCSGD_TEST_STEP_SLEEP", "0.02")
+    for budget in (0.35, 0.2, 0.1, 0.6, 0.05):
+        out = tmp_path / f"stopped-{budget}"
+        result = run(_cfg(out, max_seconds=budget, **settings))
+        state = load_checkpoint(out / "checkpoint.pt")["state"]
+        row = state["processes"][0]["row"]
+        if result.summary["stopped_by"] == "max_seconds" and 0 < row < rows:
+            return out, state
+    pytest.fail("no budget stopped the run inside an epoch")
+
+
+@pytest.mark.parametrize("settings", [
+    dict(momentum=0.9, weight_decay=0.01),
+    dict(optimizer="adam", weight_decay=0.01),
+    dict(momentum=0.5, simulate_staleness=2),
+], ids=["momentum", "adam", "staleness"])
+def test_a_resumed_run_is_the_uninterrupted_run_bit_for_bit(tmp_path, monkeypatch, settings):
+    whole = tmp_path / "whole"
+    train(_cfg(whole, **settings))
+    stopped, state = _stopped_midway(tmp_path, monkeypatch, **settings)
+    assert state["optimizer"] is not None
+    monkeypatch.setenv("ASYNCSGD_TEST_STEP_SLEEP", "0")
+    result = train(_cfg(None, resume=str(stopped), **settings))
+    assert result.summary["stopped_by"] == "epochs"
+    want, got = _model(whole), _model(stopped)
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
+def test_a_resumed_ddp_run_is_the_uninterrupted_run_bit_for_bit(tmp_path, monkeypatch):
+    """Two ranks: the update rule (equal on both), the shared position and each rank's own
+    generator continue."""
+    settings = dict(config=DDPConfig, procs=2, momentum=0.9, eval_every=1e5)
+    whole = tmp_path / "whole"
+    ddp.train(_cfg(whole, **settings))
+    stopped, state = _stopped_midway(tmp_path, monkeypatch, run=ddp.train, rows=64, **settings)
+    assert len(state["processes"]) == 2
+    assert not torch.equal(state["processes"][0]["rng"]["torch"],
+                           state["processes"][1]["rng"]["torch"])
+    monkeypatch.setenv("ASYNCSGD_TEST_STEP_SLEEP", "0")
+    ddp.train(_cfg(None, resume=str(stopped), **settings))
+    want, got = _model(whole), _model(stopped)
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
+def test_the_oracle_tells_a_model_only_resume_apart(tmp_path, monkeypatch):
+    """Without its training state (a version-1 checkpoint), the resumed momentum run is not
+    the uninterrupted one, and the resume says what starts afresh."""
+    settings = dict(momentum=0.9)
+    whole = tmp_path / "whole"
+    train(_cfg(whole, **settings))
+    stopped, _ = _stopped_midway(tmp_path, monkeypatch, **settings)
+    record = load_checkpoint(stopped / "checkpoint.pt")
+    del record["state"]
+    record["version"] = 1
+    save_checkpoint(stopped / "checkpoint.pt", record)
+    monkeypatch.setenv("ASYNCSGD_TEST_STEP_SLEEP", "0")
+    train(_cfg(None, resume=str(stopped), **settings))
+    want, got = _model(whole), _model(stopped)
+    assert not all(torch.equal(want[name], got[name]) for name in want)
+
+
+@pytest.mark.parametrize("mode, sleep", [(["single", "--threads", "1"], "0.05"),
+                                         (["hogwild", "--procs", "1"], "0.1")],
+                         ids=["single", "hogwild-1"])
+def test_sigterm_then_resume_from_the_cli_continues_exactly(tmp_path, run_cli, cli_env, mode,
+                                                            sleep):
+    """What a user does: SIGTERM a run part way (exit 130, saved), --resume it; its final
+    parameters are those of the run never stopped. One Hogwild worker races nobody, so its
+    resume is exact too: its momentum buffer, place in the data and generator live in
+    shared memory the parent checkpoints once the worker has stopped."""
+    common = [*mode, "--task", TASK, "--samples", str(SAMPLES), "--epochs", str(EPOCHS),
+              "--momentum", "0.9", "--eval-every", "1000000", "--progress", "off"]
+    assert run_cli(*common, "--out", tmp_path / "whole").returncode == 0
+    stopped = tmp_path / "stopped"
+    env = {**cli_env, "ASYNCSGD_TEST_STEP_SLEEP": sleep}
+    proc = start_training(asyncsgd_cmd(*common, "--out", stopped), stopped, env)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    (worker,) = load_checkpoint(stopped / "checkpoint.pt")["state"]["processes"]
+    assert (worker["epoch"], worker["row"]) != (EPOCHS, 0)
+    assert worker["rng"] is not None
+    assert run_cli(mode[0], "--resume", stopped, "--progress", "off").returncode == 0
+    want, got = _model(tmp_path / "whole"), _model(stopped)
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
+def test_hogwild_checkpoints_every_workers_state(tmp_path):
+    """Two workers: each one's own momentum buffer (not the same: their batches differ), its
+    own position at the end of the run, and its own generator."""
+    out = tmp_path / "run"
+    hogwild.train(_cfg(out, config=HogwildConfig, procs=2, momentum=0.9, epochs=1))
+    a, b = load_checkpoint(out / "checkpoint.pt")["state"]["processes"]
+    assert (a["epoch"], a["row"]) == (b["epoch"], b["row"]) == (1, 0)
+    assert not torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+    assert not torch.equal(a["optimizer"]["buffers"][0], b["optimizer"]["buffers"][0])
