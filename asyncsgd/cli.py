@@ -74,11 +74,15 @@ def _report(summary: dict) -> None:
     from .core.scoring import Metric
     metric = Metric.described(summary.get("metric"))
     final, best = summary.get("final_metric"), summary.get("best_metric")
-    rate = summary.get("samples_per_second") or 0
+    # train_seconds counts from the command's start (run.lifetime), so the rate once every
+    # process trains is the one that says how fast training went
+    rate = summary.get("steady_samples_per_second") or summary.get("samples_per_second") or 0
+    startup = summary.get("startup_seconds")
     if final is not None:
         click.echo(f"final test {metric.name}: {metric.format(final, True)} (best "
-                   f"{metric.format(best, True)}) after {summary['train_seconds']:.1f} s of "
-                   f"training, {rate:,.0f} samples/s")
+                   f"{metric.format(best, True)}) after {summary['train_seconds']:.1f} s"
+                   + (f" ({startup:.1f} s of it starting)" if startup is not None else "")
+                   + f", {rate:,.0f} samples/s while training")
     if summary.get("target") is not None:
         ttt = summary.get("time_to_target")
         click.echo(f"time to {metric.name} {metric.format(summary['target'])}: "
@@ -176,26 +180,37 @@ def worker(ctx: click.Context, **_: object) -> None:
                    "(--slowdown, --delay)")
 
 
-@cli.command("ps-stats")
+@cli.command("ps-stats", epilog="Examples:\n\n\b\n"
+             "  asyncsgd ps-stats                                  # the server on this host\n"
+             "  asyncsgd ps-stats --server tcp://10.0.0.5:5555\n"
+             "  asyncsgd ps-stats --server tcp://10.0.0.5:5555 --json | jq .updates\n"
+             "  asyncsgd ps-stats --curve-server-key keys/server.key "
+             "--curve-secret keys/clients/worker-0.key_secret")
 @click.option("--server", default="tcp://127.0.0.1:5555", show_default=True,
-              metavar="tcp://HOST:PORT", help="The server's address.")
+              metavar="tcp://HOST:PORT", help="The server's address (its --bind).")
 @click.option("--timeout", default=5.0, show_default=True, type=click.FloatRange(min=0.1),
               help="Seconds to wait for the answer.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the whole reply as JSON (every counter, per shard), for scripts.")
 @click.option("--curve-server-key", metavar="FILE", default=None,
               help="The server's public key, for a server with CURVE on.")
 @click.option("--curve-secret", metavar="FILE", default=None,
               help="A secret key the server admits (a worker's).")
-def ps_stats(server: str, timeout: float, curve_server_key: Optional[str],
+def ps_stats(server: str, timeout: float, as_json: bool, curve_server_key: Optional[str],
              curve_secret: Optional[str]) -> None:
-    """Print a running server's counters as JSON: updates, live workers, staleness,
-    refused connections."""
+    """Print a running server's counters: updates, live workers, staleness, refusals.
+
+    A summary of a dozen lines by default; --json prints the whole reply.
+    """
     import json
 
+    from .analysis.ps_stats import summary
     from .wire.security import ClientKeys
     from .wire.stats import fetch_stats
     sigint_now()
     keys = ClientKeys.load(curve_server_key, curve_secret)
-    click.echo(json.dumps(fetch_stats(server, timeout, keys), indent=2, sort_keys=True))
+    stats = fetch_stats(server, timeout, keys)
+    click.echo(json.dumps(stats, indent=2, sort_keys=True) if as_json else summary(stats, server))
 
 
 @cli.command(epilog="Examples:\n\n\b\n"
@@ -293,6 +308,7 @@ def _finish(ctx: click.Context, command: str, result) -> None:
              "  asyncsgd compare --task lm --modes single,ps-async,ddp --budget 120\n"
              "  asyncsgd compare --modes hogwild,ps-async,ps-sync --repeats 3 --out runs/cmp\n"
              "  asyncsgd compare --modes hogwild,ps-async --mode-args 'ps-async=--optimizer adam'\n"
+             "  asyncsgd compare --tensorboard --out runs/cmp && tensorboard --logdir runs/cmp\n"
              "  asyncsgd compare --link 100mbit --modes ps-async,ddp --procs 2   # as root")
 @click_options(CompareConfig)
 @click.pass_context
@@ -308,6 +324,12 @@ def compare(ctx: click.Context, **_: object) -> None:
     recorded with its error and the comparison goes on. OUT gets report.md
     (table and plots), results.json, PNGs, and every run's directory and logs.
     Exits 1 when any run failed.
+
+    Every time (start-up, time to --target, the plots' time axes) is counted
+    from the launch of the run's first process: starting Python and torch and
+    loading the task are part of it. With --tensorboard each run writes its
+    TensorBoard events into its own directory: tensorboard --logdir OUT shows
+    them all.
     """
     from . import api
     sigint_now()
@@ -325,17 +347,29 @@ def compare(ctx: click.Context, **_: object) -> None:
              "  asyncsgd plot runs/20261122-110000-compare --out figures --target 0.9")
 @click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR...")
 @click_options(PlotConfig)
-def plot(run_dirs: tuple, **params: object) -> None:
+@click.option("--allow-mixed", is_flag=True,
+              help="Tabulate runs of different tasks together: a task column, speed-ups and "
+                   "verdict within each task (refused without it).")
+def plot(run_dirs: tuple, allow_mixed: bool, **params: object) -> None:
     """Plot and tabulate any run directories (of any mode, or of a compare).
 
     Writes the compare plots (the task's test metric and training loss vs time, loss vs
-    samples, throughput) and report.md into --out, and prints the table.
+    samples, throughput) and report.md into --out, and prints the table. Each run is
+    given once; runs of different tasks are refused unless --allow-mixed; settings that
+    differ between runs of one task (batch size, learning rate, budget) are warned about;
+    a run that failed (at start, too) is counted and named as failed.
     """
     from .analysis.publish import report_runs
     sigint_now()
     cfg = PlotConfig(**params)
     out = Path(cfg.out)
-    click.echo(report_runs(list(run_dirs), out, cfg.target))
+    result = report_runs(list(run_dirs), out, cfg.target, allow_mixed=allow_mixed)
+    for warning in result.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    for a in result.failed:
+        click.echo(f"warning: {a.run_dir or a.label} is not counted as a result ({a.status}): "
+                   f"{a.error or 'no error recorded'}", err=True)
+    click.echo(result.text)
     click.echo(f"report: {out / 'report.md'}")
 
 

@@ -520,9 +520,16 @@ class CompareConfig:
     out: Optional[str] = knob(
         None, "Directory for the report, the plots and every run's directory.",
         metavar="DIR", show="runs/<time>-compare")
+    tensorboard: bool = knob(
+        False, "Every run also writes TensorBoard event files, into its run directory "
+        "(OUT/<mode>-r<k>/tensorboard: test metric and loss vs samples and vs whole seconds "
+        "since its launch, training loss per worker); view them all together with "
+        "'tensorboard --logdir OUT' (needs the tensorboard package).")
     progress: str = knob(
         "auto", "Progress display: a live line on a terminal and log lines otherwise (auto), "
-        "or force bar, log or off.", type=click.Choice(["auto", "bar", "log", "off"]))
+        "or force bar, log or off; each shows the run's time since its launch, its ETA (its "
+        "budget, or --epochs at its pace, whichever ends first) and the comparison's.",
+        type=click.Choice(["auto", "bar", "log", "off"]))
 
     mode = "compare"
 

@@ -21,6 +21,7 @@ from asyncsgd.run.recorder import Recorder
 from asyncsgd.wire.layout import Layout
 from asyncsgd.wire.protocol import PARAMS, PULL, STATS, Key, Message, ParamsIntake, ProtocolError
 from asyncsgd.wire.security import ClientKeys
+from asyncsgd.wire.stats import percentile
 from asyncsgd.wire.transport import dealer, frame_limit, recv, send
 
 log = logging.getLogger(__name__)
@@ -29,19 +30,6 @@ log = logging.getLogger(__name__)
 def merged_staleness(shard_stats: list) -> list:
     """The shards' staleness histograms added bucket by bucket."""
     return [sum(bucket) for bucket in zip(*[s["staleness"] for s in shard_stats])]
-
-
-def percentile(hist: list, q: float) -> Optional[int]:
-    """The value at quantile ``q`` of a histogram (bucket i counts value i)."""
-    total = sum(hist)
-    if not total:
-        return None
-    seen = 0
-    for value, count in enumerate(hist):
-        seen += count
-        if seen >= q * total:
-            return value
-    return len(hist) - 1
 
 
 class ShardReader:

@@ -7,7 +7,10 @@ files, that every mode got the same settings (batch per process, seed,
 budget), the plots, the failed mode and that nothing outlived it.
 """
 
+import io
+import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -15,13 +18,15 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from asyncsgd.analysis.cli_launcher import Child, stop_all
-from asyncsgd.analysis.compare import parse_modes
+from asyncsgd.analysis.compare import CompareProgress, parse_modes
 from asyncsgd.analysis.report import (Attempt, Goal, Run, mode_rows, parse_table, table_cells,
                                      verdict)
+from asyncsgd.config import CompareConfig
 from asyncsgd.core.scoring import ACCURACY, PERPLEXITY
 from asyncsgd.errors import ConfigError
 from asyncsgd.run.metrics import (MetricsLog, first_progress, steady_throughput, summarize,
@@ -59,7 +64,7 @@ def compared(cache_dir, tmp_path_factory):
     res = _run(cache_dir, "compare", "--task", "mnist1d-cnn", "--modes",
                ",".join(OK_MODES + ["ps-sync"]), "--procs", 2, "--budget", BUDGET,
                "--batch-size", BATCH, "--target", TARGET, "--eval-every", 0.5,
-               "--grace", 90,
+               "--grace", 90, "--tensorboard",
                "--mode-args", "ps-sync=--no-such-flag", "--progress", "log", "--out", out)
     return res, out
 
@@ -177,6 +182,100 @@ def test_a_failed_mode_is_reported_and_the_others_ran(compared):
     assert res.leftovers == []
 
 
+# The kernel records a process's start in 10 ms ticks (down); a fork takes what it takes.
+TICK, FORK = 0.02, 0.5
+
+
+def test_every_time_counts_from_the_launch_of_the_modes_first_process(compared):
+    """Start-up and times to target include starting Python, importing torch and loading
+    the task, in every mode: each run's clock starts when compare launched its first
+    process (results.json's ``launched``: the Unix time just before; for ps-async the
+    server, whose workers compare launched right after it: no sample is trained before
+    they push, so their start-up is in the start-up too)."""
+    _, out = compared
+    results = read_json(out / "results.json")
+    rows = {r["mode"]: r for r in parse_table((out / "report.md").read_text())}
+    by_mode = {r["mode"]: r for r in results["runs"]}
+    for mode in OK_MODES:
+        launched = results["launched"][f"{mode}-r1"]
+        events = read_events(out / f"{mode}-r1")
+        start = events[0]
+        assert start["event"] == "start" and start["clock"] == "command", mode
+        for e in events:  # its Unix time less its t: the launch, for every event
+            assert launched - TICK <= e["wall"] - e["t"] <= launched + FORK, (mode, e)
+        # what the process took before the run's bookkeeping began is in its t: at least
+        # the time from the launch to then, less what a fork may take
+        assert start["t"] >= start["wall"] - launched - FORK, mode
+        first = first_progress(events)
+        assert by_mode[mode]["startup_seconds"] == first["t"] >= start["t"], mode
+        assert rows[mode]["start-up s"] == f"{first['t']:.1f}", mode
+        hit = next((e for e in events if e["event"] == "eval" and e["accuracy"] >= TARGET),
+                   None)
+        assert hit is not None, mode
+        assert by_mode[mode]["time_to_target"] == hit["t"] >= first["t"], mode
+        assert launched - TICK <= hit["wall"] - hit["t"] <= launched + FORK, mode
+    report = (out / "report.md").read_text()
+    assert "Every time is counted from the launch of the run's first process" in report
+
+
+def test_tensorboard_of_every_mode_has_its_evaluations_by_samples_and_whole_seconds(compared):
+    """--tensorboard: each run's events in its own directory, ``test/accuracy`` at every
+    evaluation's samples and ``test/accuracy_vs_seconds`` at whole seconds of its t (since
+    the launch), the first evaluation in each second."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    res, out = compared
+    assert f"tensorboard --logdir {out}" in res.stderr
+    for mode in OK_MODES:
+        board = EventAccumulator(str(out / f"{mode}-r1" / "tensorboard"))
+        board.Reload()
+        evals = [e for e in read_events(out / f"{mode}-r1") if e["event"] == "eval"]
+        by_samples = [(s.step, s.value) for s in board.Scalars("test/accuracy")]
+        assert [s for s, _ in by_samples] == [e["samples"] for e in evals], mode
+        assert [v for _, v in by_samples] == pytest.approx([e["accuracy"] for e in evals],
+                                                           abs=1e-6)
+        firsts: dict = {}
+        for e in evals:
+            firsts.setdefault(int(e["t"]), e["accuracy"])
+        by_second = [(s.step, s.value) for s in board.Scalars("test/accuracy_vs_seconds")]
+        assert [s for s, _ in by_second] == list(firsts), mode
+        assert [v for _, v in by_second] == pytest.approx(list(firsts.values()), abs=1e-6)
+
+
+def test_compare_progress_shows_each_runs_time_since_its_launch_and_etas(compared):
+    """The log lines: a run's time since its launch and its ETA (the budget: no --epochs)
+    add up to the budget, in whole seconds down; the comparison's ETA adds the runs after
+    it (the first run's: exactly its own plus 4 budgets, nothing having finished yet)."""
+    res, _ = compared
+    lines = re.findall(r"^\[(\d)/5 (\S+)\] (\d\d):(\d\d) [\d,]+ samples \| [\d,]+ samples/s"
+                       r" \| ETA (\d\d):(\d\d)(.*)$", res.stderr, re.M)
+    assert {m[1] for m in lines} >= set(OK_MODES), res.stderr
+    for index, mode, mm, ss, eta_mm, eta_ss, rest in lines:
+        elapsed, eta = int(mm) * 60 + int(ss), int(eta_mm) * 60 + int(eta_ss)
+        assert elapsed + eta in (BUDGET - 1, BUDGET) or (eta == 0 and elapsed >= BUDGET - 1)
+        whole = re.search(r"compare ETA (\d\d):(\d\d)$", rest)
+        assert bool(whole) == (index != "5"), (index, rest)
+        if index == "1":
+            assert int(whole[1]) * 60 + int(whole[2]) == eta + 4 * BUDGET, rest
+
+
+def test_the_comparisons_eta_adds_what_finished_runs_took_beyond_their_budget(tmp_path):
+    stream = io.StringIO()
+    shown = CompareProgress(3, "log", stream, Goal(ACCURACY, None))
+    cfg = CompareConfig(budget=10)
+    run = SimpleNamespace(cfg=cfg, spec=SimpleNamespace(name="single"), seed=0, repeat=0)
+    shown.starting(run, "single with 1 process")
+    assert shown.compare_eta(4.5) == "compare ETA 00:24"  # 4.5 + 2 x 10, nothing known
+    done = _fake_run(tmp_path / "single", "single", 0, [(1, 100, 0.5)])
+    shown.finished(Attempt("single", run=done, seconds=13.0))  # 3 s past its budget
+    shown.starting(run, "hogwild with 2 processes")
+    assert shown.compare_eta(4.5) == "compare ETA 00:20"  # 4.5 + 3, then 10 + 3
+    assert shown.compare_eta(None) == ""
+    shown.finished(Attempt("hogwild", status="failed", error="x", seconds=1.0))  # not counted
+    shown.starting(run, "ddp with 2 processes")
+    assert shown.compare_eta(4.5) == ""  # the last run: its own ETA says it all
+    assert "[3/3 ddp]" not in stream.getvalue() and "[2/3] hogwild FAILED" in stream.getvalue()
+
+
 def _check_png(path):
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n", path
@@ -200,6 +299,9 @@ def test_plot_draws_any_run_directories(compared, cache_dir, tmp_path):
     _, out = compared
     other = tmp_path / "my-hogwild"
     _fake_run(other, "hogwild", seed=3, points=[(0.5, 100, 0.2), (2.5, 900, 0.6)])
+    config = read_json(other / "config.json")  # one task per table: the compare's
+    config["task"] = read_json(out / "hogwild-r1" / "config.json")["task"]
+    (other / "config.json").write_text(json.dumps(config))
     res = _run(cache_dir, "plot", out / "hogwild-r1", out / "ps-async-r1", other,
                "--out", tmp_path / "plots", "--target", TARGET)
     assert res.returncode == 0, res.stderr

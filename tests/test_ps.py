@@ -176,7 +176,7 @@ def test_ps_stats_reports_a_running_server(server, cli_env, run_cli):
     (code, out, err), = finish([worker(cli_env, srv.address, 0, 1, *task, "--epochs", 1)])
     assert code == 0 and "20 steps, 20 pushes" in out, err
     wait_for(lambda: srv.stats()["updates"] == 40, 30, "the evaluator's next read of the shards")
-    res = run_cli("ps-stats", "--server", srv.address)
+    res = run_cli("ps-stats", "--server", srv.address, "--json")
     assert res.returncode == 0, res.stderr
     stats = json.loads(res.stdout)
     assert stats["shards"] == 2 and stats["task"] == "tasks_for_tests:dense_pair"

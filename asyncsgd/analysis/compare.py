@@ -14,7 +14,10 @@ the same seed (repeat r: seed + r, hence the same model initialisation and
 data order), the same batch size per process, plain SGD with the same
 learning rate, and the same budget of seconds (``--max-seconds``), counted from
 each command's start: what a mode spends starting (importing torch, spawning
-processes, joining a group) is time its user waits too.
+processes, joining a group) is time its user waits too. Every time a run records
+counts from there (``run.recorder.clock_origin``: its first process's start, which
+compare launched; the parameter server's, started before its workers), so the
+report's start-up and times to target include it.
 "The same batch per process" holds for single too: it steps on B samples like
 each Hogwild process or PS worker, so every mode computes gradients of the
 same size and only how they are combined differs. DDP with N ranks averages
@@ -31,7 +34,8 @@ failed. The result is one directory:
     OUT/report.md           the table, failed runs with their errors, the plots
     OUT/results.json        the same numbers unrounded, and every run's status
     OUT/*.png               the task's metric and loss vs time, loss vs samples, throughput
-    OUT/<mode>-r<k>/        each run's own run directory
+    OUT/<mode>-r<k>/        each run's own run directory (--tensorboard: its
+                            tensorboard/ too; tensorboard --logdir OUT shows them all)
     OUT/logs/<mode>-r<k>/   each process's stdout and stderr
 """
 
@@ -53,7 +57,7 @@ from ..config import CompareConfig
 from ..core.pacing import Pacing
 from ..errors import AsyncSGDError, ConfigError
 from ..run.process_group import available_cores
-from ..run.progress import Progress
+from ..run.progress import Progress, fmt_time
 from ..run.hosts import Hosts
 from ..run.link import Link
 from ..run.rundir import RunDir, environment
@@ -159,6 +163,10 @@ class ModeRun:
         self.traffic: Optional[dict] = None
         self.started = time.monotonic()
         self.deadline = self.started + cfg.budget + cfg.grace
+        # when its first process was launched (monotonic, Unix time): the origin of the
+        # run's clock, as that process's start is (run.recorder.clock_origin)
+        self.launched: Optional[float] = None
+        self.launched_wall: Optional[float] = None
         self.attempt = Attempt(spec.name, repeat, self.seed, run_dir=str(self.run_dir),
                                logs=str(self.logs))
 
@@ -174,7 +182,8 @@ class ModeRun:
         return self._data_flags() + _present({
             "--seed": self.seed, "--max-seconds": c.budget, "--eval-every": c.eval_every,
             "--target": self.goal.target if c.stop_at_target and self.goal else None,
-            "--out": self.run_dir, "--progress": "off", "--checkpoint-every": 0})
+            "--out": self.run_dir, "--progress": "off", "--checkpoint-every": 0}) + (
+                ["--tensorboard"] if c.tensorboard else [])
 
     def _train_flags(self, world: int) -> list:
         """What every training process takes; ``world``: its mode's processes (stragglers
@@ -244,6 +253,8 @@ class ModeRun:
                env: Optional[dict] = None) -> Child:
         """``host``: where it runs with --link (a network namespace), else here."""
         where = self.hosts.command(host) if self.hosts is not None and host else []
+        if not self.children:  # its first process (again, when a retry starts it anew)
+            self.launched, self.launched_wall = time.monotonic(), time.time()
         child = Child.start(command, flags, self.logs, name=name, env=env, where=where)
         self.children.append(child)
         return child
@@ -328,15 +339,21 @@ class ModeRun:
 
 
 class CompareProgress:
-    """Which run is on, how long it has run, and its latest evaluation."""
+    """Which run is on, how long it has run since its launch, its ETA and the
+    comparison's, and its latest evaluation (``run.progress``: a bar or log lines)."""
 
-    def __init__(self, total: int, style: str, stream: TextIO, goal: "Goal"):
+    def __init__(self, total: int, style: str, stream: TextIO, goal: "Goal",
+                 train_samples: Optional[int] = None):
+        """``train_samples``: the task's, for the samples budget of ``--epochs``."""
         if style == "auto":
             style = "bar" if getattr(stream, "isatty", lambda: False)() else "log"
         self.total, self.style, self.stream, self.goal = total, style, stream, goal
+        self.train_samples = train_samples
         self.index = 0
         self._bar: Optional[Progress] = None
         self._next_show = 0.0
+        self._budget = 0.0  # of the run on
+        self._overheads: list = []  # seconds each finished run took beyond its budget
 
     def say(self, text: str) -> None:
         if self.style != "off":
@@ -349,8 +366,10 @@ class CompareProgress:
         self.say(f"[{self.index}/{self.total}] {run.spec.name}"
                  + (f", repeat {run.repeat + 1}/{reps}" if reps > 1 else "")
                  + f" (seed {run.seed}): {what}, budget {run.cfg.budget:g} s")
-        self._bar = Progress(f"{self.index}/{self.total} {run.spec.name}", None, self.style,
-                             self.stream)
+        epochs, self._budget = run.cfg.epochs, run.cfg.budget
+        self._bar = Progress(f"{self.index}/{self.total} {run.spec.name}",
+                             epochs * self.train_samples if epochs and self.train_samples
+                             else None, self.style, self.stream, seconds=run.cfg.budget)
         self._next_show = 0.0
 
     def tick(self, run: ModeRun) -> None:
@@ -365,13 +384,29 @@ class CompareProgress:
         if evals and evals[-1].get(metric.name) is not None:
             self._bar.evaluated(metric, evals[-1][metric.name], evals[-1]["loss"])
         rate = last["samples"] / last["t"] if last.get("t") else 0.0
-        self._bar.update(now - run.started, last.get("samples", 0), rate)
+        t = now - (run.launched or run.started)  # the run's clock: from its launch
+        samples = last.get("samples", 0)
+        self._bar.note(self.compare_eta(self._bar.eta(t, samples, rate)))
+        self._bar.update(t, samples, rate)
+
+    def compare_eta(self, run_eta: Optional[float]) -> str:
+        """'compare ETA mm:ss' while runs remain after this one: what this one has left,
+        then each of the others' budget, each run (this one too) plus the mean of what the
+        finished ones took beyond their budget (final evaluation, exits, the report's
+        reading)."""
+        left = self.total - self.index
+        if not left or run_eta is None:
+            return ""
+        overhead = sum(self._overheads) / len(self._overheads) if self._overheads else 0.0
+        return f"compare ETA {fmt_time(run_eta + overhead + left * (self._budget + overhead))}"
 
     def finished(self, attempt: Attempt) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
         took = f"in {attempt.seconds:.1f} s"
+        if attempt.ok and attempt.seconds is not None:
+            self._overheads.append(max(0.0, attempt.seconds - self._budget))
         if attempt.ok:
             numbers, metric = attempt.run.numbers(self.goal), self.goal.metric
             score = ("" if numbers["final_metric"] is None else
@@ -420,6 +455,8 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
     if cfg.stop_at_target and goal.target is None:
         raise ConfigError(f"--stop-at-target needs --target: task {task.name} has no default "
                           f"target (its metric: {task.metric.name})")
+    if cfg.tensorboard:
+        _check_tensorboard()
     out = _compare_dir(cfg.out)
     header = {"command": argv if argv is not None else sys.argv, "config": dataclasses.asdict(cfg),
               "task": {"name": cfg.task, "train_samples": len(task.train),
@@ -429,11 +466,16 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **environment()}
     if cfg.link is not None:  # runs: each ps-*/ddp run's hosts and their links' byte counts
         header["link"] = {"rate": cfg.link, "tbf": Link.parse(cfg.link).tbf(), "runs": {}}
+    # each run's directory -> the Unix time its first process was launched: its clock's origin
+    header["launched"] = {}
     (out / "compare.json").write_text(json.dumps(header, indent=2, default=str) + "\n")
     total = len(specs) * cfg.repeats
-    shown = CompareProgress(total, cfg.progress, stream, goal)
+    shown = CompareProgress(total, cfg.progress, stream, goal, len(task.train))
     shown.say(f"compare: {len(specs)} mode(s) x {cfg.repeats} repeat(s) = {total} run(s) of "
               f"{cfg.budget:g} s each on {task.name}, one after another; writing {out}")
+    if cfg.tensorboard:
+        shown.say(f"TensorBoard: each run writes {out}/<mode>-r<k>/tensorboard; view them "
+                  f"together with: tensorboard --logdir {out}")
     attempts: list = []
     interrupted = False
     try:
@@ -449,6 +491,8 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
                     finally:
                         if run.traffic is not None:
                             header["link"]["runs"][f"{spec.name} r{repeat + 1}"] = run.traffic
+                        if run.launched_wall is not None:
+                            header["launched"][run.run_dir.name] = round(run.launched_wall, 3)
     except KeyboardInterrupt:
         interrupted = True
         raise
@@ -459,6 +503,15 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
         if interrupted:
             shown.say(f"interrupted; the report of the runs so far: {out / 'report.md'}")
     return CompareResult(out, table, attempts)
+
+
+def _check_tensorboard() -> None:
+    """--tensorboard: fail before the first run rather than in every run."""
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install "
+                          "tensorboard (or drop --tensorboard)") from exc
 
 
 def _title(cfg: CompareConfig, task: str) -> str:

@@ -7,9 +7,12 @@
 Each mode gets one colour; its repeats are drawn as separate lines of that
 colour. Every figure carries the conditions (task, processes, stragglers, link)
 under its title, and the task's own metric (accuracy, perplexity, ...). Curves
-come from metrics.jsonl through ``metrics.eval_curve`` and ``metrics.train_curve``;
-throughput is ``metrics.steady_throughput``. Figures are built with the object API
-(no pyplot), so nothing depends on a display or on global pyplot state.
+come from metrics.jsonl through ``metrics.eval_curve`` and ``loss_curve`` (the
+training loss of all workers at each report, see there why not quite
+``metrics.train_curve``); throughput is ``metrics.steady_throughput``. What each
+figure draws is ``figure_data``'s, so it can be checked without reading pixels.
+Figures are built with the object API (no pyplot), so nothing depends on a
+display or on global pyplot state.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from ..run.metrics import eval_curve, steady_throughput, train_curve
+from ..run.metrics import eval_curve, steady_throughput
 from .report import Goal, Spread
 
 log = logging.getLogger(__name__)
@@ -47,22 +50,86 @@ def _colour(i: int) -> str:
     return f"C{i % 10}"
 
 
-def _lines(groups: list, curve, x: int, y: int, title: str, xlabel: str, ylabel: str,
+def series(groups: list, curve, x: int, y: int) -> list:
+    """[(label, colour index, xs, ys)]: one line per run that has points, a group's runs
+    in its colour; what a line figure draws."""
+    lines = []
+    for i, (label, runs) in enumerate(groups):
+        for run in runs:
+            points = curve(run.events)
+            if points:
+                lines.append((label, i, [p[x] for p in points], [p[y] for p in points]))
+    return lines
+
+
+def _lines(lines: list, title: str, xlabel: str, ylabel: str,
            hline: Optional[tuple] = None, conditions: str = ""):
     fig, ax = _figure(title, xlabel, ylabel, conditions)
-    for i, (label, runs) in enumerate(groups):
-        for k, run in enumerate(runs):
-            points = curve(run.events)
-            if not points:
-                continue
-            ax.plot([p[x] for p in points], [p[y] for p in points], color=_colour(i),
-                    linewidth=1.2, alpha=0.9 if len(runs) == 1 else 0.6,
-                    label=label if k == 0 else None)
+    counts = {label: sum(line[0] == label for line in lines) for label, *_ in lines}
+    shown: set = set()
+    for label, colour, xs, ys in lines:
+        ax.plot(xs, ys, color=_colour(colour), linewidth=1.2,
+                alpha=0.9 if counts[label] == 1 else 0.6,
+                label=None if label in shown else label)
+        shown.add(label)
     if hline is not None:  # (y, legend label)
         ax.axhline(hline[0], color="grey", linestyle="--", linewidth=1, label=hline[1])
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small")
     return fig
+
+
+def loss_curve(events: list) -> list:
+    """(t, samples, loss): the training loss of all workers at each report, every point
+    a mean over at least half the steps of the run's typical (median) report.
+
+    A report's loss is the mean over the steps since the report before, drawn at the
+    report's end. Modes end with a forced report of whatever ran since the last
+    periodic one: often a step or two of some workers, milliseconds later. Drawn on
+    its own, that last point is the loss of a couple of minibatches (noisy, and the
+    latest: below the lagging one-second mean of a falling loss) against the mean just
+    before it at nearly the same x: a vertical drop at the end of the curve, made by
+    the bookkeeping, not by training.
+    So a report with fewer steps than half the median is folded into the point before
+    it (their steps' weighted mean, at the later report's time and samples); the
+    first report, the curve's start, stands as it is.
+    """
+    reports = _reports(events)
+    if not reports:
+        return []
+    least = _median([steps for *_, steps in reports]) / 2
+    points = [list(reports[0])]
+    for t, samples, loss_sum, steps in reports[1:]:
+        if steps >= least:
+            points.append([t, samples, loss_sum, steps])
+        else:
+            last = points[-1]
+            last[0], last[1] = max(last[0], t), samples
+            last[2], last[3] = last[2] + loss_sum, last[3] + steps
+    return [(t, samples, loss_sum / steps) for t, samples, loss_sum, steps in points]
+
+
+def _reports(events: list) -> list:
+    """(t, samples, loss summed over steps, steps) of each report: the ``train`` events
+    written together, one per worker, with the same ``samples`` (as
+    ``metrics.train_curve`` groups them), at the latest of their times."""
+    reports: list = []
+    for e in events:
+        if e.get("event") != "train" or e.get("loss") is None:
+            continue
+        steps = max(1, int(e.get("steps", 1)))
+        if reports and reports[-1][1] == e.get("samples"):
+            t, samples, loss_sum, n = reports[-1]
+            reports[-1] = (max(t, e["t"]), samples, loss_sum + e["loss"] * steps, n + steps)
+        else:
+            reports.append((e["t"], e.get("samples"), e["loss"] * steps, steps))
+    return reports
+
+
+def _median(values: list) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _score_curve(goal: Goal):
@@ -93,6 +160,15 @@ def _throughput(groups: list, conditions: str = ""):
     return fig
 
 
+def figure_data(groups: list, goal: Goal) -> dict:
+    """What each line figure of ``PLOTS`` draws, by file name: ``series`` of the task's
+    metric (percent for a fraction) and of the training loss (``loss_curve``)."""
+    name = PLOTS[0][0].format(metric=goal.metric.name)
+    return {name: series(groups, _score_curve(goal), 0, 2),
+            "loss_vs_time.png": series(groups, loss_curve, 0, 2),
+            "loss_vs_samples.png": series(groups, loss_curve, 1, 2)}
+
+
 def draw_all(groups: list, out_dir: Path, goal: Goal, conditions: str = "") -> list:
     """Write the four PNGs of ``PLOTS`` for ``groups`` = [(label, [Run, ...])], the task's
     metric in ``goal`` (and its target, drawn when given); returns [(file name, caption)]
@@ -102,16 +178,18 @@ def draw_all(groups: list, out_dir: Path, goal: Goal, conditions: str = "") -> l
     metric, target = goal.metric, goal.target
     scale = 100 if metric.percent else 1
     unit = " (%)" if metric.percent else ""
+    data = figure_data(groups, goal)
+    score, by_time, by_samples = data.values()
     figures = [
-        _lines(groups, _score_curve(goal), 0, 2, f"Test {metric.name}", "training seconds",
+        _lines(score, f"Test {metric.name}", "training seconds",
                f"test {metric.name}{unit}" + ("" if metric.higher_is_better else
                                                " (lower is better)"),
                hline=None if target is None else (target * scale, f"target {goal.label}"),
                conditions=conditions),
-        _lines(groups, train_curve, 0, 2, "Training loss", "training seconds",
-               "training loss", conditions=conditions),
-        _lines(groups, train_curve, 1, 2, "Training loss", "samples processed",
-               "training loss", conditions=conditions),
+        _lines(by_time, "Training loss", "training seconds", "training loss",
+               conditions=conditions),
+        _lines(by_samples, "Training loss", "samples processed", "training loss",
+               conditions=conditions),
         _throughput(groups, conditions),
     ]
     written = []

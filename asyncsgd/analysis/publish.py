@@ -6,6 +6,15 @@
 run directories (``report_runs``), compare directories included. The table
 and report come from ``report``, the figures from ``plots`` (matplotlib loads
 only when they are drawn).
+
+``plot`` was not there when its runs ran, so it checks what ``compare`` makes
+sure of by construction: each run is given once (a run twice would fold into
+"2/2 runs ± 0.00"), the runs are of one task (speed-ups across tasks compare
+unlike work: refused unless --allow-mixed, which gives each task its own rows,
+speed-ups and verdict), and the settings that change what a sample costs or
+how long a run had are alike (warned about where they are not). A run's status
+is what its own files say (``Run.outcome``): one that failed at start is no
+result.
 """
 
 from __future__ import annotations
@@ -13,12 +22,31 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from ..errors import ConfigError
 from .plots import draw_all
-from .report import (Attempt, Goal, Run, mode_rows, render_report, render_table, run_label,
-                     verdict)
+from .report import (Attempt, Goal, Run, grouped_rows, mode_rows, render_report,
+                     render_table, run_label, verdict)
+
+# What makes two runs runs of one task, and how a message names it.
+TASK_FIELDS = (("name", "task"), ("train_samples", "training samples"),
+               ("test_samples", "test samples"))
+# Settings whose difference a report of the same task warns about: (key, name, whether
+# None means "the task's default", which summary.json resolves where the run records it).
+SETTINGS = (("batch_size", "batch size per process", True), ("lr", "learning rate", True),
+            ("max_seconds", "time budget (--max-seconds)", False),
+            ("epochs", "--epochs", False))
+UNKNOWN = object()
+
+
+class Plotted(NamedTuple):
+    """What ``report_runs`` made: the table and verdict to print, the warnings report.md
+    carries too, and the attempts that failed."""
+
+    text: str
+    warnings: list
+    failed: list
 
 
 def write_results(path: Path, header: dict, rows: list, goal: Goal) -> None:
@@ -30,37 +58,196 @@ def write_results(path: Path, header: dict, rows: list, goal: Goal) -> None:
 
 
 def publish(out_dir: Path, title: str, intro: list, attempts: list, goal: Goal,
-            header: dict) -> str:
+            header: dict, *, groups: Optional[list] = None, warnings: tuple = ()) -> str:
     """Write the plots, report.md and results.json of ``attempts`` into ``out_dir``;
-    returns the table."""
+    returns the table. ``groups``: [(task, attempts)] of runs of several tasks, each
+    with rows and speed-ups of its own; ``warnings``: said above the table."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = mode_rows(attempts, goal)
-    plots = draw_all([(r.label, [a.run for a in r.attempts if a.ok]) for r in rows],
+    rows = grouped_rows(groups, goal) if groups else mode_rows(attempts, goal)
+    plots = draw_all([(_legend(r), [a.run for a in r.attempts if a.ok]) for r in rows],
                      out_dir, goal, conditions=title)
     (out_dir / "report.md").write_text(
-        render_report(title, intro, rows, goal, plots, out_dir))
-    write_results(out_dir / "results.json", header, rows, goal)
+        render_report(title, intro, rows, goal, plots, out_dir, warnings=tuple(warnings)))
+    write_results(out_dir / "results.json",
+                  {**header, "warnings": list(warnings)} if warnings else header, rows, goal)
     return render_table(rows, goal) + "\n\n" + verdict(rows, goal)
 
 
-def report_runs(paths: list, out: Path, target: Optional[float]) -> str:
+def _legend(row) -> str:
+    return f"{row.label} [{row.group}]" if row.group else row.label
+
+
+def report_runs(paths: list, out: Path, target: Optional[float],
+                allow_mixed: bool = False) -> Plotted:
     """``asyncsgd plot``: the plots and report.md of any run directories (or compare
-    directories, whose runs keep their modes and repeats) into ``out``; returns the table."""
-    attempts, plain = [], []
+    directories, whose runs keep their modes and repeats) into ``out``."""
+    _given_once(paths)
+    sourced = [(path, a) for path in paths for a in _attempts_of(Path(path))]
+    _runs_once(sourced)
+    attempts = [a for _, a in sourced]
+    groups = task_groups(attempts, allow_mixed)
+    plain = {id(a) for path, a in sourced if not _is_compare_dir(Path(path))}
+    for _, group in groups:
+        _tell_apart(group, [a for a in group if id(a) in plain])
+    warnings = _mixed_warning(groups) + [w for task, group in groups
+                                         for w in setting_warnings(group, task)]
+    warnings += [f"{a.run_dir} has no summary.json (killed before it finished?): it is "
+                 "reported from what its metrics.jsonl recorded"
+                 for a in attempts if a.ok and not a.run.recorded_summary]
+    text = publish(out, "asyncsgd plot", [f"Runs: {', '.join(str(p) for p in paths)}"],
+                   attempts, Goal.of(attempts, target), {"command": sys.argv},
+                   groups=groups if len(groups) > 1 else None, warnings=tuple(warnings))
+    return Plotted(text, warnings, [a for a in attempts if not a.ok])
+
+
+def _is_compare_dir(path: Path) -> bool:
+    return (path / "results.json").is_file() and not (path / "config.json").is_file()
+
+
+def _attempts_of(path: Path) -> list:
+    """The attempts a path stands for: a compare directory's, or one run's, its status
+    from its own files."""
+    if _is_compare_dir(path):
+        return _compare_attempts(path)
+    run = Run.read(path)
+    status, error = run.outcome()
+    return [Attempt(run_label(run.config), seed=run.seed, status=status, error=error,
+                    run=run, run_dir=str(path))]
+
+
+def _given_once(paths: list) -> None:
+    """The same directory twice, by any path to it, is refused: its runs would count
+    twice (as repeats of their mode, with a spread of 0)."""
+    seen: dict = {}
     for path in paths:
-        path = Path(path)
-        if (path / "results.json").is_file() and not (path / "config.json").is_file():
-            attempts += _compare_attempts(path)
+        real = Path(path).resolve()
+        if real in seen:
+            raise ConfigError(f"{seen[real]} and {path} are the same directory ({real}): "
+                              "give each run once")
+        seen[real] = path
+
+
+def _runs_once(sourced: list) -> None:
+    """A run given on its own and within a compare directory given too is refused."""
+    seen: dict = {}
+    for path, a in sourced:
+        if a.run is None:
             continue
-        run = Run.read(path)
-        plain.append(Attempt(run_label(run.config), seed=run.seed, run=run, run_dir=str(path)))
-        attempts.append(plain[-1])
-    labels = [a.label for a in attempts]
-    for a in plain:  # plain runs of one mode are different experiments, not repeats
-        if labels.count(a.label) > 1:
-            a.label = f"{a.label} ({Path(a.run_dir).name})"
-    return publish(out, "asyncsgd plot", [f"Runs: {', '.join(str(p) for p in paths)}"],
-                   attempts, Goal.of(attempts, target), {"command": sys.argv})
+        real = a.run.path.resolve()
+        if real in seen:
+            raise ConfigError(f"the run {real} is given twice ({seen[real]} and {path}): "
+                              "give each run once")
+        seen[real] = path
+
+
+def _tell_apart(group: list, plain: list) -> None:
+    """Plain runs of one mode are different experiments, not repeats: one whose label
+    another run of ``group`` shares gets its directory's name, with as many parent
+    folders as tell it from the others of that label."""
+    clashing = [a for a in plain if sum(b.label == a.label for b in group) > 1]
+    parts = {id(a): Path(a.run_dir).resolve().parts for a in clashing}
+    names = {}
+    for a in clashing:
+        mine = parts[id(a)]
+        others = [parts[id(b)] for b in clashing if b is not a and b.label == a.label]
+        depth = 1
+        while depth < len(mine) and any(o[-depth:] == mine[-depth:] for o in others):
+            depth += 1
+        names[id(a)] = "/".join(mine[-depth:])
+    for a in clashing:
+        a.label = f"{a.label} ({names[id(a)]})"
+
+
+def _task(run: Run) -> tuple:
+    task = run.config.get("task", {})
+    return tuple(task.get(key) for key, _ in TASK_FIELDS)
+
+
+def _by_value(attempts: list, value) -> dict:
+    """value -> the run directories that have it, over the attempts that have a run (an
+    UNKNOWN value left out)."""
+    found: dict = {}
+    for a in attempts:
+        if a.run is not None and (v := value(a.run)) is not UNKNOWN:
+            found.setdefault(v, []).append(str(a.run_dir or a.run.path))
+    return found
+
+
+def _describe(found: dict) -> str:
+    """'16 (a, b) vs 32 (c)'."""
+    return " vs ".join(f"{'none' if v is None else v} ({', '.join(names)})"
+                       for v, names in found.items())
+
+
+def task_groups(attempts: list, allow_mixed: bool) -> list:
+    """[(task, attempts)] by task, in first-seen order: one ("", attempts) for runs of one
+    task. Runs of several are refused, naming what differs and where, unless
+    ``allow_mixed``; an attempt without a run (a compare's, failed) joins its neighbour's."""
+    differ = [(name, found) for i, (_, name) in enumerate(TASK_FIELDS)
+              if len(found := _by_value(attempts, lambda run, i=i: _task(run)[i])) > 1]
+    if not differ:
+        return [("", attempts)]
+    differ = differ[:1] if differ[0][0] == TASK_FIELDS[0][1] else differ  # names say it
+    what = "; ".join(f"{name}: {_describe(found)}" for name, found in differ)
+    if not allow_mixed:
+        raise ConfigError(f"these runs are of different tasks ({what}): their samples cost "
+                          "different work, so one table cannot compare them or their "
+                          "speed-ups; plot each task's runs on their own, or pass "
+                          "--allow-mixed for one table with a task column and speed-ups "
+                          "within each task")
+    groups: dict = {}
+    for key, a in zip(_filled([_task(a.run) if a.run else None for a in attempts]), attempts):
+        groups.setdefault(key, []).append(a)
+    names = [key[0] for key in groups]
+    return [(_task_name(key, names), group) for key, group in groups.items()]
+
+
+def _filled(keys: list) -> list:
+    """Each None replaced by the nearest key before it (leading ones: the first key)."""
+    last = next((k for k in keys if k is not None), None)
+    filled = []
+    for key in keys:
+        last = key if key is not None else last
+        filled.append(last)
+    return filled
+
+
+def _task_name(key: tuple, names: list) -> str:
+    """The task's name, with its sample counts where another group has that name too."""
+    name, train, test = key
+    return str(name) if names.count(name) == 1 else f"{name} ({train} train / {test} test)"
+
+
+def _mixed_warning(groups: list) -> list:
+    if len(groups) < 2:
+        return []
+    return [f"--allow-mixed: these runs are of {len(groups)} tasks "
+            f"({', '.join(task for task, _ in groups)}): each row says its task, speed-ups "
+            "are over single of the same task, and the verdict is per task; the plots draw "
+            "them on the same axes"]
+
+
+def setting_warnings(attempts: list, task: str = "") -> list:
+    """Settings that differ between runs of one task, each naming which runs have which
+    value: the table then compares runs that ran under different conditions."""
+    where = f"runs of {task}" if task else "these runs"
+    return [f"{where} differ in {name}: {_describe(found)}; the table compares runs under "
+            "different settings"
+            for key, name, defaulted in SETTINGS
+            if len(found := _by_value(attempts, lambda run, k=key, d=defaulted:
+                                      _setting(run, k, d))) > 1]
+
+
+def _setting(run: Run, key: str, defaulted: bool):
+    """The value a run used: summary.json's where it records it (the task's default
+    resolved), else config.json's; UNKNOWN where neither says (a parameter server knows
+    no batch size: its workers have it)."""
+    if run.summary.get(key) is not None:
+        return run.summary[key]
+    settings = run.config.get("config", {})
+    if key not in settings or (defaulted and settings[key] is None):
+        return UNKNOWN
+    return settings[key]
 
 
 def _compare_attempts(path: Path) -> list:

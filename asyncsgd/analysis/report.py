@@ -93,6 +93,7 @@ class Run:
     config: dict
     summary: dict
     events: list
+    recorded_summary: bool = True  # False: summary.json is missing, ``summary`` is made up
 
     @classmethod
     def read(cls, path) -> "Run":
@@ -100,13 +101,37 @@ class Run:
         config = run.read_config()
         events = list(run.events())
         try:
-            summary = run.read_summary()
+            summary, recorded = run.read_summary(), True
         except CheckpointError:  # killed before the end: summarize what it recorded
             summary = summarize(events, mode=config.get("mode", "?"),
                                 task=config.get("task", {}).get("name", "?"), target=None,
                                 metric=Metric.described(config.get("task", {}).get("metric")),
                                 stopped_by="unknown", status="incomplete")
-        return cls(run.path, config, summary, events)
+            recorded = False
+        return cls(run.path, config, summary, events, recorded)
+
+    def outcome(self) -> tuple:
+        """(status, error) as the run's own files tell it, for a report that was not there
+        to see it end (``asyncsgd plot``): summary.json's status and error where the run
+        wrote one. Without it, a run that recorded no evaluation or trained on nothing
+        failed at start (a port in use, say: config.json and a start event are all it
+        left) and is no result; one that did was cut short (killed) and is reported for
+        what it recorded."""
+        if self.recorded_summary:
+            status = self.summary.get("status", "ok")
+            error = self.summary.get("error")
+            if status != "ok" and not error:
+                error = f"summary.json says {status} (stopped by {self.summary.get('stopped_by')})"
+            return status, error
+        missing = [what for what, seen in (("evaluation", scores(self.events, self.metric)),
+                                            ("training", first_progress(self.events)))
+                   if not seen]
+        if not missing:
+            return "ok", None
+        return "failed", (f"failed at start: no summary.json, and its metrics.jsonl "
+                          f"({len(self.events)} event(s)) records no {' and no '.join(missing)}"
+                          "; its error is not in the run directory (see the output of the "
+                          "command that ran it)")
 
     @property
     def seed(self) -> Optional[int]:
@@ -195,13 +220,15 @@ class Row:
     stats: dict = field(default_factory=dict)  # name -> Spread over successful runs
     speedup_time: Optional[float] = None
     speedup_throughput: Optional[float] = None
+    group: str = ""  # the task, where runs of several share a table (``grouped_rows``)
 
     @property
     def succeeded(self) -> int:
         return sum(a.ok for a in self.attempts)
 
     def to_dict(self) -> dict:
-        return {"mode": self.label, "runs": len(self.attempts), "succeeded": self.succeeded,
+        return {"mode": self.label, **({"task": self.group} if self.group else {}),
+                "runs": len(self.attempts), "succeeded": self.succeeded,
                 **{name: {"mean": s.mean, "std": s.std, "n": s.n}
                    for name, s in self.stats.items()},
                 "speedup_time_to_target": self.speedup_time,
@@ -233,6 +260,18 @@ def mode_rows(attempts: list, goal: Goal, baseline: str = BASELINE) -> list:
                                             base.stats["samples_per_second"].mean)
             row.speedup_time = _ratio(base.stats["time_to_target"].mean,
                                       row.stats["time_to_target"].mean)
+    return rows
+
+
+def grouped_rows(groups: list, goal: Goal, baseline: str = BASELINE) -> list:
+    """``mode_rows`` of each (group, attempts) of ``groups`` (runs of one task each), the
+    rows marked with their group: a speed-up is over the baseline of the same task, never
+    across tasks, whose samples cost different work."""
+    rows = []
+    for name, attempts in groups:
+        for row in mode_rows(attempts, goal, baseline):
+            row.group = name
+            rows.append(row)
     return rows
 
 
@@ -270,10 +309,11 @@ def table_cells(row: Row, goal: Goal) -> dict:
     s = row.stats
     runs = f"{row.succeeded}/{len(row.attempts)}"
     final, best = f"final {goal.short}", f"best {goal.short}"
+    named = {"mode": row.label, "task": row.group} if row.group else {"mode": row.label}
     if not row.succeeded:
-        return {"mode": row.label, final: row.attempts[0].status, "runs ok": runs}
+        return {**named, final: row.attempts[0].status, "runs ok": runs}
     cells = {
-        "mode": row.label,
+        **named,
         final: _fmt(s["final_metric"], goal.value),
         best: _fmt(s["best_metric"], goal.value),
     }
@@ -298,8 +338,10 @@ def table_cells(row: Row, goal: Goal) -> dict:
     return cells
 
 
-def columns(goal: Goal) -> list:
-    names = ["mode", f"final {goal.short}", f"best {goal.short}"]
+def columns(goal: Goal, grouped: bool = False) -> list:
+    """The table's columns; ``grouped``: rows of several tasks, each row saying its own."""
+    names = ["mode", *(["task"] if grouped else []), f"final {goal.short}",
+             f"best {goal.short}"]
     if goal.target is not None:
         names += [f"time to {goal.label}", "speed-up (time)", f"samples to {goal.label}"]
     return names + ["samples/s", "speed-up (samples/s)", "start-up s", "staleness p50 / p99",
@@ -308,7 +350,7 @@ def columns(goal: Goal) -> list:
 
 def render_table(rows: list, goal: Goal) -> str:
     """A markdown table padded to line up in a terminal too."""
-    names = columns(goal)
+    names = columns(goal, grouped=any(r.group for r in rows))
     body = [[table_cells(r, goal).get(n, "") for n in names] for r in rows]
     widths = [max(len(n), *(len(b[i]) for b in body)) for i, n in enumerate(names)]
 
@@ -337,15 +379,21 @@ def parse_table(text: str) -> list:
 
 NOTES = """\
 How to read this table:
+- Every time is counted from the launch of the run's first process (the command's
+  process, as the kernel recorded its start; `compare` launches each mode's, the
+  parameter server before its workers): starting Python, importing torch, loading the
+  task, spawning and connecting the other processes are time its user waits too
+  (metrics.jsonl's `t`; a run started from Python counts from the call).
 - *final* / *best*: the task's test metric (accuracy, perplexity, ...) at the end of the
   run / at its best evaluation (metrics.jsonl).
-- *time to X*: training seconds until the first evaluation at or past the target X, in
-  the metric's direction (metrics.jsonl; resolution: the evaluation interval).
+- *time to X*: seconds from that launch until the first evaluation at or past the target
+  X, in the metric's direction (metrics.jsonl; resolution: the evaluation interval).
 - *samples to X%*: training samples (all processes together) until that evaluation: what
   reaching the target cost in gradients, whatever the speed (stale updates cost more).
 - *samples/s*: training samples processed per second from the end of start-up to the
-  end of the run (metrics.jsonl); *start-up s*: seconds until the first samples were
-  processed (spawning processes, connecting workers, building process groups).
+  end of the run (metrics.jsonl); *start-up s*: seconds from the launch until the first
+  samples were processed (starting Python and torch, loading the task, spawning
+  processes, connecting workers, building process groups).
 - *speed-up*: over `single`, a ratio of means over repeats: single's time to target over
   the mode's, where both reached the target, and the mode's samples/s over single's.
 - *staleness*: parameter-server modes only, in versions of a shard's parameters between
@@ -364,7 +412,17 @@ def _leader(rows: list, name: str, metric: Metric) -> Row:
 
 def verdict(rows: list, goal: Goal) -> str:
     """Which mode did best under these conditions, by how much, at what cost in samples:
-    sentences computed from the table's means, never canned."""
+    sentences computed from the table's means, never canned; one verdict per task where
+    rows of several share the table (no mode wins across tasks)."""
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault(row.group, []).append(row)
+    if len(groups) > 1:
+        return " ".join(f"{name}: {_verdict(group, goal)}" for name, group in groups.items())
+    return _verdict(rows, goal)
+
+
+def _verdict(rows: list, goal: Goal) -> str:
     ok = [r for r in rows if r.succeeded]
     if not ok:
         return "No run succeeded: nothing to compare."
@@ -403,9 +461,13 @@ def verdict(rows: list, goal: Goal) -> str:
 
 
 def render_report(title: str, intro: list, rows: list, goal: Goal,
-                  plots: list, out_dir: Path) -> str:
-    """report.md: the table, failed runs with their errors, the plots, every run's directory."""
-    parts = [f"# {title}", "", *intro, "", render_table(rows, goal), "",
+                  plots: list, out_dir: Path, warnings: tuple = ()) -> str:
+    """report.md: the table (after ``warnings``, what a reader must know before trusting
+    it), failed runs with their errors, the plots, every run's directory."""
+    parts = [f"# {title}", "", *intro, ""]
+    if warnings:
+        parts += [*(f"- **Warning**: {w}" for w in warnings), ""]
+    parts += [render_table(rows, goal), "",
              f"**Verdict** (computed from the table): {verdict(rows, goal)}", "", NOTES]
     failed = [a for r in rows for a in r.attempts if not a.ok]
     if failed:

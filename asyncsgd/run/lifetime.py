@@ -7,7 +7,10 @@ existed, and ended 25 s after it was started. ``start_command_clock`` (called
 first thing by the CLI) takes the process's start from the kernel, so the
 budget holds that start-up; ``WorkerGroup`` hands the clock to its children,
 so a DDP rank measures the same budget as its parent. A run started from
-Python (``hogwild.train(cfg)``) counts its budget from its Recorder.
+Python (``hogwild.train(cfg)``) counts its budget from its Recorder. The run's
+clock, metrics.jsonl's ``t``, starts at the same moment
+(``recorder.clock_origin``), so its start-up and times to a target hold what
+the budget holds.
 
 ``exit_now`` ends a process whose work is saved without the interpreter's
 teardown of torch's modules: 1.3-2.4 s of CPU on the same loaded machine

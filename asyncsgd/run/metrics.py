@@ -2,10 +2,24 @@
 
 Every event is one JSON object with at least:
 
-    event    "start" | "train" | "eval" | "stop"
-    t        seconds of training since the run began (continues across --resume)
+    event    "start" | "resume" | "train" | "eval" | "stop"
+    t        seconds since the run's command started, start-up included (continues
+             across --resume: a resumed session adds its own, start-up included)
     samples  training samples processed by all workers so far
     wall     Unix time it was written
+
+The clock (``recorder.clock_origin``) starts when the process of the command that runs
+the run started, as the kernel recorded it: the interpreter, importing torch and
+loading the task count, as they do in the time a user waits. A mode of several
+processes counts from its first: DDP's and Hogwild's parent, the parameter server
+(``asyncsgd compare`` launches it before its workers, whose start-up then counts too,
+since no samples are processed before they push). So the ``start`` event's ``t`` is
+what start-up took before the run's bookkeeping began, the first event with samples
+(``first_progress``) the whole start-up, and times to a target count from the
+launch. The ``start`` (and ``resume``) event says where its clock started in
+``clock``: ``"command"`` (above) or ``"call"``, a run started from Python, counted
+from the call that built its Recorder (or, for DDP, spawned its ranks). Runs written
+before ``clock`` existed counted from their Recorder.
 
 ``train`` events add ``worker``, ``loss`` (mean over the steps since that
 worker's previous event), ``steps`` and ``epoch``; ``eval`` events add
@@ -30,12 +44,22 @@ log = logging.getLogger(__name__)
 
 
 class MetricsLog:
-    """Appends events to metrics.jsonl (flushed per event) and, optionally, TensorBoard."""
+    """Appends events to metrics.jsonl (flushed per event) and, optionally, TensorBoard.
+
+    TensorBoard steps are integers. ``train/loss/worker<k>``, ``test/<metric>`` and
+    ``test/loss`` are logged against training samples (all workers together), the
+    honest x of a learning curve; ``test/<metric>_vs_seconds`` against whole seconds of
+    ``t`` (since the command started, start-up included, as above; ``int(t)``): one
+    point per second, the first evaluation in that second, so its x is what its name
+    says. Every event keeps its own wall time, for TensorBoard's "Relative" and "Wall"
+    axes.
+    """
 
     def __init__(self, run: RunDir, tensorboard: bool = False, metric: Metric = ACCURACY):
         self.metric = metric
         self._fh = open(run.path / METRICS, "a", buffering=1)
         self._tb = None
+        self._last_second: Optional[int] = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -57,7 +81,10 @@ class MetricsLog:
                 name = self.metric.name
                 self._tb.add_scalar(f"test/{name}", fields[name], samples)
                 self._tb.add_scalar("test/loss", fields["loss"], samples)
-                self._tb.add_scalar(f"test/{name}_vs_seconds", fields[name], int(t * 1000))
+                second = int(t)
+                if self._last_second is None or second > self._last_second:
+                    self._tb.add_scalar(f"test/{name}_vs_seconds", fields[name], second)
+                    self._last_second = second
         return record
 
     def close(self) -> None:
@@ -79,7 +106,8 @@ def first_at_target(events: Iterable[dict], target: Optional[float],
 
 def time_to_target(events: Iterable[dict], target: Optional[float],
                    metric: Metric = ACCURACY) -> Optional[float]:
-    """Training seconds until the first evaluation at or past ``target``."""
+    """Seconds (``t``: since the command started) until the first evaluation at or past
+    ``target``."""
     hit = first_at_target(events, target, metric)
     return None if hit is None else hit["t"]
 
@@ -101,7 +129,9 @@ def scores(events: Iterable[dict], metric: Metric = ACCURACY) -> list:
 def summarize(events: list, *, mode: str, task: str, target: Optional[float],
               stopped_by: str, status: str = "ok", error: Optional[str] = None,
               metric: Metric = ACCURACY, **extra) -> dict:
-    """summary.json: what a reader of one run wants to know first."""
+    """summary.json: what a reader of one run wants to know first. Its seconds are ``t``'s:
+    ``train_seconds`` is the last event's (the run's length, start-up included, so
+    ``samples_per_second`` is over all of it; ``steady_throughput`` leaves start-up out)."""
     evals = [e for e in events if e.get("event") == "eval"]
     values = scores(evals, metric)
     last = max(events, key=lambda e: e.get("t", 0.0), default={})

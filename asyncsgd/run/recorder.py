@@ -78,6 +78,20 @@ def check_target(cfg, task: Task) -> None:
         raise ConfigError(f"{exc} (task {task.name} scores {task.metric.name})") from None
 
 
+def clock_origin(started_at: Optional[float] = None) -> tuple:
+    """(kind, ``time.monotonic()``) where a run's clock starts: ``"command"``, the start of
+    the process of the command that runs it (``run.lifetime``: the kernel's record of it,
+    so the interpreter, importing torch and loading the task count; a child process is
+    handed its parent's), else ``"call"``: ``started_at``, or now (a run started from
+    Python, whose caller's own start-up is not the run's). ``asyncsgd compare`` starts
+    every mode's first process itself (the parameter server before its workers), so there
+    the clock starts when compare launched the mode."""
+    command = command_started_at()
+    if command is not None:
+        return "command", command
+    return "call", time.monotonic() if started_at is None else started_at
+
+
 class Recorder:
     @staticmethod
     def open_run(cfg: TrainConfig) -> RunDir:
@@ -88,8 +102,9 @@ class Recorder:
                  total_samples: Optional[int] = None, argv: Optional[list] = None,
                  started_at: Optional[float] = None):
         """``started_at``: the ``time.monotonic()`` at which the run began, when a mode
-        started processes before it could build its Recorder (DDP's rank 0): their
-        start-up then counts as training time, as it does in every mode."""
+        started processes before it could build its Recorder (DDP's rank 0) and no command
+        set the clock (``run.lifetime``): their start-up then counts, as it does in every
+        mode. Where a command set it, the clock starts there (``clock_origin``)."""
         self.cfg, self.task, self.model, self.mode = cfg, task, model, cfg.mode
         check_target(cfg, task)
         self.t_offset, self.samples_offset, self.epochs_done = 0.0, 0, 0
@@ -100,17 +115,16 @@ class Recorder:
             self.run.write_config(self.mode, cfg.to_dict(), task_record(task), argv)
         self.metric = task.metric
         self.metrics = MetricsLog(self.run, tensorboard=cfg.tensorboard, metric=self.metric)
-        self.progress = Progress(self.mode, total_samples, cfg.progress)
+        self.progress = Progress(self.mode, total_samples, cfg.progress,
+                                 seconds=cfg.max_seconds, since=self.t_offset)
         self.best_score: Optional[float] = None
         self.last_eval: Optional[dict] = None
-        self._t0 = time.monotonic() if started_at is None else started_at
-        # --max-seconds: the time a user waits, so from the command's start where a command
-        # runs this (run.lifetime), else from here
-        self._budget_from = command_started_at() or self._t0
+        self.clock, self._origin = clock_origin(started_at)
         self._next_eval = 0.0
         self._next_checkpoint = cfg.checkpoint_every or math.inf
         self.metrics.write("start" if not cfg.resume else "resume", self.t(), self.samples_offset,
-                           mode=self.mode, resumed_from_t=self.t_offset if cfg.resume else None)
+                           mode=self.mode, clock=self.clock,
+                           resumed_from_t=self.t_offset if cfg.resume else None)
 
     def _restore(self) -> None:
         saved = self.run.read_config()
@@ -136,17 +150,18 @@ class Recorder:
                  self.t_offset, self.samples_offset, self.epochs_done)
 
     def t(self) -> float:
-        """Seconds of training, continuing across resumes."""
-        return self.t_offset + time.monotonic() - self._t0
+        """The run's clock (metrics.jsonl's ``t``): seconds since this command started
+        (``clock_origin``), after those of the sessions a resumed run continues."""
+        return self.t_offset + self.elapsed()
 
     def elapsed(self) -> float:
-        """Seconds since this process started training."""
-        return time.monotonic() - self._t0
+        """Seconds since this command started (``clock_origin``): its start-up included."""
+        return time.monotonic() - self._origin
 
     def out_of_time(self) -> bool:
-        """--max-seconds have passed since the command started (see ``_budget_from``)."""
+        """--max-seconds have passed since the command started: the time a user waits."""
         limit = self.cfg.max_seconds
-        return bool(limit) and time.monotonic() - self._budget_from >= limit
+        return bool(limit) and self.elapsed() >= limit
 
     def train(self, samples: int, worker: int, loss: float, steps: int, epoch: int,
               **extra) -> None:
@@ -198,8 +213,9 @@ class Recorder:
         """End a run: final evaluation and checkpoint (nothing lost, even after a failure
         or Ctrl-C), summary.json; then re-raise the failure, if any."""
         result = self.evaluate(samples)
-        if rate is not None:
-            self.show(samples, rate, force=True)
+        if rate is None:  # no steady rate (ended before every process ran): the overall one
+            rate = (samples - self.samples_offset) / max(self.elapsed(), 1e-9)
+        self.show(samples, rate, force=True)  # the last line, however short the run
         self.checkpoint(samples, epochs_done)
         error = outcome.error
         summary = self.finish(samples, outcome.stopped_by, outcome.status,
