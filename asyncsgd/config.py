@@ -226,7 +226,7 @@ class SingleConfig(TrainConfig):
         "that many other workers' updates came between a worker's pull and its push (Dai et "
         "al. 2019): statistical efficiency under staleness, apart from throughput. The "
         "first STEPS steps apply nothing and the last STEPS gradients are never applied; "
-        "the queue is not checkpointed (a --resume starts it empty).",
+        "the checkpoint holds the queue, so --resume applies the gradients in flight.",
         type=click.IntRange(min=0), metavar="STEPS")
     eval_every: float = knob(
         2.0, "Seconds between evaluations on the test set, taken between steps (training "

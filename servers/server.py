@@ -26,7 +26,7 @@ from asyncsgd.config import ServerConfig
 from asyncsgd.core.signature import data_signature
 from asyncsgd.core.tasks import task_of
 from asyncsgd.errors import ConfigError
-from asyncsgd.run.recorder import Outcome, Recorder, RunResult
+from asyncsgd.run.recorder import Outcome, Recorder, RunResult, check_target
 from asyncsgd.wire.layout import Layout
 from asyncsgd.wire.memory import keep_freed_memory
 from asyncsgd.wire.protocol import Key
@@ -42,7 +42,7 @@ from .supervisor import ShardSupervisor
 log = logging.getLogger(__name__)
 
 POLL_MS = 100
-SHARD_STOP_GRACE = 15.0  # a shard drains for 1.5 s, then saves its checkpoint: slow under load
+SHARD_STOP_GRACE = 15.0  # a shard drains (1.5 to 8 s), then saves its checkpoint: slow under load
 
 
 def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
@@ -66,6 +66,7 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
     run = Recorder.open_run(cfg)
     with run.removed_on_error():
         task = task_of(cfg)
+        check_target(cfg, task)
         model = task.build_model(cfg.seed)
     recorder = Recorder(cfg, task, model, run, argv=argv)
     layout = Layout.of(model)

@@ -322,3 +322,44 @@ def test_a_task_that_fails_to_load_leaves_no_run_directory(run_cli, tmp_path):
                   "--out", tmp_path / "runs" / "x")
     assert res.returncode != 0
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_second_ctrl_c_stops_single_inside_a_long_step(cli_env, tmp_path):
+    """The first Ctrl-C lets the step finish (a consistent checkpoint); a second one stops
+    a step that takes long (here 20 s) at once, and the run is still saved."""
+    out = tmp_path / "run"
+    env = {**cli_env, "ASYNCSGD_TEST_STEP_SLEEP": "20"}
+    proc = subprocess.Popen(
+        asyncsgd_cmd("single", "--task", "tasks_for_tests:dropout_regression", "--samples",
+                     "160", "--threads", "1", "--progress", "off", "--out", out),
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.DEVNULL)
+    try:
+        deadline, metrics = time.monotonic() + 120, out / "metrics.jsonl"
+        # the evaluation at the start comes just before the first (20 s) step
+        while time.monotonic() < deadline and not (
+                metrics.exists() and '"eval"' in metrics.read_text()):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert proc.poll() is None  # the first one waits for the step
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert time.monotonic() - sent < 15, err  # not the rest of the 20 s step
+    assert read_json(out / "summary.json")["status"] == "interrupted"
+
+
+@pytest.mark.parametrize("mode", ["single", "hogwild"])
+def test_a_target_the_metric_cannot_reach_leaves_no_run_directory(run_cli, tmp_path, mode):
+    res = run_cli(mode, "--target", "5", "--epochs", "1", "--progress", "off",
+                  "--out", tmp_path / "runs" / "x")
+    one_line_error(res, "--target")
+    assert not (tmp_path / "runs").exists()

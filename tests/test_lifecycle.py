@@ -24,6 +24,9 @@ from faults import record_figure
 
 SPINNERS = 4
 BUDGET = 12
+# Five processes importing torch beside the spinners: the server and both workers were
+# ready 8.7 s after the launch, and in 2 of 3 runs later than 12 s (no update at all)
+PS_BUDGET = 20
 OVERRUN = 6  # seconds; measured beside 4 spinners: hogwild 0.4, ddp 0.8, ps-server 1.8
 FORCED = ("still running", "SIGTERM", "SIGKILL", "killed by signal")
 TASK = ("--task", "tasks_for_tests:dense_rows", "--epochs", 1_000_000, "--progress", "off")
@@ -48,11 +51,11 @@ def _timed(cli_env, *args) -> tuple:
     return res, time.monotonic() - started
 
 
-def _ended_on_budget(res, seconds: float, out) -> dict:
+def _ended_on_budget(res, seconds: float, out, budget: float = BUDGET) -> dict:
     assert res.returncode == 0, res.stderr
     summary = read_json(out / "summary.json")
     assert (summary["status"], summary["stopped_by"]) == ("ok", "max_seconds"), summary
-    assert seconds <= BUDGET + OVERRUN, (seconds, res.stderr)
+    assert seconds <= budget + OVERRUN, (seconds, res.stderr)
     forced = [line for line in res.stderr.splitlines() if any(f in line for f in FORCED)]
     assert not forced, res.stderr
     return summary
@@ -81,16 +84,18 @@ def test_ps_server_stops_its_shards_and_workers_without_force(busy_machine, cli_
     end exit 0."""
     started = time.monotonic()
     srv = Server(cli_env, tmp_path / "run", "--task", TASK[1], "--shards", 2, "--workers", 2,
-                 "--max-seconds", BUDGET)
+                 "--max-seconds", PS_BUDGET)
     try:
-        workers = [worker(cli_env, srv.address, r, 2, *TASK) for r in range(2)]
+        # a worker too slow to join before the budget ended gives up within the wait below
+        workers = [worker(cli_env, srv.address, r, 2, *TASK, "--server-timeout", 30)
+                   for r in range(2)]
         code, _, err = srv.wait(timeout=180)
         seconds = time.monotonic() - started
         results = finish(workers, timeout=60)
     finally:
         srv.close()
     res = subprocess.CompletedProcess([], code, "", err)
-    summary = _ended_on_budget(res, seconds, tmp_path / "run")
+    summary = _ended_on_budget(res, seconds, tmp_path / "run", PS_BUDGET)
     assert summary["updates"] > 0
     joined = len(summary["workers_joined"])
     late = 0
@@ -105,7 +110,7 @@ def test_ps_server_stops_its_shards_and_workers_without_force(busy_machine, cli_
             continue
         assert w_code == 0, w_err
     assert joined >= 1 and joined + late == 2, (summary["workers_joined"], late)
-    record_figure(f"ps-server --max-seconds {BUDGET} beside {SPINNERS} busy processes",
+    record_figure(f"ps-server --max-seconds {PS_BUDGET} beside {SPINNERS} busy processes",
                   seconds=round(seconds, 1), updates=summary["updates"], late_workers=late)
 
 

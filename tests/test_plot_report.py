@@ -227,7 +227,14 @@ def test_a_runs_status_is_what_its_files_say(tmp_path):
     assert Run.read(tmp_path / "ok").outcome() == ("failed", "worker 1 exited with code 1")
     failed.write_summary({**failed.read_summary(), "status": "interrupted", "error": None,
                           "stopped_by": "interrupted"})
-    assert Run.read(tmp_path / "ok").outcome() == (
+    # stopped by Ctrl-C after it trained: reported for what it saved (with a warning)
+    assert Run.read(tmp_path / "ok").outcome() == ("ok", None)
+    result = report_runs([tmp_path / "ok"], tmp_path / "out", None)
+    assert result.warnings == [f"{tmp_path / 'ok'} was stopped by Ctrl-C or SIGTERM before "
+                               "its budget was spent: it is reported for what it recorded"]
+    RunDir(tmp_path / "eval").write_summary({"status": "interrupted", "error": None,
+                                             "stopped_by": "interrupted"})
+    assert Run.read(tmp_path / "eval").outcome() == (
         "interrupted", "summary.json says interrupted (stopped by interrupted)")
 
 

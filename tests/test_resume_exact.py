@@ -14,7 +14,8 @@ from asyncsgd.modes import ddp, hogwild
 from asyncsgd.modes.single import train
 from asyncsgd.run.checkpoint import load_checkpoint, save_checkpoint
 
-from conftest import asyncsgd_cmd, start_training
+from conftest import (asyncsgd_cmd, one_line_error, read_events, read_json, signal_parent,
+                      start_training, stop_tree)
 
 TASK, SAMPLES, EPOCHS = "tasks_for_tests:dropout_regression", 160, 3
 STEPS = EPOCHS * (SAMPLES * 4 // 5) // 16  # 128 training rows, batches of 16: 8 a epoch
@@ -112,13 +113,7 @@ def test_sigterm_then_resume_from_the_cli_continues_exactly(tmp_path, run_cli, c
     stopped = tmp_path / "stopped"
     env = {**cli_env, "ASYNCSGD_TEST_STEP_SLEEP": sleep}
     proc = start_training(asyncsgd_cmd(*common, "--out", stopped), stopped, env)
-    try:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    _, err, _, _ = stop_tree(proc, signal_parent(signal.SIGTERM), timeout=120)
     assert proc.returncode == 130, err
     (worker,) = load_checkpoint(stopped / "checkpoint.pt")["state"]["processes"]
     assert (worker["epoch"], worker["row"]) != (EPOCHS, 0)
@@ -138,3 +133,46 @@ def test_hogwild_checkpoints_every_workers_state(tmp_path):
     assert (a["epoch"], a["row"]) == (b["epoch"], b["row"]) == (1, 0)
     assert not torch.equal(a["rng"]["torch"], b["rng"]["torch"])
     assert not torch.equal(a["optimizer"]["buffers"][0], b["optimizer"]["buffers"][0])
+
+
+def test_two_hogwild_workers_resume_each_where_it_stopped(tmp_path, run_cli, cli_env):
+    """Stopped part way and resumed, two workers together train on exactly every row of
+    every epoch once: each continued from its own saved row (a restart of the epoch would
+    count more samples, a skip fewer)."""
+    out = tmp_path / "run"
+    common = ["--task", TASK, "--samples", str(SAMPLES), "--epochs", str(EPOCHS),
+              "--momentum", "0.9", "--eval-every", "1000000", "--progress", "off"]
+    env = {**cli_env, "ASYNCSGD_TEST_STEP_SLEEP": "0.1"}
+    proc = start_training(asyncsgd_cmd("hogwild", "--procs", "2", *common, "--out", out),
+                          out, env)
+    _, err, _, _ = stop_tree(proc, signal_parent(signal.SIGTERM), timeout=120)
+    assert proc.returncode == 130, err
+    state = load_checkpoint(out / "checkpoint.pt")["state"]
+    assert [(p["epoch"], p["row"]) for p in state["processes"]] != [(EPOCHS, 0)] * 2
+    res = run_cli("hogwild", "--resume", out, "--progress", "off")
+    assert res.returncode == 0, res.stderr
+    assert read_json(out / "summary.json")["samples"] == 128 * EPOCHS
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda state: state["processes"][0].update(row=10 ** 6),
+     "resumes at row 1000000 of an epoch of 128 rows"),
+    (lambda state: state["processes"][0].update(epoch="x"), "malformed training state"),
+    (lambda state: state["optimizer"]["buffers"].update({0: torch.zeros(3)}),
+     "optimizer buffer 0 has shape (3,)"),
+])
+def test_a_saved_state_that_does_not_fit_is_one_line_and_trains_nothing(tmp_path, run_cli,
+                                                                        change, fragment):
+    out = tmp_path / "run"
+    train(_cfg(out, momentum=0.9, epochs=1))
+    record = load_checkpoint(out / "checkpoint.pt")
+    change(record["state"])
+    save_checkpoint(out / "checkpoint.pt", record)
+    before = len(read_events(out))
+    res = run_cli("single", "--resume", out, "--epochs", "2", "--progress", "off")
+    one_line_error(res, fragment)
+    # refused before the run was touched, or its resume ended at once as failed
+    added = [(e["event"], e.get("status")) for e in read_events(out)[before:]]
+    assert added in ([], [("resume", None), ("stop", "failed")]), added
+    assert torch.equal(load_checkpoint(out / "checkpoint.pt")["model"]["net.0.weight"],
+                       record["model"]["net.0.weight"])

@@ -168,11 +168,15 @@ class _Loop:
         self.accum = torch.zeros(layout.total) if cfg.push_every > 1 else None
         self.local_lr = cfg.local_lr or task.lr
         self.batch_size = cfg.batch_size or task.batch_size
-        self.progress = Progress(f"worker {rank}", len(part) * cfg.epochs, cfg.progress)
         self.steps = self.pushes = self.samples = 0
         self.loss_sum, self.loss_steps, self.unpushed = 0.0, 0, 0
         self.started = time.monotonic()
-        self._budget_from = command_started_at() or self.started  # as the Recorder's
+        # --max-seconds from the command's start (run.lifetime), as a Recorder counts it;
+        # the progress clock runs from here, so its budget began that much earlier
+        self._budget_from = command_started_at() or self.started
+        self.progress = Progress(f"worker {rank}", len(part) * cfg.epochs, cfg.progress,
+                                 seconds=cfg.max_seconds,
+                                 since=self._budget_from - self.started)
 
     def run(self) -> WorkerResult:
         self.client.push_pull(None, self.flat_params)

@@ -94,6 +94,10 @@ def report_runs(paths: list, out: Path, target: Optional[float],
     warnings += [f"{a.run_dir} has no summary.json (killed before it finished?): it is "
                  "reported from what its metrics.jsonl recorded"
                  for a in attempts if a.ok and not a.run.recorded_summary]
+    warnings += [f"{a.run_dir} was stopped by Ctrl-C or SIGTERM before its budget was "
+                 "spent: it is reported for what it recorded"
+                 for a in attempts if a.ok and a.run.recorded_summary
+                 and a.run.summary.get("status") == "interrupted"]
     text = publish(out, "asyncsgd plot", [f"Runs: {', '.join(str(p) for p in paths)}"],
                    attempts, Goal.of(attempts, target), {"command": sys.argv},
                    groups=groups if len(groups) > 1 else None, warnings=tuple(warnings))

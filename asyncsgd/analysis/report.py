@@ -116,16 +116,19 @@ class Run:
         wrote one. Without it, a run that recorded no evaluation or trained on nothing
         failed at start (a port in use, say: config.json and a start event are all it
         left) and is no result; one that did was cut short (killed) and is reported for
-        what it recorded."""
+        what it recorded, as is one stopped by Ctrl-C or SIGTERM after it trained (it saved
+        what it had: the caller warns that it was cut short)."""
+        missing = [what for what, seen in (("evaluation", scores(self.events, self.metric)),
+                                            ("training", first_progress(self.events)))
+                   if not seen]
         if self.recorded_summary:
             status = self.summary.get("status", "ok")
+            if status == "interrupted" and not missing:
+                return "ok", None
             error = self.summary.get("error")
             if status != "ok" and not error:
                 error = f"summary.json says {status} (stopped by {self.summary.get('stopped_by')})"
             return status, error
-        missing = [what for what, seen in (("evaluation", scores(self.events, self.metric)),
-                                            ("training", first_progress(self.events)))
-                   if not seen]
         if not missing:
             return "ok", None
         return "failed", (f"failed at start: no summary.json, and its metrics.jsonl "

@@ -37,8 +37,8 @@ from ..core.tasks import Task, epoch_order, partition_indices, task_of
 from ..errors import ConfigError, WorkerError
 from ..run.sendable import check_sendable
 from ..run.process_group import WorkerGroup, available_cores, context, threads_per_process
-from ..run.recorder import Outcome, RunResult
-from .hogwild_state import HogwildState, pack, unpack
+from ..run.recorder import Outcome, RunResult, check_target
+from .hogwild_state import HogwildState, pack, set_worker_rngs, unpack, worker_rngs
 from .optim import SGD
 from .resume import StatefulRecorder, warn_model_only
 from .token_ring import TokenRing
@@ -78,9 +78,10 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
     positions, rngs, rng_saved, buffers = shared_state
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed + rank)
-    if rng_saved[rank]:  # resumed: this worker's generator continues where it stopped
-        torch.set_rng_state(rngs[rank].clone())
     device = torch.device(s.device)
+    if rng_saved[rank]:  # resumed: this worker's generators continue where they stopped
+        set_worker_rngs(rngs[rank], device)
+        rng_saved[rank] = 0
     part = partition_indices(len(task.train), s.procs, rank, s.seed)
     opt = SGD(model.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
     if buffers:
@@ -131,7 +132,7 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
             position[0] = pack(epoch + 1, 0)
             count[EPOCHS] = epoch + 1
     finally:
-        rngs[rank] = torch.get_rng_state()
+        rngs[rank] = worker_rngs(device)
         rng_saved[rank] = 1
         if ring:
             ring.leave(holding)
@@ -157,6 +158,7 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
     with run.removed_on_error():
         task = task or task_of(cfg)
         check_sendable(task, "Hogwild workers")
+        check_target(cfg, task)
         model = task.build_model(cfg.seed)
         _check_config(cfg, model)
     lr = cfg.lr or task.lr
@@ -200,7 +202,8 @@ def _shared_state(cfg: HogwildConfig, task: Task, model: torch.nn.Module,
                   recorder: StatefulRecorder, procs: int) -> HogwildState:
     """The workers' shared training state, loaded from a full checkpoint when resuming; the
     recorder's checkpoints then hold it."""
-    state = HogwildState(procs, list(model.parameters()), cfg.momentum, recorder.epochs_done)
+    state = HogwildState(procs, list(model.parameters()), cfg.momentum, recorder.epochs_done,
+                         torch.device(cfg.device))
     if recorder.resumed is not None:
         rows = [len(partition_indices(len(task.train), procs, rank, cfg.seed))
                 for rank in range(procs)]

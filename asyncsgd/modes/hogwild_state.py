@@ -4,10 +4,13 @@ Each worker's optimizer is its own, so the parent cannot read it from the model:
 worker's momentum buffers live in shared tensors the parent allocated (zeros: a first
 ``b = m * b + g`` then gives ``b = g``, as a fresh buffer would), its place in its data is
 one int64 it stores after every step (``epoch << 32 | rows done``: one aligned store, so
-the parent never reads an epoch with another epoch's row), and its torch generator is
-copied into a shared row when it stops. A periodic checkpoint is as racy as the
-parameters it saves (workers keep stepping); the final one, after every worker stopped,
-is exact. A worker that never started keeps the state it was resumed with.
+the parent never reads an epoch with another epoch's row), and its torch generator (and
+its GPU's, on CUDA) is copied into a shared row when it stops; a resumed worker clears its
+row once it has loaded it, so a later checkpoint never pairs an old generator with a new
+position (a worker killed without stopping then resumes with a generator seeded anew). A
+periodic checkpoint is as racy as the parameters it saves (workers keep stepping); the
+final one, after every worker stopped, is exact. A worker that never started keeps the
+state it was resumed with.
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ def unpack(position: int) -> tuple:
 class HogwildState:
     """Positions, generators and momentum buffers of ``procs`` workers, in shared memory."""
 
-    def __init__(self, procs: int, params: list, momentum: float, start_epoch: int):
+    def __init__(self, procs: int, params: list, momentum: float, start_epoch: int,
+                 device: torch.device = torch.device("cpu")):
         self.procs = procs
         self.positions = torch.full((procs,), pack(start_epoch, 0),
                                     dtype=torch.int64).share_memory_()
-        size = torch.get_rng_state().numel()
+        self.cut = torch.get_rng_state().numel()  # then the GPU's generator, on CUDA
+        size = worker_rngs(device).numel()
         self.rngs = torch.zeros(procs, size, dtype=torch.uint8).share_memory_()
         self.rng_saved = torch.zeros(procs, dtype=torch.int64).share_memory_()
         trainable = [p for p in params if p.requires_grad]
@@ -58,7 +63,7 @@ class HogwildState:
         for rank in range(self.procs):
             epoch, row = unpack(int(self.positions[rank]))
             proc = {"epoch": epoch, "row": row,
-                    "rng": {"torch": self.rngs[rank].clone()} if self.rng_saved[rank] else None}
+                    "rng": self._rng_dict(self.rngs[rank]) if self.rng_saved[rank] else None}
             if self.momentum:
                 proc["optimizer"] = {"kind": SGD.KIND, "buffers": {
                     i: b.clone() for i, b in enumerate(self.buffers[rank])}}
@@ -74,15 +79,13 @@ class HogwildState:
                         "their data partitions differ, so each starts its epoch from its first "
                         "row, with fresh momentum buffers and generators", len(procs), self.procs)
             return None
-        size = self.rngs.shape[1]
         for rank, proc in enumerate(procs):
             if proc["row"] > rows[rank]:
                 return f"worker {rank} resumes at row {proc['row']} of a partition of {rows[rank]}"
             rng = proc.get("rng")
-            if rng is not None:
-                saved = rng.get("torch") if isinstance(rng, dict) else None
-                if not isinstance(saved, torch.Tensor) or saved.numel() != size:
-                    return f"worker {rank}'s torch generator state does not fit this torch"
+            if rng is not None and self._rng_row(rng) is None:
+                return (f"worker {rank}'s generator state does not fit this torch and device "
+                        "(saved on another torch version, or on CPU for a CUDA run)")
             saved_opt = proc.get("optimizer")
             if bool(saved_opt) != bool(self.momentum):
                 log.warning("worker %d: the checkpoint has %s momentum buffer; this run's "
@@ -98,9 +101,39 @@ class HogwildState:
         for rank, proc in enumerate(procs):
             self.positions[rank] = pack(proc["epoch"], proc["row"])
             if proc.get("rng") is not None:
-                self.rngs[rank] = proc["rng"]["torch"]
+                self.rngs[rank] = self._rng_row(proc["rng"])
                 self.rng_saved[rank] = 1
         return None
+
+    def _rng_dict(self, row: torch.Tensor) -> dict:
+        """A worker's shared row as ``checkpoint.rng_state``'s keys."""
+        return {"torch": row[:self.cut].clone(),
+                **({"cuda": row[self.cut:].clone()} if len(row) > self.cut else {})}
+
+    def _rng_row(self, rng) -> Optional[torch.Tensor]:
+        """A saved generator state as a worker's row; None when it does not fit."""
+        keys = ("torch", "cuda") if self.rngs.shape[1] > self.cut else ("torch",)
+        if not isinstance(rng, dict) or not all(isinstance(rng.get(k), torch.Tensor)
+                                                 for k in keys):
+            return None
+        row = torch.cat([rng[k].to(torch.uint8).flatten() for k in keys])
+        return row if row.numel() == self.rngs.shape[1] else None
+
+
+def worker_rngs(device: torch.device) -> torch.Tensor:
+    """This process's torch generator, and its GPU's on a CUDA device, as one row."""
+    state = torch.get_rng_state()
+    if device.type == "cuda":
+        state = torch.cat([state, torch.cuda.get_rng_state(device)])
+    return state
+
+
+def set_worker_rngs(row: torch.Tensor, device: torch.device) -> None:
+    """Restore what ``worker_rngs`` gave."""
+    cut = torch.get_rng_state().numel()
+    torch.set_rng_state(row[:cut].clone())
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(row[cut:].clone(), device)
 
 
 def _shaped(buffers: list) -> list:

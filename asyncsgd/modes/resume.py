@@ -24,11 +24,9 @@ naming what starts afresh.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Callable, Optional
 
 from ..errors import CheckpointError
-from ..run.checkpoint import load_checkpoint
 from ..run.recorder import Recorder
 
 log = logging.getLogger(__name__)
@@ -40,34 +38,31 @@ class StatefulRecorder(Recorder):
 
     def __init__(self, *args, **kwargs):
         self.state_fn: Callable[[], Optional[dict]] = lambda: None
-        super().__init__(*args, **kwargs)
         self.resumed: Optional[dict] = None
-        self._next_save = self.cfg.checkpoint_every or math.inf
-        if self.cfg.resume:
-            # the Recorder loaded the same file for the model; a second safe load here
-            # keeps its restore untouched
-            record = load_checkpoint(self.run.checkpoint)
-            state = record.get("state")
-            if state is not None and not _well_formed(state):
-                raise CheckpointError(f"{self.run.checkpoint} has a malformed training state "
-                                      "(not written by asyncsgd, or damaged); resume from a "
-                                      "checkpoint an asyncsgd run wrote")
-            self.resumed = state
+        super().__init__(*args, **kwargs)
+
+    def _restored(self, ckpt: dict) -> None:
+        """Keep the checkpoint's training state, checked before the run writes anything."""
+        state = ckpt.get("state")
+        if state is not None and not _well_formed(state):
+            raise CheckpointError(f"{self.run.checkpoint} has a malformed training state "
+                                  "(not written by asyncsgd, or damaged); resume from a "
+                                  "checkpoint an asyncsgd run wrote")
+        self.resumed = state
 
     def checkpoint(self, samples: int, epochs_done: int, **extra) -> None:
         state = self.state_fn()
         if state is not None:
             extra = {"state": state, **extra}
         super().checkpoint(samples, epochs_done, **extra)
-        self._next_save = self.elapsed() + (self.cfg.checkpoint_every or math.inf)
-
-    def checkpoint_due(self) -> bool:
-        """--checkpoint-every has passed since the last save (the caller gathers its state
-        first, then calls ``checkpoint``)."""
-        return self.elapsed() >= self._next_save
 
     def bad_state(self, what: str) -> CheckpointError:
-        """The one error line for a saved state that does not fit this run."""
+        """The one error line for a saved state that does not fit this run; the resume it
+        began is ended in metrics.jsonl (nothing trained, the checkpoint untouched)."""
+        self.metrics.write("stop", self.t(), self.samples_offset, reason="bad_checkpoint",
+                           status="failed")
+        self.progress.close()
+        self.metrics.close()
         return CheckpointError(f"{self.run.checkpoint} does not fit this run: {what}; resume "
                                "with the settings it was saved with (see its config.json)")
 

@@ -28,7 +28,7 @@ from ..config import SingleConfig
 from ..core.pacing import Pacing
 from ..core.tasks import Task, task_of
 from ..run.process_group import available_cores, idle_cores
-from ..run.recorder import Recorder, RunResult
+from ..run.recorder import Recorder, RunResult, check_target
 from .syncloop import check_settings, train_process
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ def train(cfg: SingleConfig, task: Optional[Task] = None, argv: Optional[list] =
     run = Recorder.open_run(cfg)
     with run.removed_on_error():
         task = task or task_of(cfg)
+        check_target(cfg, task)
     threads = cfg.threads or idle_cores()
     cores = available_cores()
     if threads > cores:

@@ -254,9 +254,11 @@ class SyncLoop:
         self._pace_mark = (time.monotonic(), self.steps)
         if agreed[SAVE]:
             self.rngs = self._gather_rngs()
+        if self.recorder is not None and agreed[SAVE]:
+            self.recorder.checkpoint(self.samples(), self.epochs_done)
+        # a later save (after a failure) must not pair these generators with a newer position
+        self.rngs = None
         if self.recorder is not None:
-            if agreed[SAVE]:
-                self.recorder.checkpoint(self.samples(), self.epochs_done)
             self.ranks_paced = agreed[FIRST_RANK_SLOT:]
             self._record(agreed[LOSS_SUM], int(agreed[LOSS_STEPS]), epoch)
         if agreed[INTERRUPTS]:
@@ -397,7 +399,8 @@ def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: 
     # signal handlers belong to the main thread: elsewhere (an API call from a thread)
     # Ctrl-C reaches the main thread, not this loop
     flag_signals = flag_signals and threading.current_thread() is threading.main_thread()
-    signals = signals_as_flag(interrupted) if flag_signals else contextlib.nullcontext()
+    signals = signals_as_flag(interrupted, second_raises=world == 1) if flag_signals \
+        else contextlib.nullcontext()
     if recorder is None:
         with signals:
             loop.run()
@@ -508,15 +511,24 @@ def _share(loop: SyncLoop, state: Optional[dict], agree: Agree) -> None:
             torch.zeros_like(p) for _ in range(2 if isinstance(opt, Adam) else 1))
         parts = tuple(agree(t) for t in parts)
         opt.buffers[i] = parts if isinstance(opt, Adam) else parts[0]
-    n = torch.get_rng_state().numel()
+    # each rank's generators (torch's, and its GPU's on CUDA), in a row of its own
+    mine = rng_state(device)
+    n, cut = sum(t.numel() for k, t in mine.items() if k in RANK_RNGS), mine["torch"].numel()
     rows = torch.zeros(loop.world, n + 1, dtype=torch.float64)
     if rank == 0:
         for r, proc in enumerate(state["processes"]):
-            if proc.get("rng") is not None:
-                rows[r, :n], rows[r, n] = proc["rng"]["torch"].double(), 1
+            saved = proc.get("rng")
+            if saved is not None and all(k in saved for k in mine if k in RANK_RNGS):
+                row = torch.cat([saved[k] for k in RANK_RNGS if k in mine])
+                rows[r, :n], rows[r, n] = row.double(), 1
     rows = agree(rows.to(device)).cpu()
     if rank != 0 and rows[rank, n]:
-        loop.resumed_rng = {"torch": rows[rank, :n].to(torch.uint8)}
+        row = rows[rank, :n].to(torch.uint8)
+        loop.resumed_rng = {"torch": row[:cut], **({"cuda": row[cut:]} if "cuda" in mine
+                                                   else {})}
+
+
+RANK_RNGS = ("torch", "cuda")  # the generators each DDP rank has its own of
 
 
 def _fresh_state(cfg: SingleConfig) -> list:

@@ -50,16 +50,17 @@ class MetricsLog:
     ``test/loss`` are logged against training samples (all workers together), the
     honest x of a learning curve; ``test/<metric>_vs_seconds`` against whole seconds of
     ``t`` (since the command started, start-up included, as above; ``int(t)``): one
-    point per second, the first evaluation in that second, so its x is what its name
-    says. Every event keeps its own wall time, for TensorBoard's "Relative" and "Wall"
-    axes.
+    point per second, the last evaluation in that second (written when the next second's
+    comes, or at ``close``: the run's final evaluation is always there), so its x is what
+    its name says. Every event keeps its own wall time, for TensorBoard's "Relative" and
+    "Wall" axes.
     """
 
     def __init__(self, run: RunDir, tensorboard: bool = False, metric: Metric = ACCURACY):
         self.metric = metric
         self._fh = open(run.path / METRICS, "a", buffering=1)
         self._tb = None
-        self._last_second: Optional[int] = None
+        self._this_second: Optional[tuple] = None  # (second, value): its latest evaluation
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -82,13 +83,20 @@ class MetricsLog:
                 self._tb.add_scalar(f"test/{name}", fields[name], samples)
                 self._tb.add_scalar("test/loss", fields["loss"], samples)
                 second = int(t)
-                if self._last_second is None or second > self._last_second:
-                    self._tb.add_scalar(f"test/{name}_vs_seconds", fields[name], second)
-                    self._last_second = second
+                if self._this_second is not None and self._this_second[0] != second:
+                    self._write_second()
+                self._this_second = (second, fields[name])
         return record
+
+    def _write_second(self) -> None:
+        second, value = self._this_second
+        self._tb.add_scalar(f"test/{self.metric.name}_vs_seconds", value, second)
+        self._this_second = None
 
     def close(self) -> None:
         if self._tb is not None:
+            if self._this_second is not None:
+                self._write_second()
             self._tb.close()
             self._tb = None
         if not self._fh.closed:

@@ -16,6 +16,7 @@ for files and CI.)
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
@@ -31,6 +32,14 @@ def fmt_time(seconds: float) -> str:
     seconds = int(max(0.0, seconds))
     return f"{seconds // 60:02d}:{seconds % 60:02d}" if seconds < 3600 else \
         f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def _columns(stream: TextIO) -> int:
+    """The width of the terminal ``stream`` is (stderr, while stdout may be a pipe)."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return shutil.get_terminal_size((100, 24)).columns
 
 
 class Progress:
@@ -120,7 +129,7 @@ class Progress:
             bar = f"{frac * 100:3.0f}% |{'#' * filled}{'.' * (BAR_WIDTH - filled)}| "
         line = f"[{self.label}] {bar}{fmt_time(t)} {self._status(t, samples, rate)}"
         # one terminal line, or each redraw would start a new one
-        width = shutil.get_terminal_size((100, 24)).columns
+        width = _columns(self.stream)
         self.stream.write("\r" + line[:max(1, width - 1)] + "\x1b[K")
         self.stream.flush()
         self._drawn = True

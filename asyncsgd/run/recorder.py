@@ -146,8 +146,13 @@ class Recorder:
         self.t_offset = float(ckpt.get("t", 0.0))
         self.samples_offset = int(ckpt.get("samples", 0))
         self.epochs_done = int(ckpt.get("epochs_done", 0))
+        self._restored(ckpt)
         log.info("resuming %s from t=%.1fs, %d samples, epoch %d", self.run.path,
                  self.t_offset, self.samples_offset, self.epochs_done)
+
+    def _restored(self, ckpt: dict) -> None:
+        """What a subclass reads from the resumed checkpoint besides the model: called once
+        it loaded, before anything is written to the run."""
 
     def t(self) -> float:
         """The run's clock (metrics.jsonl's ``t``): seconds since this command started
@@ -199,8 +204,13 @@ class Recorder:
             "t": self.t(), "epochs_done": int(epochs_done), **extra})
         self._next_checkpoint = self.elapsed() + (self.cfg.checkpoint_every or math.inf)
 
+    def checkpoint_due(self) -> bool:
+        """--checkpoint-every has passed since the last save (a caller that gathers state
+        for it first, then calls ``checkpoint``)."""
+        return self.elapsed() >= self._next_checkpoint
+
     def checkpoint_if_due(self, samples: int, epochs_done: int) -> None:
-        if self.elapsed() >= self._next_checkpoint:
+        if self.checkpoint_due():
             self.checkpoint(samples, epochs_done)
 
     def show(self, samples: int, rate: float, force: bool = False, note: str = "") -> None:

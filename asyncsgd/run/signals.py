@@ -32,11 +32,16 @@ def sigterm_as_interrupt():
 
 
 @contextlib.contextmanager
-def signals_as_flag(flag: list):
+def signals_as_flag(flag: list, second_raises: bool = False):
     """SIGINT and SIGTERM set ``flag[0]`` instead of raising: a DDP rank must not leave a
-    collective half done; it stops at the next check, with every other rank."""
+    collective half done; it stops at the next check, with every other rank.
+    ``second_raises``: a second signal raises KeyboardInterrupt at once (``single``: a
+    step or an evaluation that takes long, or hangs, can still be stopped; the run then
+    saves where it is, which may be inside a step)."""
 
     def handler(signum, frame):
+        if flag[0] and second_raises:
+            raise KeyboardInterrupt(f"a second {signal.Signals(signum).name}: stopping now")
         flag[0] = True
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -133,7 +133,9 @@ def send_tracked(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None
 
 
 def _recv_frames(sock: zmq.Socket) -> list:
-    """The frames of the next message, uncopied (``recv_multipart(copy=False)``, leaner)."""
+    """The frames of the next message, uncopied (``recv_multipart(copy=False)``, leaner).
+    ``zmq.Again`` once the socket's RCVTIMEO has passed with no message (the later frames
+    of a message are always there with its first)."""
     frames = [sock.recv(0, copy=False)]
     while frames[-1].more:
         frames.append(sock.recv(0, copy=False))
