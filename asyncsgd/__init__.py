@@ -20,11 +20,12 @@ import importlib
 from .version import __version__
 
 _EXPORTS = {
-    "hogwild": "api", "single": "api", "ddp": "api", "compare": "api", "load_run": "api",
+    "hogwild": "api", "single": "api", "ddp": "api", "compare": "api", "plot": "api",
+    "load_run": "api",
     "Run": "api", "CompareResult": "analysis.compare",
     "HogwildConfig": "config", "TrainConfig": "config",
     "SingleConfig": "config", "DDPConfig": "config", "ServerConfig": "config",
-    "WorkerConfig": "config", "CompareConfig": "config",
+    "WorkerConfig": "config", "CompareConfig": "config", "PlotConfig": "config",
     "AsyncSGDError": "errors", "CheckpointError": "errors", "ConfigError": "errors",
     "DataError": "errors", "SecurityError": "errors", "TaskError": "errors",
     "WorkerError": "errors",

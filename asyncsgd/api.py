@@ -29,9 +29,11 @@ from typing import Any, Optional, Union
 
 from .analysis.compare import CompareResult
 from .analysis.compare import compare as run_compare
-from .config import CompareConfig, DDPConfig, HogwildConfig, SingleConfig, config_from_dict
+from .analysis.publish import Plotted, report_runs
+from .config import (CompareConfig, DDPConfig, HogwildConfig, PlotConfig, SingleConfig,
+                     config_from_dict)
 from .core.tasks import Task, task_of
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError
 from .modes import ddp as ddp_mode
 from .modes import hogwild as hogwild_mode
 from .modes import single as single_mode
@@ -95,6 +97,17 @@ class Run:
                                   f"{self.task().name}'s model: {str(exc).splitlines()[0]}"
                                   ) from exc
         return model.to(device).eval()
+
+
+def plot(*run_dirs: Union[str, Path], config: Optional[PlotConfig] = None,
+         **settings: Any) -> Plotted:
+    """``asyncsgd plot``: the table, report.md and plots of any run directories (of any
+    mode, or of a compare) in ``out``. Returns the table's text, the warnings (settings
+    that differ, runs cut short) and the runs not counted as results."""
+    cfg = configure(PlotConfig, config, settings)
+    if not run_dirs:
+        raise ConfigError("plot: give at least one run directory")
+    return report_runs(list(run_dirs), Path(cfg.out), cfg.target, allow_mixed=cfg.allow_mixed)
 
 
 def load_run(path: Union[str, Path]) -> Run:

@@ -204,12 +204,10 @@ def ps_stats(server: str, timeout: float, as_json: bool, curve_server_key: Optio
     """
     import json
 
+    from . import ps
     from .analysis.ps_stats import summary
-    from .wire.security import ClientKeys
-    from .wire.stats import fetch_stats
     sigint_now()
-    keys = ClientKeys.load(curve_server_key, curve_secret)
-    stats = fetch_stats(server, timeout, keys)
+    stats = ps.stats(server, timeout, curve_server_key, curve_secret)
     click.echo(json.dumps(stats, indent=2, sort_keys=True) if as_json else summary(stats, server))
 
 
@@ -347,10 +345,7 @@ def compare(ctx: click.Context, **_: object) -> None:
              "  asyncsgd plot runs/20261122-110000-compare --out figures --target 0.9")
 @click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR...")
 @click_options(PlotConfig)
-@click.option("--allow-mixed", is_flag=True,
-              help="Tabulate runs of different tasks together: a task column, speed-ups and "
-                   "verdict within each task (refused without it).")
-def plot(run_dirs: tuple, allow_mixed: bool, **params: object) -> None:
+def plot(run_dirs: tuple, **params: object) -> None:
     """Plot and tabulate any run directories (of any mode, or of a compare).
 
     Writes the compare plots (the task's test metric and training loss vs time, loss vs
@@ -359,11 +354,11 @@ def plot(run_dirs: tuple, allow_mixed: bool, **params: object) -> None:
     differ between runs of one task (batch size, learning rate, budget) are warned about;
     a run that failed (at start, too) is counted and named as failed.
     """
-    from .analysis.publish import report_runs
+    from . import api
     sigint_now()
     cfg = PlotConfig(**params)
     out = Path(cfg.out)
-    result = report_runs(list(run_dirs), out, cfg.target, allow_mixed=allow_mixed)
+    result = api.plot(*run_dirs, config=cfg)
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
     for a in result.failed:

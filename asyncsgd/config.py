@@ -542,6 +542,9 @@ class PlotConfig:
     target: Optional[float] = knob(
         None, "Draw this test metric (0.9 for 90% accuracy) and time each run's first "
         "crossing of it.", type=float, metavar="VALUE", show="none", aliases=("--target-accuracy",))
+    allow_mixed: bool = knob(
+        False, "Tabulate runs of different tasks together: a task column, speed-ups and "
+        "verdict within each task (refused without it).")
 
 
 # settings renamed since run directories were first written: old name -> new

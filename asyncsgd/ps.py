@@ -32,10 +32,12 @@ from .config import ServerConfig, WorkerConfig
 from .errors import ConfigError
 from .run.recorder import RunResult
 from .run.settings import configure
+from .wire.security import ClientKeys
+from .wire.stats import fetch_stats
 from asyncsgd.servers.server import serve as run_server
 from asyncsgd.workers.worker import WorkerResult, run_worker
 
-__all__ = ["serve", "work", "WorkerResult"]
+__all__ = ["serve", "work", "stats", "WorkerResult"]
 
 
 def serve(config: Optional[ServerConfig] = None, /, **settings: Any) -> RunResult:
@@ -54,3 +56,11 @@ def work(config: Optional[WorkerConfig] = None, /, **settings: Any) -> WorkerRes
     its epochs end, ``max_seconds`` pass or the server ends training. Returns its counts
     (steps, pushes, samples, seconds) and its client's statistics."""
     return run_worker(configure(WorkerConfig, config, settings))
+
+
+def stats(server: str = "tcp://127.0.0.1:5555", timeout: float = 5.0,
+          curve_server_key: Optional[str] = None, curve_secret: Optional[str] = None) -> dict:
+    """``asyncsgd ps-stats --json``: a running server's counters (updates, workers,
+    staleness histogram, refusals). ``SecurityError`` names a CURVE key problem,
+    ``AsyncSGDError`` a server that does not answer within ``timeout`` seconds."""
+    return fetch_stats(server, timeout, ClientKeys.load(curve_server_key, curve_secret))

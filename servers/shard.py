@@ -35,6 +35,7 @@ import torch
 from asyncsgd.errors import ConfigError
 from asyncsgd.wire.protocol import (ACK, BYE, ERROR, HEARTBEAT, PARAMS, PULL, PUSH, STATS, Code,
                                     Key, Message, ProtocolError, error_message)
+from asyncsgd.wire.stats import STALENESS_BUCKETS
 
 from .dedupe import DUPLICATE, OUT_OF_WINDOW, SeqWindow
 from .rules import dc_asgd, make_rule, staleness_scale
@@ -43,7 +44,6 @@ from .streams import PushStreams
 
 log = logging.getLogger(__name__)
 
-STALENESS_BUCKETS = 64  # staleness >= 63 counts in the last bucket
 STATS_WORKERS = 32  # workers listed by name in a stats reply (the most recently seen)
 
 

@@ -196,13 +196,16 @@ main(sys.argv[1:])
     ("compare", ["--modes", "single,nosuch"], "compare", "nosuch"),
     ("ps-server", ["--device", "cuda"], "serve", "keeps the parameters in CPU memory"),
     ("worker", ["--rank", 3, "--world", 2], "work", "rank 3 is outside 0..1"),
+    ("plot", ["RUN", "RUN"], "plot", "are the same directory"),
+    ("ps-stats", ["--server", "tcp://127.0.0.1:9", "--timeout", 0.2], "stats", "no answer from"),
 ])
 def test_the_cli_calls_the_api(tmp_path, cli_env, command, args, function, error):
     """Each command calls its API function (traced in the real CLI process, no mock) and
     reports what that function raised."""
     (tmp_path / "config.json").write_text(json.dumps({"mode": "ps", "config": {}}))
     args = [str(tmp_path) if a == "RUN" else str(a) for a in args]
-    cmd = [sys.executable, "-c", _TRACER, command, *args, "--progress", "off"]
+    quiet = ["--progress", "off"] if command not in ("plot", "ps-stats") else []
+    cmd = [sys.executable, "-c", _TRACER, command, *args, *quiet]
     res = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=120,
                          stdin=subprocess.DEVNULL)
     one_line_error(res, error)

@@ -21,7 +21,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from ..run.metrics import eval_curve, steady_throughput
+from ..run.metrics import eval_curve, steady_throughput, train_reports
 from .report import Goal, Spread
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def loss_curve(events: list) -> list:
     it (their steps' weighted mean, at the later report's time and samples); the
     first report, the curve's start, stands as it is.
     """
-    reports = _reports(events)
+    reports = train_reports(events)
     if not reports:
         return []
     least = _median([steps for *_, steps in reports]) / 2
@@ -107,23 +107,6 @@ def loss_curve(events: list) -> list:
             last[0], last[1] = max(last[0], t), samples
             last[2], last[3] = last[2] + loss_sum, last[3] + steps
     return [(t, samples, loss_sum / steps) for t, samples, loss_sum, steps in points]
-
-
-def _reports(events: list) -> list:
-    """(t, samples, loss summed over steps, steps) of each report: the ``train`` events
-    written together, one per worker, with the same ``samples`` (as
-    ``metrics.train_curve`` groups them), at the latest of their times."""
-    reports: list = []
-    for e in events:
-        if e.get("event") != "train" or e.get("loss") is None:
-            continue
-        steps = max(1, int(e.get("steps", 1)))
-        if reports and reports[-1][1] == e.get("samples"):
-            t, samples, loss_sum, n = reports[-1]
-            reports[-1] = (max(t, e["t"]), samples, loss_sum + e["loss"] * steps, n + steps)
-        else:
-            reports.append((e["t"], e.get("samples"), e["loss"] * steps, steps))
-    return reports
 
 
 def _median(values: list) -> float:

@@ -10,10 +10,9 @@ server, or a shard's own reply) shorten the summary instead of failing.
 from __future__ import annotations
 
 
-from ..wire.stats import percentile
+from ..wire.stats import STALENESS_BUCKETS, percentile
 
 LABEL = 13  # the width of the label column
-STALENESS_CAP = 63  # servers/shard.py STALENESS_BUCKETS - 1 (asyncsgd never imports servers/)
 SHOWN_WORKERS = 8  # workers listed one per line; more are counted ("--json" has them)
 # Counters worth a word only when they are not zero: (key, what it counts).
 RARE = (("refused_workers", "workers refused by a shard"),
@@ -29,7 +28,7 @@ RARE = (("refused_workers", "workers refused by a shard"),
 def _at_least(value: int, hist: list) -> str:
     """A shard's last bucket counts everything from its index up (servers/shard.py caps
     staleness at STALENESS_BUCKETS - 1)."""
-    return f">={value}" if value == len(hist) - 1 == STALENESS_CAP else str(value)
+    return f">={value}" if value == len(hist) - 1 == STALENESS_BUCKETS - 1 else str(value)
 
 
 def staleness_line(hist: list) -> str:

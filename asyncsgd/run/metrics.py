@@ -169,27 +169,30 @@ def eval_curve(events: Iterable[dict], metric: Metric = ACCURACY) -> list:
             if e.get("event") == "eval" and e.get(metric.name) is not None]
 
 
-def train_curve(events: Iterable[dict]) -> list:
-    """(t, samples, loss): the training loss of all workers at each report.
+def train_reports(events: Iterable[dict]) -> list:
+    """(t, samples, loss summed over steps, steps) of each report of training loss.
 
     Modes write one ``train`` event per worker at a time, all with the same
-    ``samples`` count; those are one point of the curve, their losses weighted
-    by the steps each covers, at the latest of their times.
+    ``samples`` count; those are one report, at the latest of their times.
     """
-    points: list = []
-    group_samples, t, loss_sum, steps = None, 0.0, 0.0, 0
+    reports: list = []
     for e in events:
         if e.get("event") != "train" or e.get("loss") is None:
             continue
-        if e.get("samples") != group_samples and steps:
-            points.append((t, group_samples, loss_sum / steps))
-            loss_sum, steps = 0.0, 0
-        group_samples, t = e.get("samples"), max(t, e["t"])
-        n = max(1, int(e.get("steps", 1)))
-        loss_sum, steps = loss_sum + e["loss"] * n, steps + n
-    if steps:
-        points.append((t, group_samples, loss_sum / steps))
-    return points
+        steps = max(1, int(e.get("steps", 1)))
+        if reports and reports[-1][1] == e.get("samples"):
+            t, samples, loss_sum, n = reports[-1]
+            reports[-1] = (max(t, e["t"]), samples, loss_sum + e["loss"] * steps, n + steps)
+        else:
+            reports.append((e["t"], e.get("samples"), e["loss"] * steps, steps))
+    return reports
+
+
+def train_curve(events: Iterable[dict]) -> list:
+    """(t, samples, loss): the training loss of all workers at each report, their losses
+    weighted by the steps each covers."""
+    return [(t, samples, loss_sum / steps) for t, samples, loss_sum, steps
+            in train_reports(events)]
 
 
 def first_progress(events: list) -> Optional[dict]:

@@ -36,6 +36,9 @@ NEED_KEYS = ("pass --curve-server-key FILE and --curve-secret FILE (asyncsgd key
              "writes them)")
 
 
+STALENESS_BUCKETS = 64  # a STATS reply's staleness histogram: >= 63 counts in the last
+
+
 def percentile(hist: list, q: float) -> Optional[int]:
     """The value at quantile ``q`` of a STATS reply's histogram, whose bucket i counts
     value i (staleness; the last bucket counts that value and above)."""
