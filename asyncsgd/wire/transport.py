@@ -36,6 +36,9 @@ COPY_BELOW = 64 * 1024  # pyzmq: zero-copy costs more than a memcpy for small fr
 # message here against 5.0 us this way; recv_multipart costs 2 us more than the loop.
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 _LAST = int(zmq.NOBLOCK)
+# pyzmq's Socket.send is a Python wrapper (routing_id/group handling) around the Cython
+# send: calling that directly saves ~0.3 us a frame, 6 frames a 20 KB round trip.
+_send_frame = zmq.backend.Socket.send
 
 
 def frame_limit(elements: int) -> int:
@@ -94,7 +97,7 @@ def _send_parts(sock: zmq.Socket, parts: Sequence, copy: bool) -> bool:
         # ROUTER_MANDATORY refuse its first frame, never a later one.
         last = len(parts) - 1
         for j, part in enumerate(parts):
-            sock.send(part, _MORE if j < last else _LAST, copy=copy)
+            _send_frame(sock, part, _MORE if j < last else _LAST, copy)
         return True
     except zmq.Again:
         log.warning("send queue full for a peer; reply dropped (the peer will retry)")
