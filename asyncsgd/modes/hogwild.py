@@ -38,7 +38,8 @@ from ..errors import ConfigError, WorkerError
 from ..run.sendable import check_sendable
 from ..run.process_group import WorkerGroup, available_cores, context, threads_per_process
 from ..run.recorder import Outcome, RunResult, check_target
-from .hogwild_state import HogwildState, pack, set_worker_rngs, unpack, worker_rngs
+from .hogwild_state import (POSITION, RNG_SAVED, HogwildState, pack, set_worker_rngs, unpack,
+                            worker_rngs)
 from .optim import SGD
 from .resume import StatefulRecorder, warn_model_only
 from .token_ring import TokenRing
@@ -46,7 +47,9 @@ from .token_ring import TokenRing
 log = logging.getLogger(__name__)
 
 # Columns of the shared per-worker counters (one row per worker, written only by it).
+# (POSITION and RNG_SAVED, columns 5 and 6, are the training state's: hogwild_state.)
 SAMPLES, STEPS, EPOCHS, READY, DONE = range(5)
+COLUMNS = 7
 # Columns of the shared per-worker sums: training loss, its steps, and (core.pacing)
 # seconds computing and seconds waited on purpose.
 LOSS_SUM, LOSS_STEPS, COMPUTED, WAITED, SPAN = range(5)
@@ -75,20 +78,19 @@ class WorkerSettings:
 def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lock,
             ring_sems, control: torch.Tensor, counters: torch.Tensor,
             losses: torch.Tensor, shared_state: tuple) -> None:
-    positions, rngs, rng_saved, buffers = shared_state
+    rngs, buffers = shared_state
+    count = counters.numpy()[rank]  # views of shared memory: plain stores, no tensor op per step
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed + rank)
     device = torch.device(s.device)
-    if rng_saved[rank]:  # resumed: this worker's generators continue where they stopped
+    if count[RNG_SAVED]:  # resumed: this worker's generators continue where they stopped
         set_worker_rngs(rngs[rank], device)
-        rng_saved[rank] = 0
+        count[RNG_SAVED] = 0
     part = partition_indices(len(task.train), s.procs, rank, s.seed)
     opt = SGD(model.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
     if buffers:
         opt.keep_buffers_in(buffers)
-    position = positions.numpy()[rank:rank + 1]
-    first_epoch, skip = unpack(int(position[0]))
-    count = counters.numpy()[rank]  # views of shared memory: plain stores, no tensor op per step
+    first_epoch, skip = unpack(int(count[POSITION]))
     loss_acc = losses.numpy()[rank]
     pacer = Pacer(s.pacing, rank, s.seed, torch.cuda.synchronize if device.type == "cuda"
                   else None)
@@ -126,14 +128,14 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
                 loss_acc[LOSS_STEPS] += 1
                 count[SAMPLES] += len(targets)
                 count[STEPS] += 1
-                position[0] = pack(epoch, min(start + s.batch_size, len(order)))
+                count[POSITION] = pack(epoch, min(start + s.batch_size, len(order)))
                 if ring:
                     holding = ring.tick()
-            position[0] = pack(epoch + 1, 0)
+            count[POSITION] = pack(epoch + 1, 0)
             count[EPOCHS] = epoch + 1
     finally:
         rngs[rank] = worker_rngs(device)
-        rng_saved[rank] = 1
+        count[RNG_SAVED] = 1
         if ring:
             ring.leave(holding)
 
@@ -175,9 +177,9 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
         procs=procs, threads=threads, seed=cfg.seed, lr=lr, momentum=cfg.momentum,
         weight_decay=cfg.weight_decay, batch_size=batch_size, epochs=cfg.epochs,
         device=cfg.device, quantum=cfg.quantum_ms / 1000, pacing=pacing)
-    state = _shared_state(cfg, task, model, recorder, procs)
+    counters = torch.zeros(procs, COLUMNS, dtype=torch.int64).share_memory_()
+    state = _shared_state(cfg, task, model, recorder, procs, counters)
     control = torch.zeros(1, dtype=torch.int64).share_memory_()
-    counters = torch.zeros(procs, 5, dtype=torch.int64).share_memory_()
     counters[:, EPOCHS] = torch.tensor([unpack(int(p))[0] for p in state.positions])
     losses = torch.zeros(procs, SPAN + 1, dtype=torch.float64).share_memory_()
     ctx = context(cfg.start_method, preload=[__name__])
@@ -199,11 +201,11 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
 
 
 def _shared_state(cfg: HogwildConfig, task: Task, model: torch.nn.Module,
-                  recorder: StatefulRecorder, procs: int) -> HogwildState:
+                  recorder: StatefulRecorder, procs: int, counters: torch.Tensor) -> HogwildState:
     """The workers' shared training state, loaded from a full checkpoint when resuming; the
     recorder's checkpoints then hold it."""
     state = HogwildState(procs, list(model.parameters()), cfg.momentum, recorder.epochs_done,
-                         torch.device(cfg.device))
+                         counters, torch.device(cfg.device))
     if recorder.resumed is not None:
         rows = [len(partition_indices(len(task.train), procs, rank, cfg.seed))
                 for rank in range(procs)]
