@@ -85,7 +85,6 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
     device = torch.device(s.device)
     if count[RNG_SAVED]:  # resumed: this worker's generators continue where they stopped
         set_worker_rngs(rngs[rank], device)
-        count[RNG_SAVED] = 0
     part = partition_indices(len(task.train), s.procs, rank, s.seed)
     opt = SGD(model.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
     if buffers:
@@ -100,6 +99,9 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
     log.info("worker %d: %d thread(s), %d rows, epochs %d..%d%s%s", rank, s.threads, len(part),
              first_epoch + 1, s.epochs, f" from row {skip}" if skip else "",
              ", run token ring" if ring else "")
+    # From here the saved generator is this worker's no more: one killed past this point
+    # is seeded anew on resume; one killed while starting keeps it.
+    count[RNG_SAVED] = 0
     count[READY] = 1
     holding = ring.acquire() if ring else True
     try:
