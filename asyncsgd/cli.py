@@ -17,9 +17,10 @@ from typing import Optional
 
 import click
 
-from .config import (CompareConfig, DDPConfig, HogwildConfig, PlotConfig, ServerConfig,
-                     SingleConfig, WorkerConfig, click_options)
+from .config import (CompareConfig, DDPConfig, HogwildConfig, JobConfig, PlotConfig,
+                     ServerConfig, SingleConfig, WorkerConfig, click_options)
 from .errors import AsyncSGDError, ConfigError
+from .jobs.ray_config import RayJobConfig
 from .run.lifetime import exit_now, start_command_clock
 from .run.signals import defer_sigint, restore_sigint, sigint_now
 from .version import __version__
@@ -167,7 +168,10 @@ def worker(ctx: click.Context, **_: object) -> None:
     """
     from . import ps
     sigint_now()
-    result = ps.work(**_given(ctx))
+    _worker_report(ps.work(**_given(ctx)))
+
+
+def _worker_report(result) -> None:
     if result.stats.get("ended_by_server"):
         click.echo("the server ended training")
     click.echo(f"worker {result.worker}: {result.steps} steps, {result.pushes} pushes, "
@@ -178,6 +182,60 @@ def worker(ctx: click.Context, **_: object) -> None:
         click.echo(f"worker {result.worker}: {result.stats['compute_seconds']:.1f} s computing "
                    f"gradients, {result.stats['waited_seconds']:.1f} s waited on purpose "
                    "(--slowdown, --delay)")
+
+
+@cli.command("ps-job", epilog="Examples:\n\n\b\n"
+             "  torchrun --nproc-per-node 4 -m asyncsgd ps-job --task mnist1d-cnn --target 0.85\n"
+             "  torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\\n"
+             "      --rdzv-endpoint HEAD:29500 --max-restarts 2 -m asyncsgd ps-job --shards 2\n"
+             "  sbatch examples/slurm/ps-job.sbatch      # the same on Slurm")
+@click_options(JobConfig)
+@click.pass_context
+def ps_job(ctx: click.Context, **_: object) -> None:
+    """A whole parameter-server job under torchrun: rank 0 serves, the rest are workers.
+
+    Every process of the job runs this same command; torchrun's RANK and WORLD_SIZE
+    say which role it takes, and the server's address reaches the workers through
+    torchrun's rendezvous store. With torchrun --max-restarts, a failed process
+    restarts the job's processes: the server resumes its run directory, workers
+    rejoin. Options are those of ps-server and worker (not CURVE: the store is
+    unauthenticated); --device is the workers'.
+    """
+    from . import ps
+    from .run.recorder import RunResult
+    sigint_now()
+    result = ps.job(**_given(ctx))
+    if isinstance(result, RunResult):  # the server's rank: it reports the run
+        _finish(ctx, "ps-job", result, how="torchrun starts it again while it has "
+                "--max-restarts left; otherwise ")
+    else:
+        _worker_report(result)
+
+
+@cli.command("ray-job", epilog="Examples:\n\n\b\n"
+             "  asyncsgd ray-job --task mnist1d-cnn --workers 2 --target 0.85 --epochs 1000\n"
+             "  asyncsgd ray-job --address HEAD:6379 --workers 8 --cpus-per-worker 2 --shards 2\n"
+             "  ray job submit -- asyncsgd ray-job --workers 4     # RAY_ADDRESS set by Ray")
+@click_options(RayJobConfig)
+@click.pass_context
+def ray_job(ctx: click.Context, **_: object) -> None:
+    """A whole parameter-server job on Ray: a server actor and --workers worker actors.
+
+    Starts a Ray of its own on this host (stopped after the job), or joins --address
+    (or $RAY_ADDRESS). The server's actor runs on this node and writes the run
+    directory here; Ray places the workers. A worker whose process dies is restarted
+    by Ray (--max-restarts) and rejoins; pushes still apply exactly once. Ctrl-C
+    stops every actor, and the server saves its run (continue with --resume). Needs
+    the ray extra: pip install 'asyncsgd[ray]'.
+    """
+    from . import ray as ray_api
+    sigint_now()
+    result = ray_api.run(**_given(ctx))
+    restarted = ", ".join(f"worker {rank} {n}x" for rank, n in result.restarts.items() if n)
+    click.echo(f"{len(result.workers)} worker(s), {result.total_restarts} restarted by Ray"
+               + (f" ({restarted})" if restarted else "")
+               + f"; {result.summary.get('lost_updates', 0)} lost update(s)")
+    _finish(ctx, "ray-job", result)
 
 
 @cli.command("ps-stats", epilog="Examples:\n\n\b\n"
@@ -293,11 +351,12 @@ def ddp(ctx: click.Context, **_: object) -> None:
         _finish(ctx, "ddp", result)
 
 
-def _finish(ctx: click.Context, command: str, result) -> None:
+def _finish(ctx: click.Context, command: str, result, how: str = "") -> None:
     _report(result.summary)
     if result.summary["status"] == "interrupted":
-        click.echo(f"interrupted; continue with: asyncsgd {command} --resume {result.run_dir}",
-                   err=True)
+        click.echo(f"interrupted; {how}continue with: "
+                   f"{'torchrun ... -m ' if command == 'ps-job' else ''}asyncsgd {command} "
+                   f"--resume {result.run_dir}", err=True)
         ctx.exit(INTERRUPTED)
 
 

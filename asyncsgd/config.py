@@ -438,6 +438,61 @@ class WorkerConfig:
         return dataclasses.asdict(self)
 
 
+# ps-job: its own settings, then every ps-server setting and the worker settings the server
+# has not, each declared once above. Left out: what the launcher decides (the worker's
+# --server, --rank, --world; the server's --workers) and CURVE (the rendezvous store that
+# carries the server's address is unauthenticated: run a job on a trusted network, or start
+# ps-server and worker with CURVE keys yourself).
+_JOB_OWN = {
+    "servers": (int, knob(
+        1, "Ranks that serve: rank 0 runs the server (its front and its --shards shard "
+        "processes); every other rank is a worker. Only 1: the shards of one server run on "
+        "its host.", type=click.IntRange(1, 1))),
+    "advertise": ("Optional[str]", knob(
+        None, "Host or IP the workers reach the server at. By default the address of this "
+        "host's interface that routes to the rendezvous host ($MASTER_ADDR).",
+        metavar="HOST", show="the interface towards $MASTER_ADDR")),
+}
+_JOB_LEFT_OUT = {"server", "rank", "world", "workers", "curve_secret", "allowed_clients",
+                 "curve_server_key"}
+_JOB_HELP = {  # settings both roles take, where the server's own help would mislead
+    "bind": ("tcp://0.0.0.0:0", "Where the server listens: port 0 takes a free port, which "
+             "reaches the workers through the rendezvous store."),
+    "device": ("cpu", "Where the workers compute gradients: cpu or cuda. The server keeps "
+               "the parameters in CPU memory whatever this is."),
+    "threads": (0, "Torch threads of each shard and of each worker; 0 means CPU cores "
+                "shared among the processes on each host (at least 1)."),
+    "max_seconds": (None, "Stop this many seconds after the command started, server and "
+                    "workers alike."),
+}
+
+
+def _job_fields() -> list:
+    fields, seen = [], set()
+    for name, (kind, spec) in _JOB_OWN.items():
+        fields.append((name, kind, spec))
+        seen.add(name)
+    for cls in (ServerConfig, WorkerConfig):
+        for f in dataclasses.fields(cls):
+            if f.name in seen or f.name in _JOB_LEFT_OUT:
+                continue
+            seen.add(f.name)
+            meta = dict(f.metadata)
+            default = f.default
+            if f.name in _JOB_HELP:
+                default, meta["help"] = _JOB_HELP[f.name]
+            fields.append((f.name, f.type, field(default=default, metadata=meta)))
+    return fields
+
+
+JobConfig = dataclasses.make_dataclass(
+    "JobConfig", _job_fields(),
+    namespace={"mode": "ps-job", "to_dict": lambda self: dataclasses.asdict(self),
+               "__doc__": "Settings of ``asyncsgd ps-job``: a whole parameter-server job "
+                          "under torchrun (or Ray): one server rank, the rest workers."})
+JobConfig.__module__ = __name__
+
+
 # The modes 'asyncsgd compare' runs by default, in this order.
 COMPARE_MODES = "single,hogwild,ps-async,ps-ssp,ps-sync,ddp"
 

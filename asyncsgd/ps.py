@@ -26,9 +26,9 @@ fields as keyword arguments, or both.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
-from .config import ServerConfig, WorkerConfig
+from .config import JobConfig, ServerConfig, WorkerConfig, make_config
 from .errors import ConfigError
 from .run.recorder import RunResult
 from .run.settings import configure
@@ -37,7 +37,7 @@ from .wire.stats import fetch_stats
 from asyncsgd.servers.server import serve as run_server
 from asyncsgd.workers.worker import WorkerResult, run_worker
 
-__all__ = ["serve", "work", "stats", "WorkerResult"]
+__all__ = ["serve", "work", "job", "stats", "WorkerResult"]
 
 
 def serve(config: Optional[ServerConfig] = None, /, **settings: Any) -> RunResult:
@@ -56,6 +56,17 @@ def work(config: Optional[WorkerConfig] = None, /, **settings: Any) -> WorkerRes
     its epochs end, ``max_seconds`` pass or the server ends training. Returns its counts
     (steps, pushes, samples, seconds) and its client's statistics."""
     return run_worker(configure(WorkerConfig, config, settings))
+
+
+def job(config: Optional[JobConfig] = None, /, **settings: Any) -> Union[RunResult,
+                                                                      WorkerResult]:
+    """``asyncsgd ps-job``: this process's part of a whole job under torchrun (its
+    RANK, WORLD_SIZE and rendezvous store): rank 0 serves and returns the server's run,
+    every other rank works and returns its ``WorkerResult``. ``asyncsgd.jobs.torchrun``
+    says how the address and restarts ride on torchrun."""
+    from .jobs import torchrun
+    # a job's resume is its server's: the run directory is a ps run, checked as one there
+    return torchrun.run(make_config(JobConfig, config, settings))
 
 
 def stats(server: str = "tcp://127.0.0.1:5555", timeout: float = 5.0,

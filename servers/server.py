@@ -17,7 +17,7 @@ same run directory as every mode.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import zmq
@@ -45,8 +45,12 @@ POLL_MS = 100
 SHARD_STOP_GRACE = 15.0  # a shard drains (1.5 to 8 s), then saves its checkpoint: slow under load
 
 
-def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
+def serve(cfg: ServerConfig, argv: Optional[list] = None,
+          on_listening: Optional[Callable[[str, str], None]] = None) -> RunResult:
     """Run the parameter server until a stop condition; returns its run directory and summary.
+
+    ``on_listening(endpoint, run_dir)`` is called once the front and every shard listen
+    (a launcher publishes the address there: ``asyncsgd.jobs``).
 
     Start-up: check the settings, open the run and build the model, bind the
     front (before anything slow starts, so a taken port fails at once), start
@@ -98,6 +102,8 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None) -> RunResult:
             log.info("serving %s on %s: %d shard(s) on ports %s, %s", task.name, front.endpoint,
                      len(shards), [s[Key.PORT] for s in shards], cfg.consistency)
             recorder.progress.label = f"ps {cfg.consistency}"
+            if on_listening is not None:
+                on_listening(front.endpoint, str(run.path))
             evaluator.evaluate_start()
             outcome.stopped_by = _serve_until_stopped(cfg, front, supervisor, evaluator,
                                                       recorder)

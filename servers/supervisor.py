@@ -38,8 +38,11 @@ class ShardSupervisor:
         self.stop = torch.zeros(1, dtype=torch.int64).share_memory_()
         self.restarts = 0
         self.ready: list = [None] * len(settings)
+        # A launcher's SIGTERM to the server's process group (torchrun restarting the job,
+        # scancel) must not kill the shards before they drain and save: the server stops them.
         self.group = WorkerGroup(shard_main, len(settings), name="shard",
-                                 args=[self._args(i) for i in range(len(settings))])
+                                 args=[self._args(i) for i in range(len(settings))],
+                                 ignore_sigterm=True)
 
     def _args(self, i: int) -> tuple:
         receive, send = context("spawn").Pipe(duplex=False)

@@ -18,7 +18,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -99,7 +99,7 @@ def set_threads(cfg: WorkerConfig, world: int, server_local: bool, shards: int) 
     cores = available_cores()
     fair = max(1, cores // (workers + local_shards))
     threads = cfg.threads or fair
-    if threads * workers > cores:
+    if threads > fair:  # more workers than cores, one thread each, is the least it can do
         log.warning("%d torch thread(s) x %d worker(s) on this host exceed its %d core(s)%s: "
                     "steps slow down many-fold; use --threads %d (or --local-workers N if "
                     "fewer workers run here)", threads, workers, cores,
@@ -110,7 +110,15 @@ def set_threads(cfg: WorkerConfig, world: int, server_local: bool, shards: int) 
     return threads
 
 
-def run_worker(cfg: WorkerConfig) -> WorkerResult:
+def run_worker(cfg: WorkerConfig, seen: Optional[list] = None,
+               on_exit: Optional[Callable[[list], None]] = None) -> WorkerResult:
+    """Train until the epochs end, the budget is spent or the server ends training.
+
+    A launcher that restarts workers (``asyncsgd.jobs``) hands over what the previous
+    incarnation saw: ``on_exit(versions)`` gets the shard versions this worker last saw
+    when it ends (also when stopped), and ``seen`` gives them to the next incarnation, so
+    a shard restored from an older checkpoint counts the updates it lost, as it does for a
+    worker that outlives a server restart."""
     parse_endpoint(cfg.server, "--server")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
@@ -128,6 +136,8 @@ def run_worker(cfg: WorkerConfig) -> WorkerResult:
                       rank=rank, world=world, heartbeat=cfg.heartbeat,
                       server_timeout=cfg.server_timeout, curve=keys, transport=cfg.transport,
                       data=data_signature(task, cfg.task, cfg.seed, PS_PARTITION_SEED))
+    if seen and len(seen) == len(client.versions):
+        client.versions = [int(v) for v in seen]
     set_threads(cfg, world, is_local(client.host), len(client.shards))
     part = partition_indices(len(task.train), world, rank, PS_PARTITION_SEED)
     loop = _Loop(cfg, task, model, layout, client, part, rank, pacing)
@@ -147,6 +157,8 @@ def run_worker(cfg: WorkerConfig) -> WorkerResult:
         raise
     finally:
         loop.progress.close()
+        if on_exit is not None:
+            on_exit(list(client.versions))
         client.close()
 
 

@@ -45,6 +45,16 @@ _PR_SET_PDEATHSIG = 1
 _MAX_TRACEBACK = 16_000  # a pipe holds 64 KiB; a child must never block on reporting
 
 
+def signal_on_parent_death(sig: int) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent process dies (Linux's
+    ``PR_SET_PDEATHSIG``); False where the platform cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """End this process the moment the training parent ``parent_pid`` dies.
 
@@ -53,11 +63,7 @@ def _die_with_parent(parent_pid: int) -> None:
     outlives the training parent while any worker lives, so a daemon thread
     also waits on a pidfd of the training parent and exits when it closes.
     """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the watcher below still works
-        pass
+    signal_on_parent_death(signal.SIGKILL)  # not Linux: the watcher below still works
     try:
         pidfd = os.pidfd_open(parent_pid)
     except (AttributeError, OSError):  # already gone (or no pidfd): poll instead
@@ -157,8 +163,10 @@ def configure_logging(settings: Optional[tuple]) -> None:
 
 def _child_main(target: Callable, rank: int, errors: Any, parent_pid: int,
                 logging_of_parent: Optional[tuple], command_started: Optional[float],
-                args: tuple) -> None:
+                args: tuple, ignore_sigterm: bool = False) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops its children itself
+    if ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (_sigint_blocked)
     _die_with_parent(parent_pid)
     configure_logging(logging_of_parent)
@@ -233,7 +241,11 @@ class WorkerGroup:
     """N spawned processes running ``target(rank, *args)``."""
 
     def __init__(self, target: Callable, procs: int, args: Sequence[tuple], name: str = "worker",
-                 start_method: str = "spawn"):
+                 start_method: str = "spawn", ignore_sigterm: bool = False):
+        """``ignore_sigterm``: the children ignore SIGTERM as they ignore SIGINT, for children
+        that must finish their stop (save their state) when a launcher signals the whole
+        process group (torchrun's restart, Slurm's scancel): the parent gets the signal too
+        and stops them itself; ``stop`` ends a child that does not stop with SIGKILL."""
         self.ctx = context(start_method, preload=[target.__module__])
         self.start_method = start_method
         self.target, self.parent_pid = target, os.getpid()
@@ -243,13 +255,15 @@ class WorkerGroup:
         self._signalled: set = set()  # pids this group's stop() signalled: not failures
         self._tracebacks: dict = {}
         self._logging = log_settings()
+        self.ignore_sigterm = ignore_sigterm
         self.processes = [self._process(rank, args[rank]) for rank in range(procs)]
 
     def _process(self, rank: int, args: tuple):
         return self.ctx.Process(target=_child_main, name=f"asyncsgd-{self.name}-{rank}",
                                 daemon=True,
                                 args=(self.target, rank, self._errors, self.parent_pid,
-                                      self._logging, command_started_at(), args))
+                                      self._logging, command_started_at(), args,
+                                      self.ignore_sigterm))
 
     def start(self) -> None:
         with _sigint_blocked():
