@@ -283,16 +283,26 @@ class ServerConfig(RunConfig):
         "the same host and are announced in the handshake.", metavar="tcp://HOST:PORT")
     shards: int = knob(1, "Shard processes; the parameters are split evenly by bytes.",
                        type=click.IntRange(min=1))
-    optimizer: str = knob("sgd", "Update rule each shard applies to its slice.",
-                          type=click.Choice(["sgd", "momentum", "adagrad", "adam"]))
+    optimizer: str = knob(
+        "sgd", "Update rule each shard applies to its slice. For workers' --local-steps "
+        "pseudo-gradients: nesterov (DiLoCo's outer optimizer with --consistency sync: "
+        "--lr 0.7 --momentum 0.9) or delayed-nesterov (asynchronous Local SGD, Liu et al. "
+        "2024: momentum applied every --nesterov-period pushes).",
+        type=click.Choice(["sgd", "momentum", "adagrad", "adam", "nesterov",
+                           "delayed-nesterov"]))
     lr: Optional[float] = knob(
         None, "Learning rate of the shards' update rule.",
         type=click.FloatRange(min=0, min_open=True), show="task's default")
     momentum: float = knob(
-        0.9, "Momentum of --optimizer momentum (sgd, adagrad and adam ignore it). 0.9, the "
+        0.9, "Momentum of --optimizer momentum, nesterov and delayed-nesterov (sgd, adagrad "
+        "and adam ignore it). 0.9, the "
         "usual value, since choosing that rule asks for momentum; the default rule, sgd, is "
         "plain SGD, as the other modes' default --momentum 0 is.",
         type=click.FloatRange(0, 1, max_open=True))
+    nesterov_period: int = knob(
+        0, "delayed-nesterov: pushes per momentum step (each push moves the parameters by "
+        "lr / period at once); 0 means --workers, as Liu et al. chose.",
+        type=click.IntRange(min=0))
     weight_decay: float = knob(0.0, "L2 weight decay of the update rule.",
                                type=click.FloatRange(min=0))
     consistency: str = knob(
@@ -381,11 +391,26 @@ class WorkerConfig:
     push_every: int = knob(
         1, "Local steps per push (Downpour's n_push): between pushes the worker applies "
         "plain SGD locally with --local-lr and pushes the summed gradients, so scale the "
-        "server's --lr down by about this factor.",
+        "server's --lr down by about this factor. --local-steps pushes the change of the "
+        "parameters instead.",
         type=click.IntRange(min=1))
-    local_lr: Optional[float] = knob(None, "Learning rate of local steps (--push-every > 1).",
-                                     type=click.FloatRange(min=0, min_open=True),
-                                     show="task's default")
+    local_steps: int = knob(
+        1, "Local SGD / DiLoCo: train this many steps (H) with --inner-optimizer from the "
+        "pulled parameters, then push the pseudo-gradient, pulled minus local parameters, "
+        "for the server's rule to apply (DiLoCo: the server's --optimizer nesterov --lr 0.7 "
+        "with --consistency sync; async: asynchronous Local SGD). The inner optimizer keeps "
+        "its state across rounds. 1: push every gradient.", type=click.IntRange(min=1))
+    inner_optimizer: str = knob(
+        "sgd", "The optimizer of --local-steps: sgd, momentum (0.9) or adamw (DiLoCo's: "
+        "e.g. --local-lr 0.001 --inner-weight-decay 0.1).",
+        type=click.Choice(["sgd", "momentum", "adamw"]))
+    inner_weight_decay: float = knob(
+        0.0, "Weight decay of --inner-optimizer (adamw: decoupled, as torch.optim.AdamW).",
+        type=click.FloatRange(min=0))
+    local_lr: Optional[float] = knob(
+        None, "Learning rate of local steps: --push-every's plain SGD, or --local-steps' "
+        "--inner-optimizer.", type=click.FloatRange(min=0, min_open=True),
+        show="task's default")
     max_seconds: Optional[float] = knob(None, "Stop this many seconds after the command "
                                         "started (its start-up counts).",
                                         type=click.FloatRange(min=0, min_open=True),

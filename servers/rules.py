@@ -49,7 +49,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-RULES = ("sgd", "momentum", "adagrad", "adam")
+RULES = ("sgd", "momentum", "adagrad", "adam", "nesterov", "delayed-nesterov")
 
 _DTYPE = torch.float32
 
@@ -401,7 +401,63 @@ class Adam(UpdateRule):
         p.addcdiv_(m, denom, value=-step_size)
 
 
-_CLASSES = {cls.name: cls for cls in (SGD, Momentum, Adagrad, Adam)}
+class Nesterov(Momentum):
+    """DiLoCo's outer optimizer (Douillard et al. 2023: lr 0.7, momentum 0.9):
+    torch.optim.SGD with Nesterov momentum, applied to the pseudo-gradients (pulled minus
+    local parameters) that workers push with --local-steps. ``momentum`` with nesterov."""
+
+    name = "nesterov"
+    DEFAULTS = {"momentum": 0.9, "weight_decay": 0.0, "nesterov": True}
+
+    def _check_hyper(self, hyper):
+        if not hyper["nesterov"]:
+            raise ValueError("rule 'nesterov' is Nesterov momentum; use 'momentum' without it")
+        super()._check_hyper(hyper)
+
+
+class DelayedNesterov(UpdateRule):
+    """The outer optimizer of asynchronous Local SGD (Liu et al. 2024, "delayed Nesterov"),
+    for pushes that arrive one at a time rather than in rounds.
+
+    Every push moves the parameters at once by ``lr * g / period``; every ``period``-th push
+    also folds the mean of the last ``period`` pushes into the momentum buffer and moves by
+    ``lr * momentum * buf`` (their c = 0). Momentum so follows the pushes of many workers, as
+    sync DiLoCo's round mean does, not each stale push alone. ``period`` 1 is Nesterov
+    momentum on every push with the gradient term ``g`` (not ``g + momentum * buf``'s g)."""
+
+    name = "delayed-nesterov"
+    DEFAULTS = {"momentum": 0.9, "period": 2, "weight_decay": 0.0}
+    STATE = ("momentum_buffer", "pending")
+
+    def _check_hyper(self, hyper):
+        m = _finite_float("momentum", hyper["momentum"])
+        if not 0 <= m < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {m!r}")
+        period = _as_int(hyper["period"], f"period must be an int, got {hyper['period']!r}")
+        if period < 1:
+            raise ValueError(f"period must be >= 1, got {period}")
+        self.momentum, self.period = m, period
+        self.weight_decay = _weight_decay(hyper)
+
+    def _hyper(self):
+        return {"momentum": self.momentum, "period": self.period,
+                "weight_decay": self.weight_decay}
+
+    def _apply(self, p, g, o, lr):
+        if self.weight_decay:
+            g = g.add(p, alpha=self.weight_decay)
+        n = g.numel()
+        buf = self.state["momentum_buffer"][o: o + n]
+        pending = self.state["pending"][o: o + n]
+        pending.add_(g)
+        if self.steps % self.period == 0:  # this push ends a period (steps counts it already)
+            buf.mul_(self.momentum).add_(pending, alpha=1.0 / self.period)
+            p.add_(buf, alpha=-lr * self.momentum)
+            pending.zero_()
+        p.add_(g, alpha=-lr / self.period)
+
+
+_CLASSES = {cls.name: cls for cls in (SGD, Momentum, Adagrad, Adam, Nesterov, DelayedNesterov)}
 assert tuple(_CLASSES) == RULES
 
 

@@ -56,8 +56,10 @@ class ShardSupervisor:
         """The shards of ``ps-server``: shard i owns ``flat[ranges[i]]`` and applies the
         configured rule to it, listening on ``host``, checkpointing into ``checkpoint_dir``."""
         hyper = {"weight_decay": cfg.weight_decay}
-        if cfg.optimizer == "momentum":
+        if cfg.optimizer in ("momentum", "nesterov", "delayed-nesterov"):
             hyper["momentum"] = cfg.momentum
+        if cfg.optimizer == "delayed-nesterov":
+            hyper["period"] = cfg.nesterov_period or cfg.workers
         threads = max(1, cfg.threads or available_cores() // (cfg.shards + 1))
         settings = [ShardProcessSettings(
             config=ShardConfig(

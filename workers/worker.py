@@ -123,6 +123,10 @@ def run_worker(cfg: WorkerConfig, seen: Optional[list] = None,
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
     rank, world = rank_and_world(cfg)
+    if cfg.local_steps > 1 and cfg.push_every > 1:
+        raise ConfigError(f"--local-steps {cfg.local_steps} and --push-every {cfg.push_every}: "
+                          "choose one (--local-steps pushes the change of the parameters, "
+                          "--push-every the sum of the gradients)")
     pacing = Pacing.parse(cfg.slowdown, cfg.delay)
     pacing.check_ranks(world, "--world")
     keys = ClientKeys.load(cfg.curve_server_key, cfg.curve_secret)
@@ -179,6 +183,12 @@ class _Loop:
             layout.bind(model, self.flat_params, self.flat_grads)
         self.accum = torch.zeros(layout.total) if cfg.push_every > 1 else None
         self.local_lr = cfg.local_lr or task.lr
+        # --local-steps: the inner optimizer steps the flat parameters themselves, and
+        # ``anchor`` keeps the pulled ones (the pseudo-gradient is computed into it)
+        self.inner = (inner_optimizer(cfg.inner_optimizer, self.flat_params, self.flat_grads,
+                                      self.local_lr, cfg.inner_weight_decay)
+                      if cfg.local_steps > 1 else None)
+        self.anchor = torch.zeros(layout.total) if self.inner is not None else None
         self.batch_size = cfg.batch_size or task.batch_size
         self.steps = self.pushes = self.samples = 0
         self.loss_sum, self.loss_steps, self.unpushed = 0.0, 0, 0
@@ -192,7 +202,7 @@ class _Loop:
 
     def run(self) -> WorkerResult:
         self.client.push_pull(None, self.flat_params)
-        self._load()
+        self._pulled()
         for epoch in range(self.cfg.epochs):
             order = epoch_order(self.part, self.cfg.seed, self.rank, epoch)
             for start in range(0, len(order), self.batch_size):
@@ -224,7 +234,12 @@ class _Loop:
         value = loss.item()
         if math.isfinite(value):
             self.loss_sum, self.loss_steps = self.loss_sum + value, self.loss_steps + 1
-        if self.accum is not None:
+        if self.inner is not None:
+            self.inner.step()  # on flat_params, from flat_grads
+            if self.steps % self.cfg.local_steps:
+                self._load()
+                return
+        elif self.accum is not None:
             self.accum.add_(self.flat_grads)
             if self.steps % self.cfg.push_every:
                 self.flat_params.add_(self.flat_grads, alpha=-self.local_lr)  # Downpour local step
@@ -234,9 +249,12 @@ class _Loop:
 
     def _push(self) -> None:
         meta = {Key.LOSS: self.loss_sum / max(1, self.loss_steps), Key.SAMPLES: self.unpushed}
-        grads = self.accum if self.accum is not None else self.flat_grads
+        if self.anchor is not None:  # the pseudo-gradient: pulled minus local parameters
+            grads = self.anchor.sub_(self.flat_params)
+        else:
+            grads = self.accum if self.accum is not None else self.flat_grads
         self.client.push_pull(grads, self.flat_params, meta)
-        self._load()
+        self._pulled()
         if self.accum is not None:
             self.accum.zero_()
         self.pushes += 1
@@ -247,6 +265,12 @@ class _Loop:
         elapsed = self.elapsed()
         self.progress.note(pace_note(self.pacer.computed, self.pacer.waited, self.pacer.span))
         self.progress.update(elapsed, self.samples, self.samples / max(1e-9, elapsed), force=force)
+
+    def _pulled(self) -> None:
+        """New parameters came from the server: into the model, and the next round's anchor."""
+        self._load()
+        if self.anchor is not None:
+            self.anchor.copy_(self.flat_params)
 
     def _load(self) -> None:
         """On a GPU the model keeps its own parameters: copy the pulled values over."""
@@ -269,6 +293,19 @@ class _Loop:
                             round(self.elapsed(), 3),
                             {**self.client.stats, "ended_by_server": ended_by_server,
                              **self.pacer.figures()})
+
+
+def inner_optimizer(kind: str, flat_params: torch.Tensor, flat_grads: torch.Tensor, lr: float,
+                    weight_decay: float):
+    """The optimizer of --local-steps over the whole flat parameter vector (one tensor, its
+    gradient the flat gradient buffer): sgd, momentum (0.9) or adamw, as torch.optim's."""
+    from asyncsgd.modes.optim import SGD, AdamW
+    flat = torch.nn.Parameter(flat_params)  # the same storage: steps move the model too
+    flat.grad = flat_grads
+    if kind == "adamw":
+        return AdamW([flat], lr=lr, weight_decay=weight_decay)
+    return SGD([flat], lr=lr, momentum=0.9 if kind == "momentum" else 0.0,
+               weight_decay=weight_decay)
 
 
 def _gather_grads(model, layout: Layout, flat_grads: torch.Tensor) -> None:

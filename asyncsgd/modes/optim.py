@@ -5,7 +5,8 @@ Why not ``torch.optim.SGD``: constructing the first torch optimizer imports
 two cores would spend 13 s of start-up on it. This one does the same
 arithmetic (PyTorch's SGD with momentum and L2 weight decay, dampening 0)
 and handles sparse gradients so that an update touches only the rows a batch used.
-``Adam`` is the parameter server's adam rule in the same shape, and ``Delayed`` applies
+``Adam`` is the parameter server's adam rule in the same shape (``AdamW`` with decoupled
+weight decay: a worker's --inner-optimizer), and ``Delayed`` applies
 any of them S steps late (``single --simulate-staleness``).
 
 Each has ``state_dict``/``load_state_dict`` (momentum buffers, adam's moments and
@@ -149,7 +150,9 @@ class Adam(SGD):
             if g.is_sparse:
                 raise ValueError("--optimizer adam takes dense gradients; this model's are "
                                  "sparse (use sgd or momentum)")
-            if self.weight_decay:
+            if self.weight_decay and self.DECOUPLED:
+                p.mul_(1 - self.lr * self.weight_decay)
+            elif self.weight_decay:
                 g = g.add(p, alpha=self.weight_decay)
             if i not in self.buffers:
                 self.buffers[i] = (torch.zeros_like(p), torch.zeros_like(p))
@@ -160,6 +163,7 @@ class Adam(SGD):
             p.addcdiv_(m, denom, value=-self.lr / bias_correction1)
 
     KIND = "adam"
+    DECOUPLED = False
 
     def state_dict(self) -> dict:
         """The moments (copies) by parameter index, and the step count of bias correction."""
@@ -177,6 +181,14 @@ class Adam(SGD):
                 raise ValueError(f"its adam moments of parameter {i!r} are not a pair")
             self.buffers[i] = tuple(_fitting(self.params, i, saved) for saved in pair)
         self.steps = steps
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW: the weight decay shrinks the parameters (``p *= 1 - lr * wd``)
+    before the Adam step instead of joining the gradient (DiLoCo's inner optimizer)."""
+
+    KIND = "adamw"
+    DECOUPLED = True
 
 
 class Delayed:
