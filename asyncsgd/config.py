@@ -55,8 +55,9 @@ def default_start_method() -> str:
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
-class _PaceSpec(click.ParamType):
-    """A --slowdown or --delay value: checked when parsed, kept as the text given."""
+class _CheckedText(click.ParamType):
+    """A value such as --slowdown's or --comm-hook's: checked when parsed, kept as the text
+    given."""
 
     def __init__(self, name: str, parse: Any):
         self.name, self._parse = name, parse
@@ -76,14 +77,25 @@ def _slowdown() -> Any:
     return knob(
         None, "Make ranks stragglers: RANK:FACTOR[,...]; e.g. 1:4 has rank 1 wait 3x its "
         "step's compute time after each step, so it takes 4x as long.",
-        type=_PaceSpec("RANK:FACTOR", parse_slowdown), metavar="RANK:FACTOR", show="none")
+        type=_CheckedText("RANK:FACTOR", parse_slowdown), metavar="RANK:FACTOR", show="none")
 
 
 def _delay() -> Any:
     return knob(
         None, "Random per-step delays: KIND:MEAN[@RANKS], KIND exp or const, MEAN in ms or "
         "s; e.g. exp:20ms (every rank), exp:0.5s@1,2. Seeded by --seed and rank.",
-        type=_PaceSpec("KIND:MEAN", parse_delay), metavar="KIND:MEAN[@RANKS]", show="none")
+        type=_CheckedText("KIND:MEAN", parse_delay), metavar="KIND:MEAN[@RANKS]", show="none")
+
+
+def parse_comm_hook(text: str) -> tuple:
+    """``(kind, rank)`` of a --comm-hook value; a ConfigError naming the valid ones."""
+    kind, _, rank = text.partition(":")
+    if kind in ("allreduce", "fp16", "bf16") and not rank:
+        return kind, 0
+    if kind == "powersgd" and (not rank or (rank.isdigit() and int(rank) >= 1)):
+        return kind, int(rank or 1)
+    raise ConfigError(f"--comm-hook {text!r}: use allreduce, fp16, bf16 or powersgd[:RANK] "
+                      "with RANK >= 1")
 
 
 @dataclass
@@ -248,6 +260,21 @@ class DDPConfig(SingleConfig):
         "auto", "Collective backend: nccl (CUDA tensors, one process per GPU) or gloo (CPU). "
         "auto picks nccl with --device cuda when there are at least as many GPUs as "
         "processes on this host, else gloo.", type=click.Choice(["auto", "nccl", "gloo"]))
+    comm_hook: str = knob(
+        "allreduce", "How DDP's gradient all-reduce travels, with PyTorch's own communication "
+        "hooks: allreduce (float32), fp16 (fp16_compress_hook: half the bytes), bf16 "
+        "(bf16_compress_hook; NCCL only) or powersgd[:RANK] (PowerSGD, rank-RANK "
+        "approximations of each matrix, with error feedback; rank 1 by default).",
+        type=_CheckedText("HOOK", lambda text: parse_comm_hook(text)),
+        metavar="allreduce|fp16|bf16|powersgd[:RANK]")
+    local_steps: int = knob(
+        1, "Post-local SGD with PyTorch's own pieces (post_localSGD_hook and the periodic "
+        "model averager that PostLocalSGDOptimizer runs): after --local-warmup steps of "
+        "ordinary DDP, ranks stop all-reducing gradients, train alone and average their "
+        "parameters every this many steps. 1: plain DDP.", type=click.IntRange(min=1))
+    local_warmup: int = knob(
+        0, "Steps of ordinary DDP before --local-steps begins (post-local SGD's warm-up).",
+        type=click.IntRange(min=0))
     dist_timeout: float = knob(
         300.0, "Seconds a rank waits in a collective (or to join the group) before it "
         "gives up with an error, so a hung rank cannot hang the others forever. Must "
@@ -532,7 +559,11 @@ class CompareConfig:
     modes: str = knob(
         COMPARE_MODES, "Comma-separated modes to run, in this order: single, hogwild, ps-async, "
         "ps-ssp (bounded staleness 2; ps-ssp:K for another bound), ps-sync, ps-backup (sync "
-        "rounds that do not wait for 1 worker; ps-backup:B for B), ddp.",
+        "rounds that do not wait for 1 worker; ps-backup:B for B), ddp. Communicating less: "
+        "diloco:H (workers --local-steps H, sync rounds through Nesterov lr 0.7, momentum "
+        "0.9; H 8 by default), async-diloco:H (the same, async, delayed Nesterov), "
+        "ddp+fp16, ddp+bf16, ddp+powersgd[:RANK] (PyTorch's comm hooks) and ddp-local:H "
+        "(post-local SGD). --lr is then the workers' inner lr.",
         metavar="MODE,...")
     procs: Optional[int] = knob(
         None, "Processes (Hogwild, DDP) or parameter-server workers of every parallel mode; "

@@ -440,6 +440,45 @@ def test_modes_parse_into_commands():
         parse_modes("ps-backup:0")
 
 
+def test_communication_modes_parse_into_their_flags():
+    specs = {s.name: s for s in parse_modes(
+        "diloco,diloco:16,async-diloco:4,ddp+fp16,ddp+powersgd:2,ddp-local:4")}
+    assert (specs["diloco"].consistency, specs["diloco"].optimizer,
+            specs["diloco"].worker_flags) == ("sync", "nesterov", ("--local-steps", "8"))
+    assert specs["diloco:16"].worker_flags == ("--local-steps", "16")
+    assert (specs["async-diloco:4"].consistency, specs["async-diloco:4"].optimizer) == (
+        "async", "delayed-nesterov")
+    assert specs["ddp+powersgd:2"].flags == ("--comm-hook", "powersgd:2")
+    assert specs["ddp-local:4"].flags == ("--local-steps", "4")
+    for bad in ("diloco:0", "ddp+zstd", "ddp-local:x"):
+        with pytest.raises(ConfigError, match=f"unknown mode '{re.escape(bad)}'"):
+            parse_modes(bad)
+
+
+@pytest.mark.slow
+def test_communication_modes_run(cache_dir, tmp_path):
+    """DiLoCo, asynchronous Local SGD and PyTorch's hooks run from compare like any mode:
+    each run's settings say what ran (the shards' rule, the hook, post-local SGD)."""
+    out = tmp_path / "cmp"
+    res = _run(cache_dir, "compare", "--task", "mnist1d-cnn", "--modes",
+               "diloco:4,async-diloco:4,ddp+fp16,ddp-local:4", "--procs", 2, "--budget", 8,
+               "--grace", 90, "--progress", "off", "--out", out)
+    assert res.returncode == 0, res.stderr
+    assert not res.leftovers
+    configs = {d: read_json(out / d / "config.json")["config"]
+               for d in ("diloco-4-r1", "async-diloco-4-r1", "ddp+fp16-r1", "ddp-local-4-r1")}
+    assert (configs["diloco-4-r1"]["optimizer"], configs["diloco-4-r1"]["lr"],
+            configs["diloco-4-r1"]["consistency"]) == ("nesterov", 0.7, "sync")
+    assert configs["async-diloco-4-r1"]["optimizer"] == "delayed-nesterov"
+    assert configs["ddp+fp16-r1"]["comm_hook"] == "fp16"
+    assert configs["ddp-local-4-r1"]["local_steps"] == 4
+    for rank in range(2):  # a DiLoCo worker pushes once every 4 steps; the push the server
+        # ended training during is not counted, and the last round may end unpushed
+        text = (out / "logs" / "diloco-4-r1" / f"worker-{rank}.out").read_text()
+        steps, pushes = map(int, re.search(r"(\d+) steps, (\d+) pushes", text).groups())
+        assert steps // 4 - 1 <= pushes <= -(-steps // 4) and pushes > 0, text
+
+
 @pytest.mark.parametrize("args, fragments", [
     (["--modes", "hogwild,warp-drive"], ["unknown mode 'warp-drive'", "ps-async"]),
     (["--modes", ","], ["--modes is empty"]),

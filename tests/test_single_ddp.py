@@ -202,3 +202,80 @@ def test_padded_partitions_are_equal_and_cover_the_data():
     rows = torch.cat(parts)
     assert set(rows.tolist()) == set(range(1003))
     assert len(rows) - 1003 == 1  # 1003 = 3 x 251 + 250: the last part repeats one row
+
+
+def _model(run_dir):
+    return torch.load(run_dir / "checkpoint.pt", weights_only=True)["model"]
+
+
+def test_ddp_comm_hooks_are_pytorchs_own(tmp_path, run_cli):
+    """--comm-hook registers PyTorch's hooks. fp16 halves the bytes and still averages
+    exactly what fp16 holds exactly (dense_rows: every gradient is 1/2); on the regression
+    task its rounding shows: the weights differ from float32 all-reduce's, by fp16's
+    precision. PowerSGD (rank 1) approximates each matrix of mnist1d-cnn's gradient."""
+    common = ("--procs", 2, "--threads", 1, "--progress", "off", "--dist-timeout", 60)
+    exact = ("--task", "tasks_for_tests:dense_rows", "--samples", 1001, "--lr", 1, "--epochs", 2)
+    res = run_cli("ddp", *common, *exact, "--comm-hook", "fp16", "--out", tmp_path / "rows")
+    assert res.returncode == 0, res.stderr
+    assert _counts(_weights(tmp_path / "rows")) == {-1.0: 1000, -2.0: 1}
+    assert read_json(tmp_path / "rows" / "summary.json")["comm_hook"] == "fp16"
+
+    models = {}
+    for task, hooks in (("tasks_for_tests:regression", ("allreduce", "fp16")),
+                        ("mnist1d-cnn", ("allreduce", "powersgd:1"))):
+        for hook in hooks:
+            out = tmp_path / f"{task.split(':')[-1]}-{hook}"
+            res = run_cli("ddp", *common, "--task", task, "--samples", 2000, "--epochs", 2,
+                          "--comm-hook", hook, "--out", out)
+            assert res.returncode == 0, res.stderr
+            models[task, hook] = _model(out)
+    plain, half = models["tasks_for_tests:regression", "allreduce"], \
+        models["tasks_for_tests:regression", "fp16"]
+    assert not all(torch.equal(plain[k], half[k]) for k in plain)
+    for k in plain:
+        torch.testing.assert_close(half[k], plain[k], rtol=2e-2, atol=2e-3)
+    plain, low = models["mnist1d-cnn", "allreduce"], models["mnist1d-cnn", "powersgd:1"]
+    assert all(torch.isfinite(t).all() for t in low.values())
+    assert not all(torch.equal(plain[k], low[k]) for k in plain)
+
+
+def test_ddp_bf16_hook_needs_nccl(run_cli):
+    res = run_cli("ddp", "--comm-hook", "bf16", "--procs", 2, "--epochs", 1)
+    assert res.returncode == 2
+    assert "bf16_compress_hook all-reduces with NCCL only" in res.stderr
+
+
+def test_ddp_local_steps_is_post_local_sgd_exactly(tmp_path, run_cli):
+    """--local-steps 8 on dense_rows (lr 1): each rank steps its own copy (-1 on each row of
+    its batch, no gradient all-reduce) and PyTorch's averager averages the two copies after
+    steps 1, 9, 17, ... (its warm-up 0). Rank 0's checkpoint is its copy after the last
+    step: rows seen since the last averaging show it. The oracle below replays that in
+    plain Python; plain DDP would give -1.0 on every row."""
+    from asyncsgd.core.tasks import epoch_order
+    from asyncsgd.modes.syncloop import padded_partition
+
+    rows, world, period, epochs, batch = 1000, 2, 8, 2, 8
+    res = run_cli("ddp", "--task", "tasks_for_tests:dense_rows", "--samples", rows, "--lr", 1,
+                  "--procs", world, "--threads", 1, "--epochs", epochs, "--local-steps", period,
+                  "--progress", "off", "--dist-timeout", 60, "--out", tmp_path / "run")
+    assert res.returncode == 0, res.stderr
+
+    train = rows  # dense_rows trains on every row, batches of 8
+    copies = [torch.zeros(train, dtype=torch.float64) for _ in range(world)]
+    batches = []
+    for rank in range(world):
+        part = padded_partition(train, world, rank, 0)
+        batches.append([order[i:i + batch] for epoch in range(epochs)
+                        for order in [epoch_order(part, 0, rank, epoch)]
+                        for i in range(0, len(order), batch)])
+    for step in range(len(batches[0])):
+        for rank in range(world):
+            copies[rank].index_add_(0, batches[rank][step], -torch.ones(len(batches[rank][step]),
+                                                                        dtype=torch.float64))
+        if step % period == 0:
+            mean = sum(copies) / world
+            copies = [mean.clone() for _ in range(world)]
+    expected = _counts(copies[0].float())
+    assert len(expected) > 1  # the oracle tells post-local SGD from plain DDP
+    assert _counts(_weights(tmp_path / "run")) == expected
+    assert read_json(tmp_path / "run" / "summary.json")["local_steps"] == period

@@ -85,32 +85,34 @@ class ModeSpec:
     command: str  # single | hogwild | ddp | ps-server
     consistency: Optional[str] = None
     backup_workers: int = 0  # ps-backup:B: sync rounds that do not wait for B workers
+    optimizer: str = "sgd"  # the shards' rule: nesterov / delayed-nesterov for Local SGD
+    flags: tuple = ()  # of its command (ps-server's, or single/hogwild/ddp's)
+    worker_flags: tuple = ()  # of each parameter-server worker
 
     @property
     def slug(self) -> str:
         return self.name.replace(":", "-")
 
 
+# DiLoCo's outer optimizer (Douillard et al. 2023): Nesterov, lr 0.7, momentum 0.9
+OUTER = ("--lr", "0.7", "--momentum", "0.9")
+LOCAL_STEPS_DEFAULT = 8
+
+
 def parse_modes(text: str) -> list:
-    """``single,hogwild,ps-async,ps-ssp,ps-ssp:4,ps-sync,ps-backup:1,ddp`` -> [ModeSpec]."""
+    """``single,hogwild,ps-async,ps-ssp,ps-ssp:4,ps-sync,ps-backup:1,ddp,diloco:8,...``
+    -> [ModeSpec]."""
     specs, seen = [], set()
     for name in (m.strip() for m in text.split(",")):
         if not name:
             continue
-        ssp = re.fullmatch(r"ps-ssp(?::(\d+))?", name)
-        backup = re.fullmatch(r"ps-backup(?::(\d+))?", name)
-        if name in ("single", "hogwild", "ddp"):
-            spec = ModeSpec(name, name)
-        elif name in ("ps-async", "ps-sync"):
-            spec = ModeSpec(name, "ps-server", name[3:])
-        elif ssp:
-            spec = ModeSpec(name, "ps-server", f"ssp:{ssp.group(1) or SSP_DEFAULT}")
-        elif backup and int(backup.group(1) or 1) > 0:
-            spec = ModeSpec(name, "ps-server", "sync", int(backup.group(1) or 1))
-        else:
+        spec = _mode(name)
+        if spec is None:
             raise ConfigError(f"--modes: unknown mode {name!r}; choose from single, hogwild, "
                               "ps-async, ps-ssp (or ps-ssp:K), ps-sync, ps-backup (or "
-                              "ps-backup:B), ddp")
+                              "ps-backup:B), ddp, diloco (or diloco:H), async-diloco (or "
+                              "async-diloco:H), ddp+fp16, ddp+bf16, ddp+powersgd (or "
+                              "ddp+powersgd:RANK), ddp-local (or ddp-local:H)")
         if name in seen:
             raise ConfigError(f"--modes: {name} is listed twice; use --repeats to run it again")
         seen.add(name)
@@ -118,6 +120,34 @@ def parse_modes(text: str) -> list:
     if not specs:
         raise ConfigError("--modes is empty; name at least one mode, e.g. --modes hogwild")
     return specs
+
+
+def _mode(name: str) -> Optional[ModeSpec]:
+    """The mode ``name`` means, or None."""
+    def number(pattern: str, default: int) -> Optional[int]:
+        found = re.fullmatch(pattern + r"(?::(\d+))?", name)
+        return None if found is None else int(found.group(1) or default)
+
+    if name in ("single", "hogwild", "ddp"):
+        return ModeSpec(name, name)
+    if name in ("ps-async", "ps-sync"):
+        return ModeSpec(name, "ps-server", name[3:])
+    if number("ps-ssp", SSP_DEFAULT) is not None:
+        return ModeSpec(name, "ps-server", f"ssp:{number('ps-ssp', SSP_DEFAULT)}")
+    if number("ps-backup", 1):
+        return ModeSpec(name, "ps-server", "sync", number("ps-backup", 1))
+    if name in ("ddp+fp16", "ddp+bf16") or number("ddp\\+powersgd", 1):
+        return ModeSpec(name, "ddp", flags=("--comm-hook", name[4:]))
+    if number("ddp-local", LOCAL_STEPS_DEFAULT):
+        return ModeSpec(name, "ddp", flags=(
+            "--local-steps", str(number("ddp-local", LOCAL_STEPS_DEFAULT))))
+    for prefix, consistency, rule in (("diloco", "sync", "nesterov"),
+                                      ("async-diloco", "async", "delayed-nesterov")):
+        steps = number(prefix, LOCAL_STEPS_DEFAULT)
+        if steps:
+            return ModeSpec(name, "ps-server", consistency, optimizer=rule, flags=OUTER,
+                            worker_flags=("--local-steps", str(steps)))
+    return None
 
 
 def parse_mode_args(items: tuple, specs: list) -> dict:
@@ -198,8 +228,8 @@ class ModeRun:
         if spec.command == "ps-server":
             flags = self._run_flags() + _present({
                 "--workers": self.procs, "--shards": c.shards, "--consistency": spec.consistency,
-                "--backup-workers": spec.backup_workers or None, "--optimizer": "sgd",
-                "--lr": c.lr})
+                "--backup-workers": spec.backup_workers or None, "--optimizer": spec.optimizer,
+                "--lr": c.lr if spec.optimizer == "sgd" else None})
         else:
             world = 1 if spec.command == "single" else self.procs
             flags = self._run_flags() + self._train_flags(world) + _present({"--lr": c.lr})
@@ -208,15 +238,17 @@ class ModeRun:
                 flags += ["--procs", str(self.procs)]
                 if spec.command == "ddp":  # across namespaces, only gloo crosses the link
                     flags += ["--backend", "gloo" if self.link else c.ddp_backend]
-        return flags + self.extra.get(spec.name, [])
+        return flags + list(spec.flags) + self.extra.get(spec.name, [])
 
     def worker_command(self, server: str, rank: int) -> list:
         """No --max-seconds: the server's budget ends the run and it tells the workers
         (their own clocks would end them at other moments)."""
+        # with --local-steps, --lr is the workers' inner lr (the server's is DiLoCo's)
+        local_lr = self.cfg.lr if self.spec.worker_flags else None
         return self._data_flags() + self._train_flags(self.procs) + _present({
             "--server": server, "--rank": rank, "--world": self.procs, "--seed": self.seed,
-            "--threads": self.threads, "--progress": "off",
-        }) + self.extra.get("worker", [])
+            "--threads": self.threads, "--progress": "off", "--local-lr": local_lr,
+        }) + list(self.spec.worker_flags) + self.extra.get("worker", [])
 
     # -- running -------------------------------------------------------------------------
     def run(self) -> Attempt:

@@ -135,6 +135,13 @@ def choose_backend(cfg: DDPConfig, local_procs: int) -> tuple:
 
 
 def _check_model(task: Task, cfg: DDPConfig, backend: str) -> None:
+    if cfg.local_steps > 1 and cfg.comm_hook != "allreduce":
+        raise ConfigError(f"--local-steps {cfg.local_steps} with --comm-hook {cfg.comm_hook}: "
+                          "post-local SGD registers its own hook; choose one")
+    if cfg.comm_hook == "bf16" and backend != "nccl":
+        raise ConfigError(f"--comm-hook bf16: PyTorch's bf16_compress_hook all-reduces with "
+                          f"NCCL only, and this run uses {backend}; use --comm-hook fp16 (or "
+                          "--device cuda with NCCL)")
     model = task.build_model(cfg.seed)
     if backend == "nccl" and any(getattr(m, "sparse", False) for m in model.modules()):
         raise ConfigError(f"task {task.name} has sparse gradients, which DDP all-reduces only "
@@ -245,7 +252,8 @@ def run_rank(cfg: DDPConfig, task: Task, place: Placement, run: Optional[RunDir]
                              stop_requested=stop_requested, started_at=started_at, argv=argv,
                              name=f"rank {place.rank}",
                              extra={"backend": place.backend, "threads": place.threads,
-                                    "device": cfg.device})
+                                    "device": cfg.device, "comm_hook": cfg.comm_hook,
+                                    "local_steps": cfg.local_steps})
     finally:
         dist.destroy_process_group()
         # DDP's wrapper and its reducer sit in reference cycles with the group's work

@@ -44,7 +44,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from ..config import SingleConfig
+from ..config import SingleConfig, parse_comm_hook
 from ..core.pacing import Pacer, Pacing, other_seconds, pace_event, pace_note
 from ..core.tasks import Task, epoch_order, partition_indices
 from ..errors import ConfigError, WorkerError
@@ -147,13 +147,19 @@ class SyncLoop:
         self.pacer = Pacer(self.pacing, rank, cfg.seed,
                            torch.cuda.synchronize if device.type == "cuda" else None)
         self._pace_after_backward = self.pacer.end
+        self.averager = None  # ddp --local-steps: averages the ranks' parameters periodically
         # Whether steps are timed: DDP's are only when paced (a hook in its reducer)
         self.timed = True
         if hasattr(net, "register_comm_hook"):  # DDP: the wait goes before the all-reduce
             self._pace_after_backward = None
             self.timed = self.pacing.active
+            hook = comm_hook(cfg.comm_hook)
+            if cfg.local_steps > 1:
+                hook, self.averager = post_local_sgd(cfg.local_steps, cfg.local_warmup)
             if self.timed:
-                net.register_comm_hook(self.pacer, _paced_allreduce)
+                net.register_comm_hook((self.pacer, *hook), _paced_hook)
+            elif hook[1] is not None:
+                net.register_comm_hook(*hook)
         if self.pacing.active and recorder is not None:
             log.info("stragglers: %s", self.pacing.describe())
         self.ranks_paced = [0.0] * (PACED * world)  # rank 0: the agreed per-rank seconds
@@ -230,6 +236,8 @@ class SyncLoop:
             loss = self.task.loss_fn(self.net(*inputs), targets)
         self.opt.zero_grad()
         self.precision.backward_and_step(loss, self.opt, between=self._pace_after_backward)
+        if self.averager is not None:  # what PostLocalSGDOptimizer.step does after the step
+            self.averager.average_parameters(self.net.parameters())
         self._loss_sum += loss.detach()  # no .item() per step: it would wait for the GPU
         self._loss_steps += 1
         self.local_samples += len(targets)
@@ -333,14 +341,53 @@ class SyncLoop:
                 "steady_samples_per_second": round(rate, 1) if rate else None}
 
 
-def _paced_allreduce(pacer: Pacer, bucket):  # no annotations: DDP checks them as objects
-    """DDP's all-reduce, after this rank's pace: a straggler's gradients reach the others
-    late. The last bucket is handed over once every gradient of the step is computed."""
+def comm_hook(spec: str) -> tuple:
+    """``(state, hook)`` of --comm-hook: PyTorch's own DDP communication hooks, so that a
+    comparison runs what a PyTorch user would; ``(None, None)``: DDP's built-in all-reduce."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    kind, rank = parse_comm_hook(spec)
+    if kind == "fp16":
+        return None, default_hooks.fp16_compress_hook
+    if kind == "bf16":
+        return None, default_hooks.bf16_compress_hook
+    if kind == "powersgd":
+        # start_powerSGD_iter 2, not 1,000: runs here are short, and PowerSGD must start
+        # after at least one plain step (its error feedback needs one)
+        return (powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                            start_powerSGD_iter=2),
+                powerSGD_hook.powerSGD_hook)
+    return None, None
+
+
+def post_local_sgd(period: int, warmup: int) -> tuple:
+    """``((state, hook), averager)`` of ddp --local-steps: PyTorch's post-local SGD.
+
+    Its hook all-reduces gradients for ``warmup`` steps, then not at all (no subgroup
+    all-reduce: ranks train alone); the averager all-reduces the parameters every
+    ``period`` steps after the warm-up. PyTorch's PostLocalSGDOptimizer is the optimizer's
+    step then this averager; it wraps a torch.optim.Optimizer, which this loop's optimizer
+    is not (modes.optim says why), so the loop calls the averager itself."""
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+        PostLocalSGDState, post_localSGD_hook)
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+    state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=warmup,
+                              post_local_gradient_allreduce=False)
+    return (state, post_localSGD_hook), PeriodicModelAverager(period=period,
+                                                              warmup_steps=warmup)
+
+
+def _paced_hook(state, bucket):  # no annotations: DDP checks them as objects
+    """DDP's all-reduce (or --comm-hook's), after this rank's pace: a straggler's gradients
+    reach the others late. The last bucket is handed over once every gradient of the step
+    is computed. ``state``: (pacer, the hook's own state, the hook or None)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+    pacer, inner_state, inner = state
     if bucket.is_last():
         pacer.end()
-    return allreduce_hook(None, bucket)
+    return (inner or allreduce_hook)(inner_state, bucket)
 
 
 def _raising(who: str, rank: int, fn: Callable[[], str]) -> str:
