@@ -508,41 +508,45 @@ _JOB_OWN = {
 _JOB_LEFT_OUT = {"server", "rank", "world", "workers", "curve_secret", "allowed_clients",
                  "curve_server_key"}
 _JOB_HELP = {  # settings both roles take, where the server's own help would mislead
-    "bind": ("tcp://0.0.0.0:0", "Where the server listens: port 0 takes a free port, which "
-             "reaches the workers through the rendezvous store."),
-    "device": ("cpu", "Where the workers compute gradients: cpu or cuda. The server keeps "
-               "the parameters in CPU memory whatever this is."),
-    "threads": (0, "Torch threads of each shard and of each worker; 0 means CPU cores "
-                "shared among the processes on each host (at least 1)."),
-    "max_seconds": (None, "Stop this many seconds after the command started, server and "
-                    "workers alike."),
+    "bind": dict(default="tcp://0.0.0.0:0", help="Where the server listens: port 0 takes a "
+                 "free port, which reaches the workers through the rendezvous store."),
+    "device": dict(default="cpu", help="Where the workers compute gradients: cpu or cuda. "
+                   "The server keeps the parameters in CPU memory whatever this is."),
+    "threads": dict(default=0, help="Torch threads of each shard and of each worker; 0 means "
+                    "CPU cores shared among the processes on each host (at least 1)."),
+    "max_seconds": dict(default=None, help="Stop this many seconds after the command "
+                        "started, server and workers alike."),
 }
 
 
-def _job_fields() -> list:
-    fields, seen = [], set()
-    for name, (kind, spec) in _JOB_OWN.items():
-        fields.append((name, kind, spec))
-        seen.add(name)
-    for cls in (ServerConfig, WorkerConfig):
+def derived_config(name: str, mode: str, doc: str, own: dict, sources: tuple,
+                   left_out: set, changed: dict, module: str = __name__):
+    """A settings dataclass made of others: its ``own`` fields (name -> (type, knob)),
+    then each field of ``sources`` not yet taken and not ``left_out``, with what
+    ``changed`` says for it (name -> {type, default, help, show}) over the source's.
+    ``module`` is where it is defined, as pickle looks it up."""
+    fields = [(own_name, kind, spec) for own_name, (kind, spec) in own.items()]
+    seen = set(own)
+    for cls in sources:
         for f in dataclasses.fields(cls):
-            if f.name in seen or f.name in _JOB_LEFT_OUT:
+            if f.name in seen or f.name in left_out:
                 continue
             seen.add(f.name)
-            meta = dict(f.metadata)
-            default = f.default
-            if f.name in _JOB_HELP:
-                default, meta["help"] = _JOB_HELP[f.name]
-            fields.append((f.name, f.type, field(default=default, metadata=meta)))
-    return fields
+            change = changed.get(f.name, {})
+            meta = {**f.metadata, **{k: change[k] for k in ("help", "show") if k in change}}
+            fields.append((f.name, change.get("type", f.type),
+                           field(default=change.get("default", f.default), metadata=meta)))
+    made = dataclasses.make_dataclass(
+        name, fields, namespace={"mode": mode, "__doc__": doc,
+                                 "to_dict": lambda self: dataclasses.asdict(self)})
+    made.__module__ = module
+    return made
 
 
-JobConfig = dataclasses.make_dataclass(
-    "JobConfig", _job_fields(),
-    namespace={"mode": "ps-job", "to_dict": lambda self: dataclasses.asdict(self),
-               "__doc__": "Settings of ``asyncsgd ps-job``: a whole parameter-server job "
-                          "under torchrun (or Ray): one server rank, the rest workers."})
-JobConfig.__module__ = __name__
+JobConfig = derived_config(
+    "JobConfig", "ps-job", "Settings of ``asyncsgd ps-job``: a whole parameter-server job "
+    "under torchrun: one server rank, the rest workers.", _JOB_OWN,
+    (ServerConfig, WorkerConfig), _JOB_LEFT_OUT, _JOB_HELP)
 
 
 # The modes 'asyncsgd compare' runs by default, in this order.

@@ -16,6 +16,9 @@ the budget holds.
 teardown of torch's modules: 1.3-2.4 s of CPU on the same loaded machine
 (``python -c "import torch"`` took 6.4 s to exit, 4.2 s with ``exit_now``),
 paid by every Hogwild worker and rank before the parent could report.
+
+``pid_alive`` says whether a process still runs (a zombie does not), for those that
+wait on processes they did not start.
 """
 
 from __future__ import annotations
@@ -67,3 +70,19 @@ def exit_now(code: int) -> None:
             except (OSError, ValueError):  # closed or gone (a closed pipe): nothing to save
                 pass
         os._exit(code)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (someone else's counts); a zombie its parent has not
+    reaped yet does not, nor one that ends while this looks."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except (OSError, IndexError):
+        return not os.path.isdir("/proc")  # no /proc (not Linux): kill's answer stands

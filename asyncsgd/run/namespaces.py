@@ -21,6 +21,7 @@ import threading
 from typing import List, Optional, Tuple
 
 from ..errors import ConfigError
+from .lifetime import pid_alive
 
 PREFIX = "asgd"
 OWNED = re.compile(rf"{PREFIX}t?-(\d+)-")  # asgd-<pid>-...: a process owns it (asgdt-: old tests)
@@ -104,16 +105,6 @@ def delete_namespace(ns: str) -> Optional[str]:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale() -> List[str]:
     """Delete owned namespaces (``asgd-<pid>-...``) whose process no longer exists (it was
     SIGKILLed before it could clean up). Returns the names deleted."""
@@ -124,7 +115,7 @@ def sweep_stale() -> List[str]:
         return gone
     for ns in names:
         m = OWNED.match(ns)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
             if delete_namespace(ns) is None:
                 gone.append(ns)
     return gone

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch.multiprocessing as mp
 
 from ..errors import WorkerError
-from .lifetime import command_started_at, exit_now, start_command_clock
+from .lifetime import command_started_at, exit_now, pid_alive, start_command_clock
 
 log = logging.getLogger(__name__)
 
@@ -68,27 +68,17 @@ def _die_with_parent(parent_pid: int) -> None:
         pidfd = os.pidfd_open(parent_pid)
     except (AttributeError, OSError):  # already gone (or no pidfd): poll instead
         pidfd = None
-        if not _alive(parent_pid):
+        if not pid_alive(parent_pid):
             os._exit(1)
     threading.Thread(target=_watch_parent, args=(parent_pid, pidfd), daemon=True,
                      name="asyncsgd-parent-watch").start()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def _watch_parent(parent_pid: int, pidfd: Optional[int]) -> None:
     if pidfd is not None:
         select.select([pidfd], [], [])  # readable once the parent has exited
     else:
-        while _alive(parent_pid):
+        while pid_alive(parent_pid):
             time.sleep(0.5)
     os._exit(1)
 
@@ -207,13 +197,7 @@ def _fork_server_alive(wait: float = 1.0) -> bool:
     if pid is None:
         return True
     deadline = time.monotonic() + wait
-    while _alive(pid):
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] in "ZX":
-                    return False
-        except OSError:
-            return False
+    while pid_alive(pid):
         if time.monotonic() > deadline:
             return True
         time.sleep(0.02)
