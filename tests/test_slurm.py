@@ -72,21 +72,19 @@ def _start_local_slurm() -> Optional[str]:
     return _slurm_unavailable()
 
 
-_STARTED = False
-_WHY = _slurm_unavailable()
-if _WHY:
-    _WHY = _start_local_slurm()
-    _STARTED = _WHY is None
-if _WHY:
-    pytest.skip(f"{_WHY}: start a local Slurm with '{START}' ('{START2}' for the hetjob)",
-                allow_module_level=True)
-
-
 @pytest.fixture(scope="module", autouse=True)
-def _stop_the_slurm_we_started():
-    """A Slurm this module started is stopped after it (one that was running stays)."""
+def local_slurm():
+    """A Slurm to submit to: the one running, else one this module starts (and stops after
+    its tests; one that was running stays); skipped, saying why, where neither can be."""
+    why = _slurm_unavailable()
+    started = False
+    if why:
+        why = _start_local_slurm()
+        started = why is None
+    if why:
+        pytest.skip(f"{why}: start a local Slurm with '{START}' ('{START2}' for the hetjob)")
     yield
-    if _STARTED:
+    if started:
         subprocess.run(["bash", str(EXAMPLES / "local-slurm.sh"), "stop"], cwd=REPO,
                        capture_output=True, timeout=120, stdin=subprocess.DEVNULL)
 
