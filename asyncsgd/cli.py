@@ -88,6 +88,11 @@ def _report(summary: dict) -> None:
         ttt = summary.get("time_to_target")
         click.echo(f"time to {metric.name} {metric.format(summary['target'])}: "
                    + (f"{ttt:.1f} s" if ttt is not None else "not reached"))
+    if summary.get("bytes") is not None:
+        to_target = summary.get("bytes_to_target")
+        click.echo(f"on the network: {summary['bytes'] / 1e6:,.1f} MB"
+                   + (f" ({to_target / 1e6:,.1f} MB to the target)" if to_target is not None
+                      else ""))
     click.echo(f"stopped by: {summary['stopped_by']}")
     click.echo(f"run directory: {summary['run_dir']}")
 
@@ -177,7 +182,8 @@ def _worker_report(result) -> None:
     click.echo(f"worker {result.worker}: {result.steps} steps, {result.pushes} pushes, "
                f"{result.samples:,} samples in {result.seconds:.1f} s "
                f"(retries {result.stats['retries']}, duplicate acks "
-               f"{result.stats['duplicate_acks']})")
+               f"{result.stats['duplicate_acks']}; {result.stats['bytes_sent']:,} bytes sent, "
+               f"{result.stats['bytes_received']:,} received)")
     if result.stats["waited_seconds"]:
         click.echo(f"worker {result.worker}: {result.stats['compute_seconds']:.1f} s computing "
                    f"gradients, {result.stats['waited_seconds']:.1f} s waited on purpose "

@@ -98,6 +98,22 @@ def parse_comm_hook(text: str) -> tuple:
                       "with RANK >= 1")
 
 
+def parse_compress(text: str) -> tuple:
+    """``(kind, ratio)`` of a --compress value: ("none", 0), ("int8", 0), ("topk", R)."""
+    kind, _, ratio = text.partition(":")
+    if kind in ("none", "int8") and not ratio:
+        return kind, 0.0
+    if kind == "topk":
+        try:
+            value = float(ratio)
+        except ValueError:
+            value = float("nan")
+        if 0 < value <= 1:
+            return kind, value
+    raise ConfigError(f"--compress {text!r}: use none, int8 or topk:RATIO with 0 < RATIO <= 1 "
+                      "(e.g. topk:0.01 sends the largest 1%)")
+
+
 @dataclass
 class RunConfig:
     """Settings of every run that evaluates a model and writes a run directory."""
@@ -474,6 +490,21 @@ class WorkerConfig:
         "them over TCP otherwise; shared insists on shared memory (an error if it cannot be "
         "had); tcp always uses TCP. Shared memory made a 10 MB push+pull 2x faster here.",
         type=click.Choice(["auto", "shared", "tcp"]))
+    push_dtype: str = knob(
+        "float32", "How gradients travel: float32, or cast to bf16 or fp16 (half the bytes; "
+        "the server widens them and keeps float32).",
+        type=click.Choice(["float32", "bf16", "fp16"]))
+    pull_dtype: str = knob(
+        "float32", "How the parameters come back: float32, bf16 or fp16 (half the bytes; "
+        "this worker computes from the rounded copy).",
+        type=click.Choice(["float32", "bf16", "fp16"]))
+    compress: str = knob(
+        "none", "Compress pushes with error feedback (what a push leaves out is added to "
+        "the next): int8 (a float32 scale per 256 values: 3.9x fewer bytes) or topk:RATIO "
+        "(the RATIO share of values largest in magnitude, as index and value: topk:0.01 "
+        "sends 50x fewer bytes). Not with --push-dtype. Compressed pushes and pulls go "
+        "over TCP, also on this host.",
+        type=_CheckedText("none|int8|topk:RATIO", parse_compress), metavar="none|int8|topk:RATIO")
     progress: str = knob("auto", "Progress display (auto, bar, log, off).",
                          type=click.Choice(["auto", "bar", "log", "off"]))
     curve_server_key: Optional[str] = knob(
@@ -567,7 +598,9 @@ class CompareConfig:
         "diloco:H (workers --local-steps H, sync rounds through Nesterov lr 0.7, momentum "
         "0.9; H 8 by default), async-diloco:H (the same, async, delayed Nesterov), "
         "ddp+fp16, ddp+bf16, ddp+powersgd[:RANK] (PyTorch's comm hooks) and ddp-local:H "
-        "(post-local SGD). --lr is then the workers' inner lr.",
+        "(post-local SGD); --lr is then the workers' inner lr. Any parameter-server mode "
+        "+bf16 or +fp16 (pushes and pulls cast), +int8 or +topk:RATIO (compressed pushes "
+        "with error feedback): ps-async+int8, diloco:8+bf16.",
         metavar="MODE,...")
     procs: Optional[int] = knob(
         None, "Processes (Hogwild, DDP) or parameter-server workers of every parallel mode; "

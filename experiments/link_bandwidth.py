@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from stragglers import arguments, measure, save, table
+from stragglers import arguments, measure, report, run_by, table
 
 NAME = "link_bandwidth"
 
@@ -108,22 +108,17 @@ def main() -> int:
     for link in links:
         rows += measure(args, link, runs / link, key="link", script=NAME,
                         link=None if link == "none" else link)
-    command = " ".join([f"python experiments/{NAME}.py", *sys.argv[1:]])
     lines = [f"# Time to {args.target:.0%} and throughput as the link narrows", "",
-             f"Run by `{command}` in {(time.monotonic() - started) / 60:.0f} min on a shared "
-             f"2-core machine: task {args.task}, {args.procs} processes, seed {args.seed}, "
-             f"budget {args.budget:g} s per run (start-up included), one run per cell.", "",
+             f"{run_by(NAME, started)}: task {args.task}, {args.procs} processes, "
+             f"seed {args.seed}, budget {args.budget:g} s per run (start-up included), one "
+             "run per cell.", "",
              "Training seconds to the target / training samples to it:", "",
              *table(rows, "link", links, links, args.budget),
              "", "Samples/s after start-up (and the share of the same mode's unshaped rate):",
              "", *utilisation(rows, links),
              "", "What it shows (computed from the tables):", "",
              *shape(rows, links, args.budget), "", f"![link bandwidth]({NAME}.png)"]
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_save:
-        save(NAME, text, rows, lambda path: plot(rows, links, path))
-    return 1 if any(r["status"] != "ok" for r in rows) else 0
+    return report(NAME, lines, rows, lambda path: plot(rows, links, path), args.no_save, rows)
 
 
 if __name__ == "__main__":

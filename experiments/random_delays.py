@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from stragglers import arguments, measure, plot, save, table
+from stragglers import arguments, measure, plot, report, run_by, table
 
 NAME = "random_delays"
 
@@ -80,11 +80,10 @@ def main() -> int:
         rows += measure(args, m, runs / f"exp{m:g}", key="delay",
                         delay=f"exp:{m * step * 1000:.1f}ms", script=NAME)
     means = [0, *multiples]
-    command = " ".join([f"python experiments/{NAME}.py", *sys.argv[1:]])
     lines = [f"# Time (and samples) to {args.target:.0%} with random delays on all "
              f"{args.procs} workers", "",
-             f"Run by `{command}` in {(time.monotonic() - started) / 60:.0f} min on a shared "
-             f"2-core machine: task {args.task}, seed {args.seed}, budget {args.budget:g} s "
+             f"{run_by(NAME, started)}: task {args.task}, seed {args.seed}, "
+             f"budget {args.budget:g} s "
              f"per run (start-up included). Step time T = {step * 1000:.1f} ms (one worker's "
              "step in the delay-free Hogwild run, the 4 workers sharing 2 cores); columns: "
              "exponential delays of mean m x T after every step of every worker. Each cell "
@@ -94,15 +93,11 @@ def main() -> int:
                         args.budget)]
     lines += ["", "What it shows (computed from the table):", "",
               *shape(rows, means, args.budget), "", f"![time to target]({NAME}.png)"]
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_save:
-        save(NAME, text, {"step_seconds": step, "rows": rows}, lambda path: plot(
-            rows, "delay", means, ["none", *(f"{m:g}x" for m in multiples)],
-            "mean exponential delay per step, in step times (every worker)",
-            f"Time to target with random delays ({args.task}, {args.procs} workers, 2 cores)",
-            path))
-    return 1 if any(r["status"] != "ok" for r in rows) else 0
+    return report(NAME, lines, {"step_seconds": step, "rows": rows}, lambda path: plot(
+        rows, "delay", means, ["none", *(f"{m:g}x" for m in multiples)],
+        "mean exponential delay per step, in step times (every worker)",
+        f"Time to target with random delays ({args.task}, {args.procs} workers, 2 cores)",
+        path), args.no_save, rows)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ def measure(args, factor, out: Path, key: str = "slowdown", slowdown: Optional[s
         rows.append({"mode": a.label, key: factor, "status": a.status,
                      "error": a.error, "time_to_target": numbers.get("time_to_target"),
                      "samples_to_target": numbers.get("samples_to_target"),
+                     "bytes_to_target": numbers.get("bytes_to_target"),
                      "samples_per_second": numbers.get("samples_per_second"),
                      "final_metric": numbers.get("final_metric")})
     return rows
@@ -74,6 +75,23 @@ def table(rows: list, key: str, xs: list, headers: list, budget: float) -> list:
     return ["| mode | " + " | ".join(headers) + " |", "|---|" + "---|" * len(xs),
             *(f"| {mode} | " + " | ".join(cells.get((mode, x), "") for x in xs) + " |"
               for mode in dict.fromkeys(r["mode"] for r in rows))]
+
+
+def run_by(name: str, started: float) -> str:
+    """A report's provenance: the command as run, how long it took and where."""
+    command = " ".join([f"python experiments/{name}.py", *sys.argv[1:]])
+    return (f"Run by `{command}` in {(time.monotonic() - started) / 60:.0f} min on a shared "
+            "2-core machine")
+
+
+def report(name: str, lines: list, record, draw, no_save: bool, rows: list) -> int:
+    """Print the report, save it (unless ``no_save``: ``save``), and the exit code: 1 when
+    a run failed."""
+    text = "\n".join(lines)
+    print(text)
+    if not no_save:
+        save(name, text, record, draw)
+    return 1 if any(r["status"] != "ok" for r in rows) else 0
 
 
 def save(name: str, text: str, record, draw) -> None:
@@ -159,24 +177,20 @@ def main() -> int:
     for factor in factors:
         rows += measure(args, factor, runs / f"x{factor}",
                         slowdown=f"1:{factor}" if factor > 1 else None)
-    command = " ".join(["python experiments/stragglers.py", *sys.argv[1:]])
     lines = [f"# Time (and samples) to {args.target:.0%} with one straggler of "
              f"{args.procs} workers", "",
-             f"Run by `{command}` in {(time.monotonic() - started) / 60:.0f} min on a shared "
-             f"2-core machine: task {args.task}, seed {args.seed}, budget {args.budget:g} s "
+             f"{run_by(NAME, started)}: task {args.task}, seed {args.seed}, "
+             f"budget {args.budget:g} s "
              "per run (start-up included), each cell one run: training seconds to the "
              "target / training samples (all workers) to it.", "",
              *table(rows, "slowdown", factors, [f"{f}x" for f in factors], args.budget)]
     lines += ["", "What it shows (computed from the table):", "",
               *shape(rows, factors, args.budget), "", f"![time to target]({NAME}.png)"]
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_save:
-        save(NAME, text, rows, lambda path: plot(
-            rows, "slowdown", factors, [f"{f}x" for f in factors],
-            "slowdown of one worker of four",
-            f"Time to target with one straggler ({args.task}, 2 cores)", path, log2=True))
-    return 1 if any(r["status"] != "ok" for r in rows) else 0
+    return report(NAME, lines, rows, lambda path: plot(
+        rows, "slowdown", factors, [f"{f}x" for f in factors],
+        "slowdown of one worker of four",
+        f"Time to target with one straggler ({args.task}, 2 cores)", path, log2=True),
+        args.no_save, rows)
 
 
 if __name__ == "__main__":

@@ -134,6 +134,9 @@ class Evaluator:
         self.model.load_state_dict(self.layout.state_dict(self.reader.flat))
         self.latest = self.reader.stats()
         self.feed.update(self.latest[0])
+        # every worker's traffic with the server, as each reported it with its pushes
+        sent, received = self.latest[0].get("traffic_total", (0, 0))
+        self.recorder.wire_bytes = self.recorder.bytes_offset + sent + received
         hist = merged_staleness(self.latest)
         return {"updates": sum(s.get("updates", 0) for s in self.latest),
                 "staleness_p50": percentile(hist, 0.5), "staleness_p99": percentile(hist, 0.99),

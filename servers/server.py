@@ -149,4 +149,20 @@ def _summary(cfg: ServerConfig, lr: float, obs: dict, front: Front, supervisor: 
             "refused_handshakes": front.refused,
             "refused_connections": front.stats()["refused_connections"],
             "shard_restarts": supervisor.restarts,
-            "lost_updates": sum(s.get("lost_updates", 0) for s in evaluator.latest)}
+            "lost_updates": sum(s.get("lost_updates", 0) for s in evaluator.latest),
+            "wire": _wire_formats(evaluator.latest),
+            "worker_bytes": {name: {"sent": sent, "received": received} for name, (sent, received)
+                             in sorted(evaluator.latest[0].get("traffic", {}).items())}
+            if evaluator.latest else {}}
+
+
+def _wire_formats(shards: list) -> dict:
+    """How each worker's latest push and pulls travelled (the shards' stats name the 32
+    most recently seen): {worker: {"push": float32|bfloat16|float16|int8|topk, "pull":
+    float32|bfloat16|float16}}."""
+    seen: dict = {}
+    for stats in shards:
+        for name, w in stats.get("workers", {}).items():
+            if "push_format" in w:
+                seen[name] = {"push": w["push_format"], "pull": w["pull_dtype"]}
+    return dict(sorted(seen.items()))

@@ -33,8 +33,10 @@ from typing import Optional
 import torch
 
 from asyncsgd.errors import ConfigError
-from asyncsgd.wire.protocol import (ACK, BYE, ERROR, HEARTBEAT, PARAMS, PULL, PUSH, STATS, Code,
-                                    Key, Message, ProtocolError, error_message)
+from asyncsgd.wire.compression import expand, wire_dtype
+from asyncsgd.wire.protocol import (ACK, BYE, DTYPE_NAMES, ERROR, HEARTBEAT, PARAMS, PULL, PUSH,
+                                    STATS, WIRE_FLOATS, Code, Key, Message, ProtocolError,
+                                    Segment, error_message)
 from asyncsgd.wire.stats import STALENESS_BUCKETS
 
 from .dedupe import DUPLICATE, OUT_OF_WINDOW, SeqWindow
@@ -122,6 +124,7 @@ class WorkerRecord:
     held_pull: Optional[Message] = None
     backup: Optional[torch.Tensor] = None
     backup_at: int = 0  # the shard's pull count when ``backup`` was taken
+    wire: tuple = ("float32", "float32")  # how its latest push and pulls travelled
 
 
 class ShardState:
@@ -154,6 +157,8 @@ class ShardState:
         self.lost_before = 0  # updates lost by earlier lives of this shard
         self.train = {}  # worker -> [loss sum, steps, samples] reported with pushes
         self.train_forgotten = [0.0, 0, 0]  # the same, summed over forgotten workers
+        self.traffic = {}  # worker -> [bytes sent, bytes received] it reported with pushes
+        self.traffic_forgotten = [0, 0]
         # Pushes in parts: each part is checked (ranges, NaN/Inf, not the norm) on arrival.
         self.streams = PushStreams(lambda part: self._check(part, norm=False),
                                    max_open=max(16, 2 * cfg.expected_workers))
@@ -196,6 +201,9 @@ class ShardState:
             record.backup = None  # a DC-ASGD copy of the slice is kept for live workers only
             replies = [(peer, Message(type=BYE, shard=self.cfg.index, seq=msg.seq))]
             return replies + self._release()
+        problem = self._wire(record, msg)
+        if problem:
+            return self.refuse(peer, *problem, msg)
         if msg.type == PULL:
             return self._pull(record, msg)
         checked = False  # whether the gradient is known to be finite (checked part by part)
@@ -214,6 +222,24 @@ class ShardState:
         if msg.type == PUSH:
             return self._push(record, msg, checked)
         return [(peer, error_message(Code.BAD_TYPE, f"a shard does not serve {msg.type!r}", msg))]
+
+    def _wire(self, record: WorkerRecord, msg: Message) -> Optional[tuple]:
+        """(code, detail) when a pull's or push's wire formats are wrong; else None, a
+        push's segments made float32 (packed ones expanded, checked against this slice
+        first) and the formats the worker chose recorded."""
+        pull_dtype = msg.meta.get(Key.PULL_DTYPE)
+        if pull_dtype is not None and pull_dtype not in WIRE_FLOATS:
+            return Code.BAD_DTYPE, f"pull_dtype {pull_dtype!r} is not one of {WIRE_FLOATS}"
+        if msg.type != PUSH or not msg.segments:
+            return None
+        first = msg.segments[0].data
+        record.wire = (getattr(first, "format", None) or DTYPE_NAMES.get(first.dtype, "?"),
+                       pull_dtype or "float32")
+        try:
+            msg.segments = [expand(seg, self.size) for seg in msg.segments]
+        except ProtocolError as exc:
+            return exc.code, str(exc)
+        return None
 
     def refuse(self, peer: bytes, code: str, detail: str, msg=None) -> list:
         """The reply to a request that is refused (malformed, or one the shard failed on):
@@ -252,6 +278,8 @@ class ShardState:
         del self.workers[oldest.worker]
         for i, value in enumerate(self.train.pop(oldest.worker, ())):
             self.train_forgotten[i] += value
+        for i, value in enumerate(self.traffic.pop(oldest.worker, ())):
+            self.traffic_forgotten[i] += value
         self.counters["forgotten_workers"] += 1
         return None
 
@@ -326,9 +354,14 @@ class ShardState:
             self.counters["max_pull_lead"] = max(self.counters["max_pull_lead"], lead)
         if record is not None and self.cfg.dc_lambda is not None:
             self._keep_copy(record)
+        segments = self.store.views()
+        dtype = wire_dtype(msg.meta.get(Key.PULL_DTYPE))
+        if dtype is not None:  # cast copies: what is pending on the views is applied first
+            self.store.apply_pending()
+            segments = [Segment(s.offset, s.data.to(dtype)) for s in segments]
         return Message(type=PARAMS, shard=self.cfg.index, seq=msg.seq, clock=self.version,
                        meta={Key.VERSION: self.version, Key.UPDATES: self.counters["updates"]},
-                       segments=self.store.views())
+                       segments=segments)
 
     def _keep_copy(self, record: WorkerRecord) -> None:
         """DC-ASGD compensates a push against the parameters its worker pulled: a copy of
@@ -518,6 +551,12 @@ class ShardState:
             acc[0] += float(loss)
             acc[1] += 1
             acc[2] += samples
+        traffic = meta.get(Key.TRAFFIC)
+        if type(traffic) is list and len(traffic) == 2 and \
+                all(type(v) is int and 0 <= v < 2 ** 40 for v in traffic):
+            acc = self.traffic.setdefault(worker, [0, 0])
+            acc[0] += traffic[0]
+            acc[1] += traffic[1]
 
     # ---- liveness, stats and checkpoints --------------------------------------------
 
@@ -551,10 +590,16 @@ class ShardState:
             "live_workers": sum(w.alive for w in self.workers.values()),
             "dc_copies": sum(w.backup is not None for w in self.workers.values()),
             "workers": {w.worker: {"alive": w.alive, "pushes": w.pushes,
-                                   "last_seen_s": round(now - w.last_seen, 3)} for w in recent},
+                                   "last_seen_s": round(now - w.last_seen, 3),
+                                   "push_format": w.wire[0], "pull_dtype": w.wire[1]}
+                        for w in recent},
             "train": {w.worker: list(self.train[w.worker]) for w in recent
                       if w.worker in self.train},
             "train_total": totals,
+            "traffic": {w.worker: list(self.traffic[w.worker]) for w in recent
+                        if w.worker in self.traffic},
+            "traffic_total": [self.traffic_forgotten[i] + sum(t[i] for t in self.traffic.values())
+                              for i in range(2)],
             "restored": self.restored,
         }
 

@@ -5,7 +5,10 @@
 elements and breaks it one way: a field of the wrong type or range, a bad
 descriptor (dtype, offset, shape overflow, length mismatch, missing frames),
 NaN/Inf gradients, a wrong shard id, a replay, or a msgpack bomb (deep
-nesting, huge declared lengths, extension types, truncation, random bytes).
+nesting, huge declared lengths, extension types, truncation, random bytes),
+or a packed segment (int8, top-k) that lies: bad scales, indices, parameters,
+lengths, or a run far beyond the shard (refused before anything is allocated).
+Valid pushes are float32, bf16/fp16 or packed.
 Some mutations happen to stay valid (e.g. another worker id); the oracle
 treats every message by the reply it got, never by what it was meant to be.
 """
@@ -19,6 +22,7 @@ from typing import Optional
 import msgpack
 import torch
 
+from asyncsgd.wire.compression import pack_int8, pack_topk
 from asyncsgd.wire.protocol import (DTYPES, MAX_HEADER_BYTES, PUSH, VERSION, Message, Segment,
                                     encode)
 
@@ -53,14 +57,24 @@ WORKERS = ("soak", "other", "w3")  # the ids pushes speak for: admit them for a 
 
 
 def valid_push(rng: random.Random, size: int, seq: int, shard: int = 0,
-               worker: str = "soak", tokens: Optional[dict] = None) -> tuple:
+               worker: str = "soak", tokens: Optional[dict] = None,
+               float32: bool = False) -> tuple:
     """A valid push with small integer gradients (exact in float32) and its gradient;
-    ``tokens``: each worker's session token, for a live shard (``Server.admit``)."""
+    ``tokens``: each worker's session token, for a live shard (``Server.admit``). Its
+    values travel as float32, bf16/fp16 (exact too) or packed, unless ``float32``."""
     grad = torch.tensor([rng.randint(-3, 3) for _ in range(size)], dtype=torch.float32)
     cut = rng.randrange(0, size + 1)
-    segments = [Segment(0, grad[:cut]), Segment(cut, grad[cut:])]
+    segments = [s for s in (Segment(0, grad[:cut]), Segment(cut, grad[cut:])) if len(s.data)]
+    wire = 1.0 if float32 else rng.random()
+    if wire < 0.15:  # small integers: exact in bf16 and fp16 too
+        segments = [Segment(s.offset, s.data.to(rng.choice([torch.bfloat16, torch.float16])))
+                    for s in segments]
+    elif wire < 0.3:
+        segments = [Segment(s.offset, pack_int8(s.data, rng.choice([1, 7, 256]))
+                            if rng.random() < 0.5 else pack_topk(s.data, rng.random()))
+                    for s in segments]
     msg = Message(type=PUSH, worker=worker, incarnation=1, seq=seq, shard=shard,
-                  meta={"loss": 0.5, "samples": 8}, segments=[s for s in segments if len(s.data)],
+                  meta={"loss": 0.5, "samples": 8}, segments=segments,
                   token=(tokens or {}).get(worker, ""))
     return [bytes(f) for f in encode(msg)], grad
 
@@ -76,9 +90,10 @@ def _pack(header: dict, frames: list) -> list:
 def malformed(rng: random.Random, size: int, seq: int, shard: int = 0,
               tokens: Optional[dict] = None) -> list:
     """One broken message (a list of frames) for a shard of ``size`` float32 elements."""
-    frames, _ = valid_push(rng, size, seq, shard, worker=rng.choice(WORKERS), tokens=tokens)
+    frames, _ = valid_push(rng, size, seq, shard, worker=rng.choice(WORKERS), tokens=tokens,
+                           float32=True)
     header = _header(frames)
-    kind = rng.randrange(12)
+    kind = rng.randrange(13)
     if kind == 0:    # a field of the wrong type or range
         key = rng.choice(sorted(BAD_FIELDS))
         header[key] = rng.choice(BAD_FIELDS[key])
@@ -112,6 +127,8 @@ def malformed(rng: random.Random, size: int, seq: int, shard: int = 0,
                 frames[1] = b"\x00" * (n * itemsize)
     elif kind == 8:  # another shard's id
         header["sh"] = rng.choice([shard + 1, shard + 7, 2 ** 20])
+    elif kind == 12:  # a packed segment that lies
+        return _bad_packed(rng, frames, header, size)
     elif kind == 9:  # a msgpack bomb in place of the header
         return [rng.choice(BOMBS)] + frames[1:]
     elif kind == 10:  # truncated, bit-flipped or oversized header
@@ -129,3 +146,40 @@ def malformed(rng: random.Random, size: int, seq: int, shard: int = 0,
     else:            # random bytes in every frame
         return [rng.randbytes(rng.randrange(1, 300)) for _ in range(rng.randrange(1, 4))]
     return _pack(header, frames)
+
+
+def _bad_packed(rng: random.Random, frames: list, header: dict, size: int) -> list:
+    """The push's first segment packed, then broken one way."""
+    header["d"] = header["d"][:1]
+    n = max(1, header["d"][0][2][0] if header["d"] else 1)
+    values = torch.arange(1, n + 1, dtype=torch.float32)
+    packed = pack_int8(values, 4) if rng.random() < 0.5 else pack_topk(values, 0.5)
+    payload = bytearray(packed.payload.numpy().tobytes())
+    desc = [0, packed.format, [n], packed.param]
+    way = rng.randrange(7)
+    if way == 0:    # an unknown format or a parameter out of range
+        if rng.random() < 0.5:
+            desc[1] = rng.choice(["int4", "TOPK", "", 3, None])
+        else:
+            desc[3] = rng.choice([0, -1, n + 1 if packed.format == "topk" else 2 ** 21, 1.5, "4"])
+    elif way == 1:  # a frame a byte short or long
+        payload = payload[:-1] if rng.random() < 0.5 else payload + b"\x00"
+    elif way == 2 and packed.format == "int8":  # a scale NaN, Inf or negative
+        struct.pack_into("<f", payload, 0, rng.choice([float("nan"), float("inf"), -1.0]))
+    elif way == 2:  # an index out of range or repeated
+        struct.pack_into("<i", payload, 0, rng.choice([-1, n, 2 ** 31 - 1]))
+        if packed.param > 1 and rng.random() < 0.5:
+            payload[4:8] = payload[0:4]
+    elif way == 3:  # a run past the slice: [n] of 2^39 values in 8 bytes, never allocated
+        desc, payload = [0, "topk", [2 ** 39], 1], bytearray(struct.pack("<if", 5, 1.0))
+    elif way == 4:  # a run at an offset past the slice
+        desc[0] = size - n + rng.randrange(1, 1000)
+    elif way == 5:  # shape not [n]
+        desc[2] = rng.choice([[n, 1], [], [0], "n", [-n]])
+    else:           # NaN in a top-k value
+        topk = pack_topk(values, 0.5)
+        desc = [0, "topk", [n], topk.param]
+        payload = bytearray(topk.payload.numpy().tobytes())
+        struct.pack_into("<f", payload, 4 * topk.param, float("nan"))
+    header["d"][:1] = [desc]
+    return _pack(header, [frames[0], bytes(payload)])

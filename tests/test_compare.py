@@ -442,7 +442,8 @@ def test_modes_parse_into_commands():
 
 def test_communication_modes_parse_into_their_flags():
     specs = {s.name: s for s in parse_modes(
-        "diloco,diloco:16,async-diloco:4,ddp+fp16,ddp+powersgd:2,ddp-local:4")}
+        "diloco,diloco:16,async-diloco:4,ddp+fp16,ddp+powersgd:2,ddp-local:4,"
+        "ps-async+int8,ps-sync+bf16,diloco:4+topk:0.1")}
     assert (specs["diloco"].consistency, specs["diloco"].optimizer,
             specs["diloco"].worker_flags) == ("sync", "nesterov", ("--local-steps", "8"))
     assert specs["diloco:16"].worker_flags == ("--local-steps", "16")
@@ -450,18 +451,26 @@ def test_communication_modes_parse_into_their_flags():
         "async", "delayed-nesterov")
     assert specs["ddp+powersgd:2"].flags == ("--comm-hook", "powersgd:2")
     assert specs["ddp-local:4"].flags == ("--local-steps", "4")
-    for bad in ("diloco:0", "ddp+zstd", "ddp-local:x"):
+    assert specs["ps-async+int8"].worker_flags == ("--compress", "int8")
+    assert (specs["ps-sync+bf16"].consistency, specs["ps-sync+bf16"].worker_flags) == (
+        "sync", ("--push-dtype", "bf16", "--pull-dtype", "bf16"))
+    assert specs["diloco:4+topk:0.1"].worker_flags == ("--local-steps", "4",
+                                                        "--compress", "topk:0.1")
+    for bad in ("diloco:0", "ddp+zstd", "ddp-local:x", "ps-async+zstd", "ps-async+topk:0",
+                "hogwild+int8", "ddp+int8"):
         with pytest.raises(ConfigError, match=f"unknown mode '{re.escape(bad)}'"):
             parse_modes(bad)
 
 
 @pytest.mark.slow
 def test_communication_modes_run(cache_dir, tmp_path):
-    """DiLoCo, asynchronous Local SGD and PyTorch's hooks run from compare like any mode:
-    each run's settings say what ran (the shards' rule, the hook, post-local SGD)."""
+    """DiLoCo, asynchronous Local SGD, PyTorch's hooks and compressed pushes run from
+    compare like any mode: each run's settings say what ran (the shards' rule, the hook,
+    post-local SGD, the workers' wire formats)."""
     out = tmp_path / "cmp"
     res = _run(cache_dir, "compare", "--task", "mnist1d-cnn", "--modes",
-               "diloco:4,async-diloco:4,ddp+fp16,ddp-local:4", "--procs", 2, "--budget", 8,
+               "diloco:4,async-diloco:4,ddp+fp16,ddp-local:4,ps-async+int8", "--procs", 2,
+               "--budget", 8,
                "--grace", 90, "--progress", "off", "--out", out)
     assert res.returncode == 0, res.stderr
     assert not res.leftovers
@@ -472,6 +481,9 @@ def test_communication_modes_run(cache_dir, tmp_path):
     assert configs["async-diloco-4-r1"]["optimizer"] == "delayed-nesterov"
     assert configs["ddp+fp16-r1"]["comm_hook"] == "fp16"
     assert configs["ddp-local-4-r1"]["local_steps"] == 4
+    wire = read_json(out / "ps-async+int8-r1" / "summary.json")["wire"]
+    assert len(wire) == 2 and all(w == {"push": "int8", "pull": "float32"}
+                                  for w in wire.values()), wire
     for rank in range(2):  # a DiLoCo worker pushes once every 4 steps; the push the server
         # ended training during is not counted, and the last round may end unpushed
         text = (out / "logs" / "diloco-4-r1" / f"worker-{rank}.out").read_text()

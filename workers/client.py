@@ -44,6 +44,7 @@ import torch
 import zmq
 
 from asyncsgd.errors import AsyncSGDError
+from asyncsgd.wire.compression import WIRE_DTYPES, Compressor
 from asyncsgd.wire.protocol import (ACK, ATTACH, BYE, ERROR, HEARTBEAT, HELLO, PARAMS, PULL, PUSH,
                                     WELCOME, Code, Key, Message, ParamsIntake, ProtocolError,
                                     in_parts, split)
@@ -97,9 +98,18 @@ class PSClient:
     def __init__(self, server: str, worker: str, signature: dict, *, rank: int, world: int,
                  heartbeat: float = 1.0, server_timeout: float = 60.0,
                  curve: Optional[ClientKeys] = None, transport: str = "auto",
-                 data: Optional[dict] = None):
+                 data: Optional[dict] = None, compressor: Optional[Compressor] = None,
+                 pull_dtype: str = "float32"):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r} is not one of {TRANSPORTS}")
+        # Compressed pushes and pulls travel as frames: a same-host area holds float32
+        self.compressor = compressor if compressor and not compressor.lossless else None
+        self.pull_dtype = WIRE_DTYPES.get(pull_dtype, pull_dtype)
+        if transport == "shared" and (self.compressor or self.pull_dtype != "float32"):
+            raise ValueError("transport 'shared' moves float32 through memory: compressed "
+                             "pushes or pulls need transport tcp (or auto)")
+        if self.compressor or self.pull_dtype != "float32":
+            transport = "tcp"
         self.server, self.worker = server, worker
         self.host = parse_endpoint(server, "--server")[0]
         local = is_local(self.host)
@@ -114,7 +124,10 @@ class PSClient:
         self.info: dict = {}  # the latest welcome: shards, instance, session token
         self._readmitting = False  # a shard did not know our session: hello sent again
         self._linger = 0  # ms close() waits for goodbyes still queued
-        self.stats = {"retries": 0, "duplicate_acks": 0, "reconnects": 0, "rejoins": 0}
+        # bytes: every frame this worker's sockets sent and received (headers included;
+        # what a same-host area carries crosses no socket and is not counted)
+        self.stats = {"retries": 0, "duplicate_acks": 0, "reconnects": 0, "rejoins": 0,
+                      "bytes_sent": 0, "bytes_received": 0}
         try:  # wrong or missing keys: one clear error now, not retries until the timeout
             if not await_handshake(self.ctx, server, curve, server_timeout):
                 raise self._unavailable()
@@ -164,7 +177,7 @@ class PSClient:
                 if self._closing.is_set():  # said goodbye meanwhile: a heartbeat would revive us
                     return
                 for i, sock in enumerate(self.shards):
-                    send(sock, self._msg(HEARTBEAT, shard=i))
+                    self._out(sock, self._msg(HEARTBEAT, shard=i))
             except zmq.ZMQError as exc:  # sockets closing under us: nothing left to keep alive
                 log.debug("heartbeat thread stops: %s", exc)
                 return
@@ -199,12 +212,12 @@ class PSClient:
     def _attach(self, i: int) -> Optional[str]:
         """Map shard ``i``'s area for this worker; None when done, else why not."""
         msg = self._msg(ATTACH, shard=i)
-        send(self.shards[i], msg)
+        self._out(self.shards[i], msg)
         deadline = time.monotonic() + RESEND_HEARTBEATS * self.heartbeat
         while (left := deadline - time.monotonic()) > 0:
             if not self.shards[i].poll(int(left * 1000) + 1):
                 break
-            reply = recv(self.shards[i], self._slots[i])
+            reply = self._in(self.shards[i], self._slots[i])
             if reply.seq != msg.seq:
                 continue  # a heartbeat's answer, or a late one
             if reply.type != ATTACH:
@@ -256,6 +269,17 @@ class PSClient:
         sock.setsockopt(zmq.RCVTIMEO, max(1, int(self.heartbeat * 1000)))
         return sock
 
+    def _out(self, sock: zmq.Socket, msg: Message, **kw) -> bool:
+        sent = send(sock, msg, **kw)
+        if sent:
+            self.stats["bytes_sent"] += msg.nbytes
+        return sent
+
+    def _in(self, sock: zmq.Socket, areas=None) -> Message:
+        reply = recv(sock, areas)
+        self.stats["bytes_received"] += reply.nbytes
+        return reply
+
     def _msg(self, kind: str, **kw) -> Message:
         self.seq += 1
         return Message(type=kind, worker=self.worker, incarnation=self.incarnation,
@@ -266,11 +290,11 @@ class PSClient:
         deadline = time.monotonic() + self.server_timeout
         backoff = self.heartbeat
         while True:
-            send(self.front, msg)
+            self._out(self.front, msg)
             wait_until = min(deadline, time.monotonic() + max(backoff, 3 * self.heartbeat))
             while time.monotonic() < wait_until:
                 if self.front.poll(int(max(0.0, wait_until - time.monotonic()) * 1000) + 1):
-                    reply = recv(self.front)
+                    reply = self._in(self.front)
                     if reply.seq != msg.seq:
                         continue
                     if reply.type == ERROR:
@@ -298,13 +322,15 @@ class PSClient:
         # One request per shard: a push that also asks for the parameters (or a pull).
         outstanding = {}  # (shard, seq) -> [message, replies still owed]; re-sent after reconnects
         segments = self._segments_of(grads) if grads is not None else None
+        wire = {Key.PULL_DTYPE: self.pull_dtype} if self.pull_dtype != "float32" else {}
         for i in range(len(self.ranges)):
             if segments is not None:
                 msg = self._msg(PUSH, clock=self.versions[i], shard=i,
-                                meta={**(meta or {}), Key.PULL: True}, segments=segments[i])
+                                meta={**(meta or {}), Key.PULL: True, **wire},
+                                segments=segments[i])
                 outstanding[(i, msg.seq)] = [msg, {ACK, PARAMS}]
             else:
-                msg = self._msg(PULL, clock=self.versions[i], shard=i)
+                msg = self._msg(PULL, clock=self.versions[i], shard=i, meta=dict(wire))
                 outstanding[(i, msg.seq)] = [msg, {PARAMS}]
             self._send(i, msg, copy=grads is None)
         self._await(outstanding, params)
@@ -314,15 +340,19 @@ class PSClient:
         than one frame, in parts, so the shard checks each on arrival."""
         area = self.areas[i]
         if msg.type == PUSH and area is not None:
-            send(self.shards[i], msg, local=(area.link, area.grads))
+            self._out(self.shards[i], msg, local=(area.link, area.grads))
         elif msg.type == PUSH and len(msg.segments) > 1:
             for part in in_parts(msg):
-                send(self.shards[i], part, copy=copy)
+                self._out(self.shards[i], part, copy=copy)
         else:
-            send(self.shards[i], msg, copy=copy)
+            self._out(self.shards[i], msg, copy=copy)
 
     def _segments_of(self, grads: torch.Tensor) -> list:
-        """Each shard's frames of ``grads``; made once for the buffer a worker pushes every step."""
+        """Each shard's frames of ``grads``; made once for the buffer a worker pushes every
+        step (compressed: encoded anew, once per push)."""
+        if self.compressor is not None:
+            return [self.compressor.segments(i, grads[start:end])
+                    for i, (start, end) in enumerate(self.ranges)]
         key = (grads.data_ptr(), grads.shape, grads.stride())
         if self._grads_key != key or self._grads is not grads:
             self._grads, self._grads_key = grads, key
@@ -353,7 +383,7 @@ class PSClient:
                 if sock not in events:
                     continue
                 while True:
-                    reply = recv(sock, self._slots[i])
+                    reply = self._in(sock, self._slots[i])
                     # Another shard of a restarted server may listen on this port now:
                     # its answers are no sign of life of shard i.
                     if reply.shard in (-1, i):
@@ -367,7 +397,7 @@ class PSClient:
             waiting = sorted({i for i, _ in outstanding})
             if now >= next_beat:
                 for i in waiting:
-                    send(self.shards[i], self._msg(HEARTBEAT, shard=i))
+                    self._out(self.shards[i], self._msg(HEARTBEAT, shard=i))
                 next_beat = now + self.heartbeat
             dead = [i for i in waiting if now - last_heard[i] > 3 * self.heartbeat]
             if not dead:
@@ -403,7 +433,7 @@ class PSClient:
         until = time.monotonic() + self.heartbeat  # stray replies do not extend the wait
         while outstanding and time.monotonic() < until:
             try:
-                reply = recv(self.shards[i], self._slots[i])
+                reply = self._in(self.shards[i], self._slots[i])
             except zmq.Again:
                 return False
             if reply.shard in (-1, i):
@@ -434,7 +464,7 @@ class PSClient:
         self.front.close(0)
         self.front = self._front_socket()
         self.poller.register(self.front, zmq.POLLIN)
-        send(self.front, self._msg(HELLO, meta={**self.hello, Key.REJOIN: True}))
+        self._out(self.front, self._msg(HELLO, meta={**self.hello, Key.REJOIN: True}))
 
     def _front_answers_within(self, seconds: float, outstanding: dict) -> bool:
         """Wait ``seconds`` (the backoff); True as soon as a restarted server welcomed us."""
@@ -449,7 +479,7 @@ class PSClient:
         server (a new ``instance``) and this client moved to its shards."""
         rejoined = False
         while self.front.poll(0):
-            reply = recv(self.front)
+            reply = self._in(self.front)
             if reply.type == ERROR:
                 raise ServerRefused(f"the server at {self.server} refused this worker's rejoin: "
                                     f"{reply.meta.get(Key.ERROR)}")
@@ -552,15 +582,15 @@ class PSClient:
                 socks = [*self.shards, self.front]
             try:
                 for i, sock in enumerate(socks[:-1]):
-                    send(sock, self._msg(BYE, shard=i))
-                send(socks[-1], self._msg(BYE))
+                    self._out(sock, self._msg(BYE, shard=i))
+                self._out(socks[-1], self._msg(BYE))
                 deadline = time.monotonic() + min(2.0, self.server_timeout)
                 pending = set(range(len(socks)))
                 while pending and time.monotonic() < deadline:
                     for i in list(pending):
                         if socks[i].poll(10):
                             try:
-                                if recv(socks[i]).type == BYE:
+                                if self._in(socks[i]).type == BYE:
                                     pending.discard(i)
                             except ProtocolError:
                                 pending.discard(i)
@@ -576,7 +606,7 @@ class PSClient:
         waited for a worker that had heard from another shard (8 s with 2 shards)."""
         for j, sock in enumerate(self.shards):
             if j != but:
-                send(sock, self._msg(BYE, shard=j))
+                self._out(sock, self._msg(BYE, shard=j))
         self._linger = FAREWELL_LINGER_MS
 
     def close(self) -> None:

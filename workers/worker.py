@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from asyncsgd.config import WorkerConfig
+from asyncsgd.config import WorkerConfig, parse_compress
 from asyncsgd.core.pacing import Pacer, Pacing, pace_note
 from asyncsgd.core.signature import PS_PARTITION_SEED, data_signature
 from asyncsgd.core.tasks import epoch_order, partition_indices, task_of
@@ -31,6 +31,7 @@ from asyncsgd.run.lifetime import command_started_at
 from asyncsgd.run.process_group import available_cores
 from asyncsgd.run.progress import Progress
 from asyncsgd.run.signals import sigterm_as_interrupt
+from asyncsgd.wire.compression import Compressor
 from asyncsgd.wire.layout import Layout
 from asyncsgd.wire.memory import keep_freed_memory
 from asyncsgd.wire.protocol import Key
@@ -123,6 +124,14 @@ def run_worker(cfg: WorkerConfig, seen: Optional[list] = None,
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
     rank, world = rank_and_world(cfg)
+    if parse_compress(cfg.compress)[0] != "none" and cfg.push_dtype != "float32":
+        raise ConfigError(f"--compress {cfg.compress} and --push-dtype {cfg.push_dtype}: choose "
+                          "one (int8 and top-k values have formats of their own)")
+    if cfg.transport == "shared" and (cfg.compress != "none" or cfg.push_dtype != "float32"
+                                      or cfg.pull_dtype != "float32"):
+        raise ConfigError("--transport shared moves float32 through memory: compressed "
+                          "pushes or pulls (--compress, --push-dtype, --pull-dtype) need "
+                          "--transport tcp or auto")
     if cfg.local_steps > 1 and cfg.push_every > 1:
         raise ConfigError(f"--local-steps {cfg.local_steps} and --push-every {cfg.push_every}: "
                           "choose one (--local-steps pushes the change of the parameters, "
@@ -139,7 +148,9 @@ def run_worker(cfg: WorkerConfig, seen: Optional[list] = None,
     client = PSClient(cfg.server, f"{socket.gethostname()}-r{rank}", layout.signature(),
                       rank=rank, world=world, heartbeat=cfg.heartbeat,
                       server_timeout=cfg.server_timeout, curve=keys, transport=cfg.transport,
-                      data=data_signature(task, cfg.task, cfg.seed, PS_PARTITION_SEED))
+                      data=data_signature(task, cfg.task, cfg.seed, PS_PARTITION_SEED),
+                      compressor=Compressor(*parse_compress(cfg.compress), cfg.push_dtype),
+                      pull_dtype=cfg.pull_dtype)
     if seen and len(seen) == len(client.versions):
         client.versions = [int(v) for v in seen]
     set_threads(cfg, world, is_local(client.host), len(client.shards))
@@ -192,6 +203,7 @@ class _Loop:
         self.batch_size = cfg.batch_size or task.batch_size
         self.steps = self.pushes = self.samples = 0
         self.loss_sum, self.loss_steps, self.unpushed = 0.0, 0, 0
+        self.reported = (0, 0)  # the client's bytes sent and received at the last push
         self.started = time.monotonic()
         # --max-seconds from the command's start (run.lifetime), as a Recorder counts it;
         # the progress clock runs from here, so its budget began that much earlier
@@ -248,7 +260,8 @@ class _Loop:
         self._push()
 
     def _push(self) -> None:
-        meta = {Key.LOSS: self.loss_sum / max(1, self.loss_steps), Key.SAMPLES: self.unpushed}
+        meta = {Key.LOSS: self.loss_sum / max(1, self.loss_steps), Key.SAMPLES: self.unpushed,
+                Key.TRAFFIC: self._traffic()}
         if self.anchor is not None:  # the pseudo-gradient: pulled minus local parameters
             grads = self.anchor.sub_(self.flat_params)
         else:
@@ -265,6 +278,14 @@ class _Loop:
         elapsed = self.elapsed()
         self.progress.note(pace_note(self.pacer.computed, self.pacer.waited, self.pacer.span))
         self.progress.update(elapsed, self.samples, self.samples / max(1e-9, elapsed), force=force)
+
+    def _traffic(self) -> list:
+        """Bytes this worker sent and received since its previous push (its server counts
+        them per worker: summary.json's ``bytes``)."""
+        now = (self.client.stats["bytes_sent"], self.client.stats["bytes_received"])
+        delta = [now[0] - self.reported[0], now[1] - self.reported[1]]
+        self.reported = now
+        return delta
 
     def _pulled(self) -> None:
         """New parameters came from the server: into the model, and the next round's anchor."""

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, TextIO
 
-from ..config import CompareConfig
+from ..config import CompareConfig, parse_compress
 from ..core.pacing import Pacing
 from ..errors import AsyncSGDError, ConfigError
 from ..run.process_group import available_cores
@@ -97,6 +97,10 @@ class ModeSpec:
 # DiLoCo's outer optimizer (Douillard et al. 2023): Nesterov, lr 0.7, momentum 0.9
 OUTER = ("--lr", "0.7", "--momentum", "0.9")
 LOCAL_STEPS_DEFAULT = 8
+# What a parameter-server mode's +SUFFIX adds to its workers (topk:RATIO too)
+WIRE_FLAGS = {"bf16": ("--push-dtype", "bf16", "--pull-dtype", "bf16"),
+              "fp16": ("--push-dtype", "fp16", "--pull-dtype", "fp16"),
+              "int8": ("--compress", "int8")}
 
 
 def parse_modes(text: str) -> list:
@@ -112,7 +116,9 @@ def parse_modes(text: str) -> list:
                               "ps-async, ps-ssp (or ps-ssp:K), ps-sync, ps-backup (or "
                               "ps-backup:B), ddp, diloco (or diloco:H), async-diloco (or "
                               "async-diloco:H), ddp+fp16, ddp+bf16, ddp+powersgd (or "
-                              "ddp+powersgd:RANK), ddp-local (or ddp-local:H)")
+                              "ddp+powersgd:RANK), ddp-local (or ddp-local:H); a "
+                              "parameter-server mode +bf16, +fp16, +int8 or +topk:RATIO "
+                              "(ps-async+int8)")
         if name in seen:
             raise ConfigError(f"--modes: {name} is listed twice; use --repeats to run it again")
         seen.add(name)
@@ -128,6 +134,17 @@ def _mode(name: str) -> Optional[ModeSpec]:
         found = re.fullmatch(pattern + r"(?::(\d+))?", name)
         return None if found is None else int(found.group(1) or default)
 
+    if "+" in name and not name.startswith("ddp"):  # a PS mode, compressed: ps-async+int8
+        base, _, wire = name.partition("+")
+        spec, flags = _mode(base), WIRE_FLAGS.get(wire)
+        if flags is None and wire.startswith("topk:"):
+            try:
+                flags = ("--compress", wire) if parse_compress(wire) else None
+            except ConfigError:
+                flags = None
+        if spec is None or spec.command != "ps-server" or flags is None:
+            return None
+        return dataclasses.replace(spec, name=name, worker_flags=spec.worker_flags + flags)
     if name in ("single", "hogwild", "ddp"):
         return ModeSpec(name, name)
     if name in ("ps-async", "ps-sync"):

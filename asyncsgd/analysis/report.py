@@ -24,8 +24,8 @@ from typing import Optional
 
 from ..core.scoring import Metric
 from ..errors import CheckpointError, ConfigError
-from ..run.metrics import (first_progress, samples_to_target, scores, steady_throughput,
-                           summarize, time_to_target)
+from ..run.metrics import (bytes_to_target, first_progress, samples_to_target, scores,
+                           steady_throughput, summarize, time_to_target)
 from ..run.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -155,6 +155,7 @@ class Run:
             "best_metric": metric.best(values),
             "time_to_target": time_to_target(self.events, target, metric),
             "samples_to_target": samples_to_target(self.events, target, metric),
+            "bytes_to_target": bytes_to_target(self.events, target, metric),
             "samples_per_second": steady_throughput(self.events),
             "startup_seconds": start["t"] if start else None,
             "samples": self.summary.get("samples"),
@@ -295,6 +296,10 @@ def _sec(x: float) -> str:
     return f"{x:.1f}"
 
 
+def _mb(x: float) -> str:
+    return f"{x / 1e6:,.1f}"
+
+
 def _rate(x: float) -> str:
     return f"{x:,.0f}"
 
@@ -329,6 +334,9 @@ def table_cells(row: Row, goal: Goal) -> dict:
         cells["speed-up (time)"] = _times(row.speedup_time)
         cells[f"samples to {goal.label}"] = _fmt(s["samples_to_target"], _rate) \
             if ttt.n else DASH
+        # the modes that count their traffic (the parameter server's workers); else a dash
+        cells[f"MB to {goal.label}"] = _fmt(s["bytes_to_target"], _mb) \
+            if ttt.n and s["bytes_to_target"].n else DASH
     cells.update({
         "samples/s": _fmt(s["samples_per_second"], _rate),
         "speed-up (samples/s)": _times(row.speedup_throughput),
@@ -346,7 +354,8 @@ def columns(goal: Goal, grouped: bool = False) -> list:
     names = ["mode", *(["task"] if grouped else []), f"final {goal.short}",
              f"best {goal.short}"]
     if goal.target is not None:
-        names += [f"time to {goal.label}", "speed-up (time)", f"samples to {goal.label}"]
+        names += [f"time to {goal.label}", "speed-up (time)", f"samples to {goal.label}",
+                  f"MB to {goal.label}"]
     return names + ["samples/s", "speed-up (samples/s)", "start-up s", "staleness p50 / p99",
                     "runs ok"]
 

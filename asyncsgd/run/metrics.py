@@ -128,6 +128,14 @@ def samples_to_target(events: Iterable[dict], target: Optional[float],
     return None if hit is None else hit["samples"]
 
 
+def bytes_to_target(events: Iterable[dict], target: Optional[float],
+                    metric: Metric = ACCURACY) -> Optional[int]:
+    """Bytes on the network (every process's traffic, each byte once) until the first
+    evaluation at or past ``target``; None where the mode counts none."""
+    hit = first_at_target(events, target, metric)
+    return None if hit is None else hit.get("bytes")
+
+
 def scores(events: Iterable[dict], metric: Metric = ACCURACY) -> list:
     """The metric's value at every evaluation, in order."""
     return [e[metric.name] for e in events
@@ -156,6 +164,9 @@ def summarize(events: list, *, mode: str, task: str, target: Optional[float],
         "target": target, "time_to_target": time_to_target(evals, target, metric),
         "samples_to_target": samples_to_target(evals, target, metric),
         "evaluations": len(evals),
+        # bytes on the network, each once (modes that count them; None: not counted)
+        "bytes": max((e["bytes"] for e in evals if e.get("bytes") is not None), default=None),
+        "bytes_to_target": bytes_to_target(evals, target, metric),
     }
     if error:
         summary["error"] = error

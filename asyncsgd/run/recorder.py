@@ -108,6 +108,9 @@ class Recorder:
         self.cfg, self.task, self.model, self.mode = cfg, task, model, cfg.mode
         check_target(cfg, task)
         self.t_offset, self.samples_offset, self.epochs_done = 0.0, 0, 0
+        # Bytes on the network so far, for modes that count them (the parameter server):
+        # eval events and checkpoints carry it, a resumed run continues from its checkpoint's
+        self.bytes_offset, self.wire_bytes = 0, None
         self.run = run
         if cfg.resume:
             self._restore()
@@ -145,6 +148,7 @@ class Recorder:
                                   f"model: {str(exc).splitlines()[0]}") from exc
         self.t_offset = float(ckpt.get("t", 0.0))
         self.samples_offset = int(ckpt.get("samples", 0))
+        self.bytes_offset = int(ckpt.get("bytes") or 0)
         self.epochs_done = int(ckpt.get("epochs_done", 0))
         self._restored(ckpt)
         log.info("resuming %s from t=%.1fs, %d samples, epoch %d", self.run.path,
@@ -181,6 +185,8 @@ class Recorder:
         if self.metric.better(score, self.best_score):
             self.best_score = score
         fields = {"loss": round(result["loss"], 6), self.metric.name: round(score, 6)}
+        if self.wire_bytes is not None:
+            fields["bytes"] = int(self.wire_bytes)
         self.metrics.write("eval", self.t(), samples, **fields, **extra)
         self.progress.evaluated(self.metric, score, result["loss"])
         self._next_eval = self.elapsed() + self.cfg.eval_every
@@ -201,7 +207,8 @@ class Recorder:
         state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         save_checkpoint(self.run.checkpoint, {
             "mode": self.mode, "task": self.task.name, "model": state, "samples": int(samples),
-            "t": self.t(), "epochs_done": int(epochs_done), **extra})
+            "t": self.t(), "epochs_done": int(epochs_done), **extra,
+            **({"bytes": int(self.wire_bytes)} if self.wire_bytes is not None else {})})
         self._next_checkpoint = self.elapsed() + (self.cfg.checkpoint_every or math.inf)
 
     def checkpoint_due(self) -> bool:

@@ -9,7 +9,9 @@ sent without copying. Nothing is ever pickled.
 It bounds the header before unpacking it, refuses msgpack extension types,
 checks every field's type, allows only known dtypes and checks each frame's
 length against its descriptor. Tensors it returns are read-only views of the
-received frames (no copy).
+received frames (no copy). A *packed* segment (int8 with per-chunk scales, or top-k
+indices and values: ``Packed``) is checked for its layout here and stays packed;
+``wire.compression`` makes and expands them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from ..errors import AsyncSGDError
 
-VERSION = 2
+VERSION = 3
 MAX_HEADER_BYTES = 64 * 1024
 MAX_SEGMENTS = 4096
 MAX_META_ITEMS = 1024
@@ -48,13 +50,13 @@ class Key:
     SHARDS, PORT, START, END = "shards", "port", "start", "end"
     CONSISTENCY, HEARTBEAT_TIMEOUT, TOTAL, TASK, INSTANCE, TOKEN = (
         "consistency", "heartbeat_timeout", "total", "task", "instance", "token")
-    # pull
-    OBSERVER = "observer"
+    # pull (and a push that pulls): PULL_DTYPE, the dtype the parameters travel in
+    OBSERVER, PULL_DTYPE = "observer", "pull_dtype"
     # params (and PART, PARTS of a message sent in parts)
     VERSION, UPDATES, ACK = "version", "updates", "ack"
     PART, PARTS = "part", "parts"
-    # push
-    LOSS, SAMPLES, PULL = "loss", "samples", "pull"
+    # push; TRAFFIC: [bytes sent, bytes received] by the worker since its previous push
+    LOSS, SAMPLES, PULL, TRAFFIC = "loss", "samples", "pull", "traffic"
     # ack
     APPLIED, STALENESS, DUPLICATE, STALE = "applied", "staleness", "duplicate", "stale"
     # error
@@ -86,6 +88,10 @@ DTYPES = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 ITEMSIZE = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in DTYPES.values()}
+WIRE_FLOATS = ("float32", "bfloat16", "float16")  # what parameters may travel in
+# Packed segment formats (PROTOCOL.md, Compressed pushes): [offset, format, [n], parameter]
+INT8, TOPK = "int8", "topk"
+MAX_INT8_CHUNK = 1 << 20
 
 # Decoded tensors view read-only zmq frames; torch warns about that on every
 # frombuffer. We never write to them (the shard reads gradients, the worker
@@ -120,6 +126,30 @@ class Segment:
 
 
 @dataclass
+class Packed:
+    """``numel`` values packed in ``payload`` (uint8): ``int8``, ``param`` values per
+    float32 scale (the scales first, then one int8 per value), or ``topk``, ``param``
+    int32 indices (strictly increasing, below ``numel``) then as many float32 values, every
+    other value 0. ``wire.compression`` packs and expands them."""
+
+    format: str
+    numel: int
+    param: int
+    payload: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload.numel()
+
+
+def packed_bytes(fmt: str, numel: int, param: int) -> int:
+    """The payload size of a packed segment."""
+    if fmt == INT8:
+        return 4 * -(-numel // param) + numel
+    return 8 * param
+
+
+@dataclass
 class Message:
     type: str
     worker: str = ""
@@ -130,6 +160,7 @@ class Message:
     meta: dict = field(default_factory=dict)
     segments: list = field(default_factory=list)
     token: str = ""  # the session a welcome handed out; shards serve no one without it
+    nbytes: int = 0  # the frames' total size, once encoded or as decoded (traffic counts)
 
 
 # Views of the same memory are sent step after step (a worker's gradient buffer, a
@@ -162,7 +193,8 @@ def _raw(t: torch.Tensor) -> memoryview:
 
 
 def encode(msg: Message, local: Optional[tuple] = None) -> list:
-    """Frames for ``msg``: the header, then one buffer per segment (zero-copy views).
+    """Frames for ``msg``: the header, then one buffer per segment (zero-copy views);
+    their total size is left in ``msg.nbytes``.
 
     ``local``: ``(link, slot)`` of a same-host area (``shared.py``): the segments are
     written into ``slot`` at their offsets instead, and the header alone goes out."""
@@ -170,20 +202,27 @@ def encode(msg: Message, local: Optional[tuple] = None) -> list:
         "v": VERSION, "t": msg.type, "w": msg.worker, "i": msg.incarnation, "s": msg.seq,
         "c": msg.clock, "sh": msg.shard, "m": msg.meta,
         "d": [[seg.offset, DTYPE_NAMES[seg.data.dtype], list(seg.data.shape)]
+              if not isinstance(seg.data, Packed) else
+              [seg.offset, seg.data.format, [seg.data.numel], seg.data.param]
               for seg in msg.segments],
     }
     if msg.token:
         header["k"] = msg.token
-    if local is not None and msg.segments:
+    if local is not None and msg.segments:  # nbytes: the header alone crosses a socket
         header["x"], slot = local
         for seg in msg.segments:
-            if seg.data.dtype != torch.float32:
-                raise ValueError(f"a shared area holds float32, not {seg.data.dtype}")
+            if isinstance(seg.data, Packed) or seg.data.dtype != torch.float32:
+                raise ValueError("a shared area holds float32 segments only")
             dest = slot[seg.offset:seg.offset + seg.data.shape[0]]
             if dest.data_ptr() != seg.data.data_ptr():  # written there already: no copy
                 dest.copy_(seg.data)
-        return [msgpack.packb(header, use_bin_type=True)]
-    return [msgpack.packb(header, use_bin_type=True)] + [_raw(seg.data) for seg in msg.segments]
+        frames = [msgpack.packb(header, use_bin_type=True)]
+    else:
+        frames = [msgpack.packb(header, use_bin_type=True)] + [
+            _raw(seg.data.payload if isinstance(seg.data, Packed) else seg.data)
+            for seg in msg.segments]
+    msg.nbytes = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+    return frames
 
 
 def split(flat: torch.Tensor, offset: int = 0, frame_bytes: int = FRAME_BYTES) -> list:
@@ -236,9 +275,11 @@ def decode(frames: Sequence[Any], areas: Optional[Callable] = None) -> Message:
     if not isinstance(header, dict):
         raise ProtocolError(Code.BAD_HEADER, "header is not a map")
     try:
-        return _message(header, frames, areas)
+        msg = _message(header, frames, areas)
     except ProtocolError as err:
         raise err.echo(header)
+    msg.nbytes = len(head) + sum(len(_buffer(f)) for f in frames[1:])
+    return msg
 
 
 def _message(header: dict, frames: Sequence[Any], areas: Optional[Callable]) -> Message:
@@ -319,8 +360,11 @@ def _shared_segment(desc: Any, slot: torch.Tensor) -> Segment:
 
 
 def _segment(desc: Any, buf: memoryview) -> Segment:
+    if isinstance(desc, list) and len(desc) == 4:
+        return _packed_segment(desc, buf)
     if not (isinstance(desc, list) and len(desc) == 3):
-        raise ProtocolError(Code.BAD_DESCRIPTOR, "a descriptor is [offset, dtype, shape]")
+        raise ProtocolError(Code.BAD_DESCRIPTOR, "a descriptor is [offset, dtype, shape] or "
+                                                 "[offset, format, [n], parameter]")
     offset, dtype_name, shape = desc
     if type(offset) is not int or offset < 0 or offset >= 2 ** 62:
         raise ProtocolError(Code.BAD_DESCRIPTOR,
@@ -345,6 +389,32 @@ def _segment(desc: Any, buf: memoryview) -> Segment:
         return Segment(offset, torch.empty(shape, dtype=dtype))
     data = torch.frombuffer(buf, dtype=dtype)  # 1-D already: view() costs as much again
     return Segment(offset, data if len(shape) == 1 else data.view(shape))
+
+
+def _packed_segment(desc: list, buf: memoryview) -> Segment:
+    """A packed segment's layout, checked against its frame; its values stay packed
+    (``wire.compression.expand`` checks them once the receiver knows its slice)."""
+    offset, fmt, shape, param = desc
+    if type(offset) is not int or not 0 <= offset < 2 ** 62:
+        raise ProtocolError(Code.BAD_DESCRIPTOR, f"offset {offset!r} is not a small "
+                                                 "non-negative int")
+    if type(fmt) is not str or fmt not in (INT8, TOPK):
+        raise ProtocolError(Code.BAD_DTYPE, f"packed format {fmt!r} is not {INT8} or {TOPK}")
+    if not (type(shape) is list and len(shape) == 1 and type(shape[0]) is int
+            and 0 < shape[0] < 2 ** 40):
+        raise ProtocolError(Code.BAD_DESCRIPTOR, f"a packed segment's shape is [n], n > 0, "
+                                                 f"not {shape!r}")
+    numel = shape[0]
+    high = MAX_INT8_CHUNK if fmt == INT8 else numel
+    if type(param) is not int or not 1 <= param <= high:
+        raise ProtocolError(Code.BAD_DESCRIPTOR, f"{fmt} parameter {param!r} is not an "
+                                                 f"integer in [1, {high}]")
+    need = packed_bytes(fmt, numel, param)
+    if need != len(buf):
+        raise ProtocolError(Code.LENGTH_MISMATCH, f"{fmt} segment of {numel} values "
+                                                  f"({param}) needs {need} bytes, frame has "
+                                                  f"{len(buf)}")
+    return Segment(offset, Packed(fmt, numel, param, torch.frombuffer(buf, dtype=torch.uint8)))
 
 
 def in_parts(msg: Message) -> list:
