@@ -10,6 +10,7 @@ elsewhere; with summed instead of averaged gradients, -k everywhere.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -218,7 +219,10 @@ def test_ddp_comm_hooks_are_pytorchs_own(tmp_path, run_cli):
     res = run_cli("ddp", *common, *exact, "--comm-hook", "fp16", "--out", tmp_path / "rows")
     assert res.returncode == 0, res.stderr
     assert _counts(_weights(tmp_path / "rows")) == {-1.0: 1000, -2.0: 1}
-    assert read_json(tmp_path / "rows" / "summary.json")["comm_hook"] == "fp16"
+    summary = read_json(tmp_path / "rows" / "summary.json")
+    assert summary["comm_hook"] == "fp16"
+    # 1001 values at 2 bytes each step, a 2-rank ring moving 2(W-1) = 2 payloads
+    assert summary["bytes"] == 2 * summary["steps"] * 1001 * 2, summary
 
     models = {}
     for task, hooks in (("tasks_for_tests:regression", ("allreduce", "fp16")),
@@ -229,6 +233,9 @@ def test_ddp_comm_hooks_are_pytorchs_own(tmp_path, run_cli):
                           "--comm-hook", hook, "--out", out)
             assert res.returncode == 0, res.stderr
             models[task, hook] = _model(out)
+            summary = read_json(out / "summary.json")
+            assert summary["bytes"] == 2 * _payload(models[task, hook], hook,
+                                                    summary["steps"]), (hook, summary)
     plain, half = models["tasks_for_tests:regression", "allreduce"], \
         models["tasks_for_tests:regression", "fp16"]
     assert not all(torch.equal(plain[k], half[k]) for k in plain)
@@ -237,6 +244,40 @@ def test_ddp_comm_hooks_are_pytorchs_own(tmp_path, run_cli):
     plain, low = models["mnist1d-cnn", "allreduce"], models["mnist1d-cnn", "powersgd:1"]
     assert all(torch.isfinite(t).all() for t in low.values())
     assert not all(torch.equal(plain[k], low[k]) for k in plain)
+
+
+def _payload(model: dict, hook: str, steps: int) -> int:
+    """Bytes one rank hands to all-reduce in ``steps`` steps, by the hooks' documented
+    rules: float32 gradients; fp16 2 bytes a value; PowerSGD rank R plain for its first 2
+    steps, then each matrix n x m as (n + m) R values when that is less than half of n m
+    (its min_compression_rate 2), else whole."""
+    shapes = [t.shape for t in model.values()]
+    values = sum(math.prod(s) for s in shapes)
+    if hook == "fp16":
+        return steps * values * 2
+    if hook.startswith("powersgd"):
+        rank = int(hook.partition(":")[2] or 1)
+        per_step = 0
+        for s in shapes:
+            n, m = (s[0], math.prod(s[1:])) if len(s) else (1, 1)
+            r = min(n, m, rank)
+            per_step += (n + m) * r if (n + m) * r * 2 < n * m else n * m
+        return (min(steps, 2) * values + max(0, steps - 2) * per_step) * 4
+    return steps * values * 4
+
+
+def test_ddp_powersgd_with_two_buckets_on_gloo(tmp_path, run_cli):
+    """mnist1d-mlp:width=512 fills two DDP buckets (the first holds 1 MiB): PowerSGD's
+    chained all-reduces of the two must not interleave (Gloo matches collectives by order;
+    they did: 'Received data size doesn't match expected size', every rank aborted)."""
+    out = tmp_path / "run"
+    res = run_cli("ddp", "--procs", 4, "--threads", 1, "--progress", "off", "--dist-timeout", 60,
+                  "--task", "mnist1d-mlp:width=512", "--samples", 2000, "--epochs", 1,
+                  "--comm-hook", "powersgd", "--out", out, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = read_json(out / "summary.json")
+    assert summary["steps"] > 2  # PowerSGD compresses from the third step
+    assert summary["bytes"] == 2 * 3 * _payload(_model(out), "powersgd", summary["steps"])
 
 
 def test_ddp_bf16_hook_needs_nccl(run_cli):
@@ -278,4 +319,10 @@ def test_ddp_local_steps_is_post_local_sgd_exactly(tmp_path, run_cli):
     expected = _counts(copies[0].float())
     assert len(expected) > 1  # the oracle tells post-local SGD from plain DDP
     assert _counts(_weights(tmp_path / "run")) == expected
-    assert read_json(tmp_path / "run" / "summary.json")["local_steps"] == period
+    summary = read_json(tmp_path / "run" / "summary.json")
+    assert summary["local_steps"] == period
+    # no gradient all-reduce; a copy of the 1000 weights at each averaging, a 2-rank ring
+    # moving 2(W-1) = 2 of it
+    averagings = len(range(0, len(batches[0]), period))
+    assert summary["steps"] == len(batches[0])
+    assert summary["bytes"] == 2 * averagings * rows * 4, summary

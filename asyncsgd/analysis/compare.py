@@ -364,7 +364,11 @@ class ModeRun:
         """Wait for every process: None when all ended cleanly, else the first error.
 
         Once ``main`` (the server) has ended, the others get ``LINGER_SECONDS`` to
-        follow: a worker that never reached it would otherwise retry for a minute.
+        follow: a worker that never reached it would otherwise retry for a minute. When
+        the server ended cleanly (its run met its stop condition and is saved), a worker
+        still running then is stopped and the run stands: on a 50 Mbit link a sync
+        worker whose round was cut short by the server's stop kept retrying the server
+        it had lost, and the run was once marked failed for it.
         """
         main_ended: Optional[float] = None
         while True:
@@ -379,9 +383,12 @@ class ModeRun:
             if main is not None and main.returncode is not None:
                 main_ended = main_ended or now
                 if now - main_ended > LINGER_SECONDS:
-                    return (f"{running[0].name} was still running {LINGER_SECONDS:g} s after "
+                    late = (f"{running[0].name} was still running {LINGER_SECONDS:g} s after "
                             f"the {main.name} ended; stopped. Its last words: "
                             f"{running[0].last_line() or '(none)'}")
+                    self.shown.say(f"note: {late}")
+                    stop_all(running)
+                    return None
             if now > self.deadline:
                 return self._overrun()
             time.sleep(POLL_SECONDS)

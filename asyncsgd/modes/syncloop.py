@@ -148,6 +148,7 @@ class SyncLoop:
                            torch.cuda.synchronize if device.type == "cuda" else None)
         self._pace_after_backward = self.pacer.end
         self.averager = None  # ddp --local-steps: averages the ranks' parameters periodically
+        self.traffic: Optional[AllReduceTraffic] = None  # DDP: what it hands to all-reduce
         # Whether steps are timed: DDP's are only when paced (a hook in its reducer)
         self.timed = True
         if hasattr(net, "register_comm_hook"):  # DDP: the wait goes before the all-reduce
@@ -156,6 +157,8 @@ class SyncLoop:
             hook = comm_hook(cfg.comm_hook)
             if cfg.local_steps > 1:
                 hook, self.averager = post_local_sgd(cfg.local_steps, cfg.local_warmup)
+            self.traffic = AllReduceTraffic(net, world, cfg.comm_hook, hook[0], cfg.local_steps,
+                                            cfg.local_warmup)
             if self.timed:
                 net.register_comm_hook((self.pacer, *hook), _paced_hook)
             elif hook[1] is not None:
@@ -273,8 +276,14 @@ class SyncLoop:
             return "interrupted", 0
         return STOP_REASONS.get(int(agreed[CODE])), int(agreed[PACE])
 
+    def note_traffic(self) -> None:
+        """Rank 0: the bytes DDP's all-reduces moved so far, for the next evaluation."""
+        if self.traffic is not None and self.recorder is not None:
+            self.recorder.wire_bytes = self.recorder.bytes_offset + self.traffic.bytes(self.steps)
+
     def _decide(self) -> int:
         """Rank 0: evaluate and checkpoint when due; whether to stop and why."""
+        self.note_traffic()
         rec, samples = self.recorder, self.samples()
         if rec.evaluate_if_due(samples) and rec.target_reached():
             return TARGET
@@ -354,10 +363,30 @@ def comm_hook(spec: str) -> tuple:
     if kind == "powersgd":
         # start_powerSGD_iter 2, not 1,000: runs here are short, and PowerSGD must start
         # after at least one plain step (its error feedback needs one)
-        return (powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                                            start_powerSGD_iter=2),
-                powerSGD_hook.powerSGD_hook)
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                            start_powerSGD_iter=2)
+        return state, (_one_bucket_at_a_time if _gloo() else powerSGD_hook.powerSGD_hook)
     return None, None
+
+
+def _gloo() -> bool:
+    import torch.distributed as dist
+    return dist.is_initialized() and dist.get_backend() == "gloo"
+
+
+def _one_bucket_at_a_time(state, bucket):  # no annotations: DDP checks them as objects
+    """PowerSGD on Gloo, each bucket's collectives done before the next bucket's begin.
+
+    PowerSGD chains its all-reduces (uncompressed tensors, then P, then Q) in future
+    callbacks; with two buckets (DDP's first holds 1 MiB: mnist1d-mlp:width=512 has two)
+    the chains interleave in a different order on each rank, and Gloo, which matches
+    collectives by order, failed: 'Received data size doesn't match expected size. 264 vs
+    256', rank 0 already in the next all-reduce. NCCL orders them on its stream."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
+
+    fut = powerSGD_hook(state, bucket)
+    fut.wait()
+    return fut
 
 
 def post_local_sgd(period: int, warmup: int) -> tuple:
@@ -376,6 +405,43 @@ def post_local_sgd(period: int, warmup: int) -> tuple:
                               post_local_gradient_allreduce=False)
     return (state, post_localSGD_hook), PeriodicModelAverager(period=period,
                                                               warmup_steps=warmup)
+
+
+class AllReduceTraffic:
+    """The bytes a DDP job's gradient all-reduces put on the network, from what DDP hands
+    its communication hook each step (all the gradients: every parameter here is used):
+    the gradients' bytes with the default hook, 2 bytes a value with fp16/bf16, PowerSGD's
+    own count of what it sent once it compresses (``total_numel_after_compression``),
+    post-local SGD's warm-up steps and then a copy of the parameters at each averaging.
+    Gloo's and NCCL's all-reduce is a ring: each of W ranks sends and receives 2(W-1)/W of
+    that payload, so the network carries 2(W-1) times it. Computed, not counted: a run
+    over shaped links (compare --link) has the kernel's count beside it. The agreement
+    all-reduces (a few float64 per check) are left out."""
+
+    def __init__(self, net, world: int, hook: str, hook_state, local_steps: int,
+                 local_warmup: int):
+        params = [p for p in net.parameters() if p.requires_grad]
+        self.values = sum(p.numel() for p in params)
+        self.itemsize = params[0].element_size() if params else 4
+        self.world, self.kind = world, parse_comm_hook(hook)[0]
+        self.state, self.local_steps, self.warmup = hook_state, local_steps, local_warmup
+
+    def payload(self, steps: int) -> int:
+        """Bytes one rank handed to all-reduce in its first ``steps`` steps."""
+        full = self.values * self.itemsize
+        if self.local_steps > 1:  # post-local SGD: PeriodicModelAverager's schedule
+            averagings = len(range(self.warmup, steps, self.local_steps))
+            return min(steps, self.warmup) * full + averagings * full
+        if self.kind in ("fp16", "bf16"):
+            return steps * self.values * 2
+        if self.kind == "powersgd":
+            plain = min(steps, self.state.start_powerSGD_iter)
+            return plain * full + int(self.state.total_numel_after_compression) * self.itemsize
+        return steps * full
+
+    def bytes(self, steps: int) -> int:
+        """Bytes on the network, every rank's together: a ring's 2(W-1) x the payload."""
+        return 2 * (self.world - 1) * self.payload(steps)
 
 
 def _paced_hook(state, bucket):  # no annotations: DDP checks them as objects
@@ -460,11 +526,12 @@ def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: 
             if outcome.stopped_by == "interrupted":
                 outcome.status = "interrupted"
     throughput = loop.throughput()
+    loop.note_traffic()
     return recorder.conclude(loop.samples(), loop.epochs_done, outcome,
                              rate=throughput["steady_samples_per_second"], **throughput,
                              **precision.state(), procs=world, lr=loop.opt.lr,
                              batch_size=loop.batch_size, global_batch_size=loop.batch_size * world,
-                             pacing=loop.pace(), optimizer=cfg.optimizer,
+                             pacing=loop.pace(), optimizer=cfg.optimizer, steps=loop.steps,
                              **_staleness(loop.opt), **(extra or {}))
 
 
