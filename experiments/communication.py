@@ -50,10 +50,10 @@ def link_bytes(compare_dir: Path) -> dict:
 
 
 def bytes_table(rows: list, links: list) -> list:
-    """Per mode and link: the kernel's bytes over every link for the run, and the PS
-    workers' own count to the target."""
+    """Per mode and link: the kernel's bytes over every link for the run, and the run's
+    own figure to the target (counted by the PS workers, computed by ddp)."""
     cells = {(r["mode"], r["link"]): r for r in rows}
-    heads = [f"{link} links / PS MB to target" for link in links]
+    heads = [f"{link}: links / own MB to target" for link in links]
     lines = ["| mode | " + " | ".join(heads) + " |", "|---|" + "---|" * len(links)]
     for mode in dict.fromkeys(r["mode"] for r in rows):
         texts = []
@@ -132,8 +132,11 @@ def main() -> int:
              "included), one run per cell.", "",
              "Training seconds to the target / training samples to it:", "",
              *table(rows, "link", links, links, args.budget),
-             "", "Bytes over all links for the whole run (stopping at the target), and the "
-             "parameter server's workers' own count to the target:", "",
+             "", "Bytes over all links for the whole run (stopping at the target), as the "
+             "kernel counted them, and the run's own figure to the target: the parameter "
+             "server's workers count every frame they send and receive; ddp computes its "
+             "all-reduces' payload (a ring's 2(W-1) x one rank's; no TCP/IP or Gloo framing):",
+             "",
              *bytes_table(rows, links),
              "", "Samples/s after start-up:", "", *utilisation(rows, links),
              "", "Which won (computed from the tables):", "",

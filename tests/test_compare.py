@@ -33,7 +33,8 @@ from asyncsgd.run.metrics import (MetricsLog, first_progress, steady_throughput,
                                   train_curve)
 from asyncsgd.run.process_group import available_cores
 from asyncsgd.run.rundir import RunDir
-from conftest import TESTS, asyncsgd_cmd, marked_processes, read_events, read_json
+from conftest import (TESTS, asyncsgd_cmd, free_port, marked_processes, read_events,
+                      read_json)
 
 # DDP spends 5-10 s of a loaded 2-core machine starting its ranks; the budget must leave it
 # time to train after that.
@@ -613,3 +614,39 @@ def test_compare_stops_a_run_with_sigint_then_sigterm_then_sigkill(tmp_path, ign
     assert stopped_by_compare == killed_by
     assert (log.read_text().split() if log.exists() else []) == received
     assert waited <= took < waited + 10, took
+
+
+@pytest.mark.parametrize("server_code", [0, 3])
+def test_a_worker_outliving_a_cleanly_ended_server_is_stopped_not_a_failure(
+        tmp_path, monkeypatch, cli_env, server_code):
+    """A worker still running LINGER_SECONDS after the server ended is stopped: the run
+    stands when the server ended cleanly (its run met its stop condition), and fails with
+    the server's error when it did not. Real processes: the 'server' a Python that exits
+    with ``server_code``, the worker 'asyncsgd worker' retrying a server that is gone."""
+    from asyncsgd.analysis import compare as compare_module
+    monkeypatch.setattr(compare_module, "LINGER_SECONDS", 2.0)
+    for name, value in cli_env.items():  # the worker is this checkout's CLI
+        monkeypatch.setenv(name, str(value))
+    stream = io.StringIO()
+    cfg = CompareConfig(modes="ps-async", budget=60, procs=1)
+    run = compare_module.ModeRun(cfg, parse_modes("ps-async")[0], 0, tmp_path, {},
+                                 CompareProgress(1, "log", stream, Goal(ACCURACY, None)))
+    logs = tmp_path / "logs"
+    server = Child("server", ["exit"], subprocess.Popen(
+        [sys.executable, "-c", f"import sys; sys.stderr.write('bye'); sys.exit({server_code})"],
+        stderr=subprocess.DEVNULL), logs / "s.out", logs / "s.err")
+    worker = Child.start("worker", ["--server", f"tcp://127.0.0.1:{free_port()}",
+                                    "--server-timeout", 300, "--progress", "off"], logs)
+    run.children = [server, worker]
+    try:
+        began = time.monotonic()
+        error = run._watch(server)
+        assert time.monotonic() - began < 60
+    finally:
+        stop_all(run.children)
+    assert worker.returncode is not None  # stopped either way, never left behind
+    if server_code == 0:
+        assert error is None and "worker was still running 2 s after the server ended" \
+            in stream.getvalue(), stream.getvalue()
+    else:
+        assert error is not None and error.startswith("server exited with code 3"), error
