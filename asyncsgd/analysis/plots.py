@@ -30,6 +30,9 @@ PLOTS = [("{metric}_vs_time.png", "Test {metric} vs wall-clock time"),
          ("loss_vs_time.png", "Training loss vs wall-clock time"),
          ("loss_vs_samples.png", "Training loss vs samples processed"),
          ("throughput.png", "Throughput per mode")]
+# Drawn when a run counts its bytes (the parameter server, ddp): its metric by traffic
+BYTES_PLOT = ("{metric}_vs_bytes.png",
+              "Test {metric} vs megabytes on the network (single and hogwild use none)")
 SIZE = (6.4, 4.0)  # inches; at DPI 80 a 512 x 320 PNG of a few tens of KB
 DPI = 80
 
@@ -125,6 +128,18 @@ def _score_curve(goal: Goal):
     return curve
 
 
+def _bytes_curve(goal: Goal):
+    """(MB on the network so far, score) at each evaluation that carries ``bytes``."""
+    scale = 100 if goal.metric.percent else 1
+
+    def curve(events: list) -> list:
+        return [(e["bytes"] / 1e6, e[goal.metric.name] * scale) for e in events
+                if e.get("event") == "eval" and e.get("bytes") is not None
+                and e.get(goal.metric.name) is not None]
+
+    return curve
+
+
 def _throughput(groups: list, conditions: str = ""):
     fig, ax = _figure("Throughput (after start-up)", "mode", "training samples / s",
                       conditions)
@@ -154,8 +169,8 @@ def figure_data(groups: list, goal: Goal) -> dict:
 
 def draw_all(groups: list, out_dir: Path, goal: Goal, conditions: str = "") -> list:
     """Write the four PNGs of ``PLOTS`` for ``groups`` = [(label, [Run, ...])], the task's
-    metric in ``goal`` (and its target, drawn when given); returns [(file name, caption)]
-    of those written."""
+    metric in ``goal`` (and its target, drawn when given), and ``BYTES_PLOT`` when a run
+    counted its traffic; returns [(file name, caption)] of those written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = [(label, runs) for label, runs in groups if runs]
     metric, target = goal.metric, goal.target
@@ -175,8 +190,17 @@ def draw_all(groups: list, out_dir: Path, goal: Goal, conditions: str = "") -> l
                conditions=conditions),
         _throughput(groups, conditions),
     ]
+    names = list(PLOTS)
+    by_bytes = series(groups, _bytes_curve(goal), 0, 1)
+    if by_bytes:
+        figures.append(_lines(
+            by_bytes, f"Test {metric.name} by traffic", "MB on the network",
+            f"test {metric.name}{unit}",
+            hline=None if target is None else (target * scale, f"target {goal.label}"),
+            conditions=conditions))
+        names.append(BYTES_PLOT)
     written = []
-    for figure, (name, caption) in zip(figures, PLOTS):
+    for figure, (name, caption) in zip(figures, names):
         name, caption = name.format(metric=metric.name), caption.format(metric=metric.name)
         figure.savefig(out_dir / name, dpi=DPI)
         written.append((name, caption))
