@@ -108,10 +108,11 @@ def parse_compress(text: str) -> tuple:
             value = float(ratio)
         except ValueError:
             value = float("nan")
-        if 0 < value <= 1:
+        if 0 < value <= 0.5:
             return kind, value
-    raise ConfigError(f"--compress {text!r}: use none, int8 or topk:RATIO with 0 < RATIO <= 1 "
-                      "(e.g. topk:0.01 sends the largest 1%)")
+    raise ConfigError(f"--compress {text!r}: use none, int8 or topk:RATIO with 0 < RATIO <= 0.5 "
+                      "(e.g. topk:0.01 sends the largest 1%; above half, an index and a value "
+                      "per value kept cost more than float32 itself)")
 
 
 @dataclass

@@ -86,6 +86,20 @@ class ShardReader:
             sock.close(0)
 
 
+class _Running:
+    """A total kept by a shard that starts again from zero when the shard is restarted
+    (its checkpoint does not hold it): what it counted before stays counted."""
+
+    def __init__(self):
+        self.before, self.last = 0, 0
+
+    def __call__(self, total: int) -> int:
+        if total < self.last:  # the shard restarted
+            self.before += self.last
+        self.last = total
+        return self.before + total
+
+
 class _TrainFeed:
     """Per-worker train events from the cumulative counters shard 0 keeps."""
 
@@ -93,10 +107,14 @@ class _TrainFeed:
         self.recorder = recorder
         self.seen: dict = {}
         self.samples = recorder.samples_offset
+        self._samples, self._bytes = _Running(), _Running()
 
     def update(self, shard0: dict) -> None:
         train = shard0.get("train", {})  # the most recently seen workers only
-        self.samples = self.recorder.samples_offset + shard0["train_total"][2]
+        self.samples = self.recorder.samples_offset + self._samples(shard0["train_total"][2])
+        # every worker's traffic with the server, as each reported it with its pushes
+        sent, received = shard0.get("traffic_total", (0, 0))
+        self.recorder.wire_bytes = self.recorder.bytes_offset + self._bytes(sent + received)
         # Bounded like the reply: a worker no longer listed is no longer followed.
         self.seen = {w: v for w, v in self.seen.items() if w in train}
         for worker, (loss_sum, steps, samples) in sorted(train.items()):
@@ -134,9 +152,6 @@ class Evaluator:
         self.model.load_state_dict(self.layout.state_dict(self.reader.flat))
         self.latest = self.reader.stats()
         self.feed.update(self.latest[0])
-        # every worker's traffic with the server, as each reported it with its pushes
-        sent, received = self.latest[0].get("traffic_total", (0, 0))
-        self.recorder.wire_bytes = self.recorder.bytes_offset + sent + received
         hist = merged_staleness(self.latest)
         return {"updates": sum(s.get("updates", 0) for s in self.latest),
                 "staleness_p50": percentile(hist, 0.5), "staleness_p99": percentile(hist, 0.99),

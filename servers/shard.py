@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from asyncsgd.errors import ConfigError
-from asyncsgd.wire.compression import expand, wire_dtype
+from asyncsgd.wire.compression import expand, segment_values, wire_dtype
 from asyncsgd.wire.protocol import (ACK, BYE, DTYPE_NAMES, ERROR, HEARTBEAT, PARAMS, PULL, PUSH,
                                     STATS, WIRE_FLOATS, Code, Key, Message, ProtocolError,
                                     Segment, error_message)
@@ -160,7 +160,7 @@ class ShardState:
         self.traffic = {}  # worker -> [bytes sent, bytes received] it reported with pushes
         self.traffic_forgotten = [0, 0]
         # Pushes in parts: each part is checked (ranges, NaN/Inf, not the norm) on arrival.
-        self.streams = PushStreams(lambda part: self._check(part, norm=False),
+        self.streams = PushStreams(lambda part: self._check(part, norm=False), self.size,
                                    max_open=max(16, 2 * cfg.expected_workers))
 
     @property
@@ -180,6 +180,10 @@ class ShardState:
         if msg.type == STATS:
             return [(peer, Message(type=STATS, shard=self.cfg.index, seq=msg.seq,
                                    meta=self.stats(now)))]
+        pull_dtype = msg.meta.get(Key.PULL_DTYPE)
+        if pull_dtype is not None and pull_dtype not in WIRE_FLOATS:  # observers' too
+            return self.refuse(peer, Code.BAD_DTYPE, f"pull_dtype {pull_dtype!r} is not one "
+                                                     f"of {', '.join(WIRE_FLOATS)}", msg)
         if msg.type == PULL and msg.meta.get(Key.OBSERVER) is True:
             # The server's evaluator reads parameters; it is no worker and joins no barrier.
             return [(peer, self._params_reply(None, msg))]
@@ -201,9 +205,7 @@ class ShardState:
             record.backup = None  # a DC-ASGD copy of the slice is kept for live workers only
             replies = [(peer, Message(type=BYE, shard=self.cfg.index, seq=msg.seq))]
             return replies + self._release()
-        problem = self._wire(record, msg)
-        if problem:
-            return self.refuse(peer, *problem, msg)
+        self._wire(record, msg)
         if msg.type == PULL:
             return self._pull(record, msg)
         checked = False  # whether the gradient is known to be finite (checked part by part)
@@ -223,23 +225,13 @@ class ShardState:
             return self._push(record, msg, checked)
         return [(peer, error_message(Code.BAD_TYPE, f"a shard does not serve {msg.type!r}", msg))]
 
-    def _wire(self, record: WorkerRecord, msg: Message) -> Optional[tuple]:
-        """(code, detail) when a pull's or push's wire formats are wrong; else None, a
-        push's segments made float32 (packed ones expanded, checked against this slice
-        first) and the formats the worker chose recorded."""
-        pull_dtype = msg.meta.get(Key.PULL_DTYPE)
-        if pull_dtype is not None and pull_dtype not in WIRE_FLOATS:
-            return Code.BAD_DTYPE, f"pull_dtype {pull_dtype!r} is not one of {WIRE_FLOATS}"
-        if msg.type != PUSH or not msg.segments:
-            return None
-        first = msg.segments[0].data
-        record.wire = (getattr(first, "format", None) or DTYPE_NAMES.get(first.dtype, "?"),
-                       pull_dtype or "float32")
-        try:
-            msg.segments = [expand(seg, self.size) for seg in msg.segments]
-        except ProtocolError as exc:
-            return exc.code, str(exc)
-        return None
+    def _wire(self, record: WorkerRecord, msg: Message) -> None:
+        """Note how a worker's push and pulls travel (``stats``): its push's first
+        segment's format (its values are checked and widened by ``_check``)."""
+        if msg.type == PUSH and msg.segments:
+            first = msg.segments[0].data
+            record.wire = (getattr(first, "format", None) or DTYPE_NAMES.get(first.dtype, "?"),
+                           msg.meta.get(Key.PULL_DTYPE) or "float32")
 
     def refuse(self, peer: bytes, code: str, detail: str, msg=None) -> list:
         """The reply to a request that is refused (malformed, or one the shard failed on):
@@ -358,7 +350,7 @@ class ShardState:
         dtype = wire_dtype(msg.meta.get(Key.PULL_DTYPE))
         if dtype is not None:  # cast copies: what is pending on the views is applied first
             self.store.apply_pending()
-            segments = [Segment(s.offset, s.data.to(dtype)) for s in segments]
+            segments = [Segment(s.offset, s.data.to(dtype), transient=True) for s in segments]
         return Message(type=PARAMS, shard=self.cfg.index, seq=msg.seq, clock=self.version,
                        meta={Key.VERSION: self.version, Key.UPDATES: self.counters["updates"]},
                        segments=segments)
@@ -398,13 +390,16 @@ class ShardState:
         """
         if msg.shard not in (-1, self.cfg.index):  # -1: unaddressed, as in-process callers send
             return Code.BAD_FIELD, f"a push for shard {msg.shard} reached shard {self.cfg.index}"
-        # Checked here, before anything is applied: the rule's apply() trusts these.
+        # Checked here, before anything is applied: the rule's apply() trusts these. The
+        # spans first, from the descriptors: a packed segment is expanded (allocated) only
+        # once every one of them is known to fit, apart, in this slice.
         spans = []
         for seg in msg.segments:
-            data = seg.data
-            if data.dtype != torch.float32 or data.dim() != 1 or not data.shape[0]:
-                return Code.BAD_DESCRIPTOR, "gradients are non-empty 1-D float32 segments"
-            end = seg.offset + data.shape[0]
+            numel = segment_values(seg)
+            if numel is None:
+                return Code.BAD_DESCRIPTOR, ("gradients are non-empty 1-D segments of float32 "
+                                             "(bfloat16 or float16, widened) or packed ones")
+            end = seg.offset + numel
             if end > self.size:
                 return Code.OUT_OF_RANGE, (f"segment [{seg.offset}, {end}) "
                                            f"outside shard {self.cfg.index} of size {self.size}")
@@ -413,6 +408,10 @@ class ShardState:
             spans.sort()
             if any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:])):
                 return Code.BAD_DESCRIPTOR, "segments must not overlap"
+        try:
+            msg.segments = [expand(seg, self.size) for seg in msg.segments]
+        except ProtocolError as exc:
+            return exc.code, str(exc)
         if finite and self.cfg.reject_nonfinite and not all(_finite(s.data) for s in msg.segments):
             self.counters["nonfinite"] += 1
             return Code.NON_FINITE, "the gradient holds NaN or Inf values; nothing was applied"

@@ -8,7 +8,9 @@ still applied whole or not at all. The parts' tensors stay views of the
 received frames (no copy).
 
 Bounds, so that a peer that starts pushes and never finishes them pins little:
-one open push per worker (a new part 0 replaces an unfinished one, as a worker
+the parts of one push hold at most the shard's slice of values (they must not
+overlap; a packed part is refused past that before it is expanded), one open push
+per worker (a new part 0 replaces an unfinished one, as a worker
 re-sending after a reconnect does), at most ``max_open`` open pushes (the
 oldest goes first), and ``expire`` drops those older than a timeout. After a
 part fails, the remaining parts of that push are dropped without a reply, so
@@ -21,6 +23,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from asyncsgd.wire.compression import segment_values
 from asyncsgd.wire.protocol import Code, Key, Message, parts_of
 
 log = logging.getLogger(__name__)
@@ -35,12 +38,15 @@ class _Open:
     started: float
     segments: list = field(default_factory=list)
     received: int = 0  # parts taken so far: the next must be this one
+    values: int = 0  # values the parts taken so far hold (packed ones: once expanded)
     failed: bool = False
 
 
 class PushStreams:
-    def __init__(self, check_part: Callable[[Message], Optional[tuple]], max_open: int = 64):
+    def __init__(self, check_part: Callable[[Message], Optional[tuple]], max_values: int,
+                 max_open: int = 64):
         self.check_part = check_part  # (code, detail) when a part must be refused
+        self.max_values = max_values  # the shard's slice: what one push's parts may hold
         self.max_open = max_open
         self.open: dict = {}  # worker -> _Open, oldest first
 
@@ -69,7 +75,11 @@ class PushStreams:
         elif len(msg.segments) != 1:
             part_problem = (Code.BAD_FIELD, f"part {part} of a push holds {len(msg.segments)} "
                                             "tensor frames; a part holds one")
+        elif stream.values + (segment_values(msg.segments[0]) or 0) > self.max_values:
+            part_problem = (Code.OUT_OF_RANGE, f"the parts of push {msg.seq} hold more than the "
+                                               f"shard's {self.max_values} values")
         else:
+            stream.values += segment_values(msg.segments[0]) or 0
             part_problem = self.check_part(msg)
         stream.received += 1
         last = stream.received == parts

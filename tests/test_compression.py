@@ -17,8 +17,9 @@ import torch
 
 from asyncsgd.wire.compression import (INT8_CHUNK, Compressor, expand, expand_packed,
                                        pack_int8, pack_topk)
-from asyncsgd.wire.protocol import (ERROR, PARAMS, PULL, PUSH, VERSION, Key, Message, Packed,
-                                    ProtocolError, Segment, decode, encode)
+from asyncsgd.wire.protocol import (ERROR, FRAME_BYTES, PARAMS, PULL, PUSH, VERSION, Key,
+                                    Message, Packed, ProtocolError, Segment, decode, encode,
+                                    in_parts)
 from conftest import finish, one_line_error, read_json, shard_stats, worker
 from faults import observe
 from test_exactly_once import SIZE, TASK, Peer, applied, grad
@@ -26,18 +27,18 @@ from test_exactly_once import SIZE, TASK, Peer, applied, grad
 # Error feedback in float32: each push rounds ``residual += g`` and ``residual -= sent``
 # once per value, so after T pushes the identity sum(sent) + residual = sum(g) holds to
 # float32 roundings of the running residual, not exactly: the largest gap measured here
-# over 50 pushes was 2.9e-10 of the slice's sum(|g|) over all pushes (top-k 0.01; int8
-# 8e-11, top-k of everything 0). Asserted: 1e-8.
+# over 50 pushes was 2.7e-10 of the slice's sum(|g|) over all pushes (top-k 0.01 on the
+# 259-value slice; int8 8e-11). Asserted: 1e-8.
 EF_TOLERANCE = 1e-8
 
 
 @pytest.mark.parametrize("kind,ratio", [("int8", 0.0), ("topk", 0.01), ("topk", 0.3),
-                                        ("topk", 1.0)])
+                                        ("topk", 0.5)])
 def test_error_feedback_sends_every_gradient_in_the_end(kind, ratio):
-    """Over 50 pushes to two shards (slices of sizes that cut int8 chunks and frames
-    oddly), what the shards expand plus the residual equals the gradients' sum."""
+    """Over 50 pushes to three shards (slices of sizes that cut int8 chunks oddly, one of
+    two frames), what the shards expand plus the residual equals the gradients' sum."""
     rng = torch.Generator().manual_seed(7)
-    sizes = [1000, INT8_CHUNK + 3]
+    sizes = [1000, INT8_CHUNK + 3, FRAME_BYTES // 4 + 777]
     comp = Compressor(kind, ratio)
     total = [torch.zeros(n, dtype=torch.float64) for n in sizes]
     sent = [torch.zeros(n, dtype=torch.float64) for n in sizes]
@@ -55,8 +56,7 @@ def test_error_feedback_sends_every_gradient_in_the_end(kind, ratio):
         gap = (sent[shard] + comp.residuals[shard].double() - total[shard]).abs()
         assert float(gap.max()) <= EF_TOLERANCE * float(magnitude[shard].sum()), \
             (shard, float(gap.max()), float(magnitude[shard].sum()))
-        if ratio < 1:  # a lossy push leaves something owed; top-k of everything leaves 0
-            assert float(comp.residuals[shard].abs().sum()) > 0
+        assert float(comp.residuals[shard].abs().sum()) > 0  # a lossy push leaves some owed
     assert comp.residual().shape == (sum(sizes),)
 
 
@@ -76,6 +76,7 @@ def test_packed_formats_expand_exactly_as_specified():
     assert top.param == 3 and top.nbytes == 24
     assert torch.equal(expand_packed(top), torch.tensor([0, -5.0, 0, 4.0, 0, 3.0]))
     assert pack_topk(y, 1e-9).param == 1  # at least one value
+    assert torch.equal(expand_packed(pack_topk(y, 1.0)), y)  # all of them: exact
     wide = torch.randn(1 << 20)
     assert pack_int8(wide).nbytes / (wide.numel() * 4) < 0.26
     assert pack_topk(wide, 0.01).nbytes / (wide.numel() * 4) < 0.021
@@ -166,8 +167,8 @@ def test_compressing_workers_train_to_the_target(server, cli_env, flags):
 
 
 def test_bad_compression_settings_are_one_clear_line(run_cli):
-    one_line_error(run_cli("worker", "--compress", "topk:2", timeout=60),
-                   "--compress 'topk:2'", "0 < RATIO <= 1")
+    one_line_error(run_cli("worker", "--compress", "topk:0.6", timeout=60),
+                   "--compress 'topk:0.6'", "0 < RATIO <= 0.5")
     one_line_error(run_cli("worker", "--compress", "int8", "--push-dtype", "bf16",
                            "--server", "tcp://127.0.0.1:9", timeout=60),
                    "--compress int8 and --push-dtype bf16")
@@ -177,23 +178,68 @@ def test_bad_compression_settings_are_one_clear_line(run_cli):
 
 
 def test_random_compressed_pushes_keep_the_exact_oracle(server):
-    """Pushes in every format, in random order, through a real worker's Compressor:
-    the shard's parameters are minus the sum of what it expanded, exactly."""
+    """Pushes in every format, in random order, each format's Compressor kept across its
+    pushes as a worker keeps it: the shard's parameters are minus the sum of what it
+    expanded, exactly; and with the residuals, minus the gradients' sum (error feedback
+    across the wire, to float32 rounding)."""
     srv = server("--task", TASK, "--samples", SIZE, "--no-exit-when-done")
     port = srv.stats()["shard_ports"][0]
     peer = Peer(srv, port, worker="mix")
     rng = random.Random(5)
-    expected = torch.zeros(SIZE)
-    for seq in range(1, 41):
-        kind = rng.choice(["int8", "topk", "bf16", "fp16", "float32"])
-        comp = Compressor(kind if kind in ("int8", "topk") else "none",
-                          0.25 if kind == "topk" else 0.0,
-                          kind if kind in ("bf16", "fp16") else "float32")
+    compressors = {"int8": Compressor("int8"), "topk": Compressor("topk", 0.25),
+                   "bf16": Compressor(push_dtype="bf16"), "fp16": Compressor(push_dtype="fp16")}
+    expected, total = torch.zeros(SIZE), torch.zeros(SIZE, dtype=torch.float64)
+    rounded = torch.zeros(SIZE, dtype=torch.float64)  # what casting (no feedback) lost
+    for seq in range(1, 61):
+        kind = rng.choice(sorted(compressors))
         g = torch.tensor([rng.uniform(-2, 2) for _ in range(SIZE)])
-        [seg] = comp.segments(0, g)
+        total += g.double()
+        [seg] = compressors[kind].segments(0, g)
+        if kind in ("bf16", "fp16"):
+            rounded += g.double() - seg.data.double()
         assert applied(peer.push(seq, seg.data))
         expected -= expand(seg, SIZE).data
-    assert torch.equal(observe(srv, port, SIZE), expected)
+    params = observe(srv, port, SIZE)
+    assert torch.equal(params, expected)
+    owed = sum(c.residuals[0].double() for c in compressors.values() if c.residuals)
+    # sent + owed + rounded = every gradient, to float32 rounding of the sums (|sum| < 120)
+    gap = (-params.double() + owed + rounded - total).abs().max()
+    assert float(gap) < 1e-4, float(gap)
+    peer.close()
+
+
+def test_packed_pushes_cannot_make_a_shard_allocate_more_than_its_slice(server):
+    """Top-k segments of 8 bytes each claiming the whole slice: overlapping ones in one
+    push, or parts of one push that together claim more than the slice, are refused
+    before anything is expanded; a PARAMS reply or a pull cannot carry packed segments,
+    and an observer's pull_dtype is checked like a worker's."""
+    srv = server("--task", TASK, "--samples", SIZE, "--no-exit-when-done")
+    port = srv.stats()["shard_ports"][0]
+    peer = Peer(srv, port, worker="amp")
+    whole = pack_topk(grad(5), 1 / SIZE)  # [SIZE] values in one index and one value
+    peer.sock.send_multipart(encode(Message(type=PUSH, worker="amp", incarnation=1, seq=1,
+                                            shard=0, segments=[Segment(0, whole)] * 2,
+                                            token=peer.token(1))))
+    reply = peer.reply()
+    assert reply.type == ERROR and reply.meta[Key.CODE] == "bad-descriptor", reply
+    assert "overlap" in reply.meta[Key.ERROR]
+    parts = in_parts(Message(type=PUSH, worker="amp", incarnation=1, seq=2, shard=0,
+                             segments=[Segment(0, whole)] * 3, token=peer.token(1)))
+    for part in parts:
+        peer.sock.send_multipart(encode(part))
+    reply = peer.reply()
+    assert reply.type == ERROR and reply.meta[Key.CODE] == "out-of-range", reply
+    assert "hold more than the shard's" in reply.meta[Key.ERROR]
+    assert peer.reply(timeout=1.0) is None  # one error for the push, the rest dropped
+    with pytest.raises(ProtocolError, match="packed segments travel in pushes only"):
+        decode([bytes(f) for f in encode(Message(type=PARAMS, segments=[Segment(0, whole)]))])
+    reply = srv.request(encode(Message(type=PULL, seq=3, meta={Key.OBSERVER: True,
+                                                               Key.PULL_DTYPE: "float64"})),
+                        port=port)
+    assert reply.type == ERROR and reply.meta[Key.CODE] == "bad-dtype", reply
+    assert torch.equal(observe(srv, port, SIZE), torch.zeros(SIZE))
+    assert applied(peer.push(4, grad(1)))  # and it serves on
+    assert shard_stats(srv, port)["updates"] == 1
     peer.close()
 
 

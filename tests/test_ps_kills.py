@@ -16,7 +16,7 @@ import torch
 from asyncsgd.core.tasks import partition_indices
 from asyncsgd.run.checkpoint import load_checkpoint
 from asyncsgd.wire.layout import Layout
-from conftest import finish, read_json, shard_stats, wait_for, worker
+from conftest import finish, read_events, read_json, shard_stats, wait_for, worker
 from faults import observe, record_figure
 from asyncsgd.servers.shard import params_digest
 from tasks_for_tests import index_counter
@@ -182,6 +182,11 @@ def test_shard_sigkill_restarts_from_its_checkpoint_and_counts_lost_updates(serv
     assert summary["updates"] == 500 * epochs - lost
     assert 0 < lost <= 500 * epochs - saved["version"]
     missing = 500 * epochs + int(weights.sum().item()) // BATCH  # pushes absent from the weights
+    # shard 0's counters start again from zero in its new process; the run's do not
+    evals = [e for e in read_events(run_dir) if e["event"] == "eval"]
+    for key in ("samples", "bytes"):
+        values = [e[key] for e in evals]
+        assert values == sorted(values) and values[-1] > 0, (key, values)
     record_figure("shard SIGKILL + restart (exact)", checkpoint_version=saved["version"],
                   lost_updates_reported=lost, pushes_missing_from_weights=missing,
                   restored_bit_for_bit=True, reconnect_s=round(reconnect, 2))

@@ -69,7 +69,11 @@ def _start_local_slurm() -> Optional[str]:
     if r.returncode != 0:
         pytest.fail(f"local-slurm.sh start failed ({r.returncode}):\n{r.stdout}{r.stderr}",
                     pytrace=False)
-    return _slurm_unavailable()
+    why = _slurm_unavailable()
+    if why:  # started, and still nothing answers: a failure, not a reason to skip
+        pytest.fail(f"local-slurm.sh start succeeded but {why}:\n{r.stdout}{r.stderr}",
+                    pytrace=False)
+    return None
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -146,8 +150,10 @@ def sbatch_wait(script: Path, tmp_path: Path, env: dict, *options: str):
 def check_completed(rc: int, job_id: str, output: str) -> None:
     assert rc == 0, f"job {job_id} exit code {rc}; its output:\n{output[-4000:]}"
     states = _job_states(job_id)
-    # The record is gone once MinJobAge has passed; it is kept 600 s by local-slurm.sh.
-    assert all(s == "COMPLETED" for s in states), f"job {job_id}: {states}\n{output[-4000:]}"
+    # The controller keeps a finished job's record MinJobAge seconds (Slurm's default 300,
+    # local-slurm.sh's 600); checked within seconds of the end, it is there
+    assert states and all(s == "COMPLETED" for s in states), \
+        f"job {job_id}: {states}\n{output[-4000:]}"
 
 
 def check_run(run_dir: Path, output: str, workers: int) -> dict:
@@ -195,7 +201,7 @@ def test_the_readme_submissions_train_to_the_target(tmp_path, cache_dir, env, op
     rc, job_id, output = sbatch_wait(REPO / script, tmp_path, env, *options)
     check_completed(rc, job_id, output)
     if het:
-        assert len(_job_states(job_id)) in (0, 2)  # both components, while the record is kept
+        assert len(_job_states(job_id)) == 2  # both components
         check_run(run_dir, output, workers=2)
     else:
         check_run(run_dir, output, workers=nodes * int(env.get("NPROC_PER_NODE", 4)) - 1)

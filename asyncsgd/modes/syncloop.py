@@ -415,14 +415,18 @@ class AllReduceTraffic:
     post-local SGD's warm-up steps and then a copy of the parameters at each averaging.
     Gloo's and NCCL's all-reduce is a ring: each of W ranks sends and receives 2(W-1)/W of
     that payload, so the network carries 2(W-1) times it. Computed, not counted: a run
-    over shaped links (compare --link) has the kernel's count beside it. The agreement
-    all-reduces (a few float64 per check) are left out."""
+    over shaped links (compare --link) has the kernel's count beside it. DDP also
+    broadcasts the model's buffers from rank 0 before each step (``broadcast_buffers``:
+    the LM task's causal mask, context^2 values): W-1 copies. Left out: the agreement
+    all-reduces (a few float64 per check)."""
 
     def __init__(self, net, world: int, hook: str, hook_state, local_steps: int,
                  local_warmup: int):
         params = [p for p in net.parameters() if p.requires_grad]
         self.values = sum(p.numel() for p in params)
         self.itemsize = params[0].element_size() if params else 4
+        self.buffers = sum(b.numel() * b.element_size() for b in net.buffers()) \
+            if getattr(net, "broadcast_buffers", False) else 0
         self.world, self.kind = world, parse_comm_hook(hook)[0]
         self.state, self.local_steps, self.warmup = hook_state, local_steps, local_warmup
 
@@ -440,8 +444,9 @@ class AllReduceTraffic:
         return steps * full
 
     def bytes(self, steps: int) -> int:
-        """Bytes on the network, every rank's together: a ring's 2(W-1) x the payload."""
-        return 2 * (self.world - 1) * self.payload(steps)
+        """Bytes on the network, every rank's together: a ring's 2(W-1) x the payload, and
+        W-1 copies of the buffers a step."""
+        return (self.world - 1) * (2 * self.payload(steps) + steps * self.buffers)
 
 
 def _paced_hook(state, bucket):  # no annotations: DDP checks them as objects

@@ -14,7 +14,9 @@ they are, and records what each worker chose in its stats.
 int8 and top-k keep *error feedback* on the worker (Seide et al. 2014; Stich et al.
 2018): what a push left out (the gradient plus the previous residual, minus what was
 sent) is added to the next gradient, so nothing is dropped, only delayed: the pushes'
-expanded values plus the last residual sum to the gradients' sum.
+expanded values plus the last residual sum to the gradients' sum. (A push the server
+never applies, a sync push acknowledged ``stale`` after its round ended without it, is
+dropped with what it carried, as any gradient of such a push is.)
 
 ``expand`` is the receiving side: it checks a packed segment against the receiver's slice
 before it allocates anything, and gives float32 values (which the shard then checks for
@@ -28,8 +30,8 @@ from typing import Optional
 
 import torch
 
-from .protocol import (DTYPES, FRAME_BYTES, INT8, TOPK, Code, Packed, ProtocolError,
-                       Segment, packed_bytes)
+from .protocol import (DTYPES, FRAME_BYTES, INT8, TOPK, WIRE_FLOATS, Code, Packed,
+                       ProtocolError, Segment, packed_bytes)
 
 INT8_CHUNK = 256  # values per scale: 1.6% of overhead; a larger chunk rounds small values
 WIRE_DTYPES = {"float32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # flag -> name
@@ -45,9 +47,11 @@ class Compressor:
     def __init__(self, kind: str = "none", ratio: float = 0.0, push_dtype: str = "float32"):
         """``kind``: none, int8 or topk (keeping the ``ratio`` share); ``push_dtype`` (none
         only): float32, bf16 or fp16."""
-        if kind not in ("none", INT8, TOPK) or (kind == TOPK and not 0 < ratio <= 1):
+        # top-k above half: 8 bytes a kept value outweigh float32's 4 a value, and its
+        # frames would outgrow what a shard takes from a peer (4 bytes a value of its slice)
+        if kind not in ("none", INT8, TOPK) or (kind == TOPK and not 0 < ratio <= 0.5):
             raise ValueError(f"compression {kind!r} (ratio {ratio}): none, int8 or topk "
-                             "with 0 < ratio <= 1")
+                             "with 0 < ratio <= 0.5")
         if kind != "none" and push_dtype != "float32":
             raise ValueError("int8 and top-k values have formats of their own: push_dtype "
                              "stays float32")
@@ -63,8 +67,9 @@ class Compressor:
         """Segments for ``grads``, one shard's flat float32 slice."""
         if self.kind == "none":
             step = FRAME_BYTES // self.dtype.itemsize
-            wire = grads.to(self.dtype)  # a copy: the next step overwrites the buffer
-            out = [Segment(i, wire[i:i + step]) for i in range(0, len(wire), step)]
+            wire = grads.to(self.dtype)  # bf16/fp16: a copy, which the next step leaves alone
+            out = [Segment(i, wire[i:i + step], transient=True)
+                   for i in range(0, len(wire), step)]
         else:
             residual = self.residuals.get(shard)
             if residual is None or residual.shape != grads.shape:
@@ -76,7 +81,7 @@ class Compressor:
                 run = residual[i:i + step]
                 packed = pack_int8(run) if self.kind == INT8 else pack_topk(run, self.ratio)
                 run -= expand_packed(packed)  # the residual: what this push leaves out
-                out.append(Segment(i, packed))
+                out.append(Segment(i, packed, transient=True))
         return out
 
     def residual(self) -> torch.Tensor:
@@ -125,7 +130,9 @@ def expand_packed(packed: Packed) -> torch.Tensor:
             raise ProtocolError(Code.NON_FINITE, "an int8 segment's scales must be finite "
                                                  "and >= 0")
         q = payload[4 * chunks:].view(torch.int8).to(torch.float32)
-        return q * scales.repeat_interleave(param)[:n]
+        if chunks == 1:  # no chunk-long copy of the scale for a run shorter than a chunk
+            return q * scales[0]
+        return q * scales.repeat_interleave(param)[:n]  # < n + param <= 2n values
     index = payload[:4 * param].view(torch.int32).to(torch.int64)
     if bool((index < 0).any()) or bool((index >= n).any()) or \
             (param > 1 and not bool((index[1:] > index[:-1]).all())):
@@ -153,5 +160,24 @@ def expand(seg: Segment, size: int) -> Segment:
 
 
 def wire_dtype(name: Optional[str]) -> Optional[torch.dtype]:
-    """The dtype a PULL's ``pull_dtype`` asks for (None: float32, as stored)."""
-    return None if name in (None, "float32") else DTYPES[name]
+    """The dtype a PULL's ``pull_dtype`` asks for (None: float32, as stored); a
+    ProtocolError for anything but WIRE_FLOATS."""
+    if name in (None, "float32"):
+        return None
+    if not isinstance(name, str) or name not in WIRE_FLOATS:
+        raise ProtocolError(Code.BAD_DTYPE, f"pull_dtype {name!r} is not one of "
+                                            f"{', '.join(WIRE_FLOATS)}")
+    return DTYPES[name]
+
+
+def segment_values(seg: Segment) -> Optional[int]:
+    """How many values ``seg`` places: a packed one's n, a 1-D float32, bfloat16 or
+    float16 tensor's length; None for anything a gradient cannot be (another dtype, not
+    1-D, empty)."""
+    data = seg.data
+    if isinstance(data, Packed):
+        return data.numel
+    if data.dtype not in (torch.float32, torch.bfloat16, torch.float16) or data.dim() != 1 \
+            or not data.shape[0]:
+        return None
+    return data.shape[0]

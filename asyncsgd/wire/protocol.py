@@ -123,6 +123,7 @@ class Segment:
 
     offset: int
     data: torch.Tensor
+    transient: bool = False  # made for one message (a cast or packed copy): never cached
 
 
 @dataclass
@@ -174,9 +175,12 @@ _RAW_CACHE_BYTES = 128 * 2 ** 20
 _raw_cached_bytes = 0
 
 
-def _raw(t: torch.Tensor) -> memoryview:
-    """The bytes of a CPU tensor, without copying when it is contiguous."""
+def _raw(t: torch.Tensor, cache: bool = True) -> memoryview:
+    """The bytes of a CPU tensor, without copying when it is contiguous; ``cache`` False
+    for a tensor made for one message, which would only push the reused views out."""
     global _raw_cached_bytes
+    if not cache:
+        return memoryview(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
     if t.is_contiguous():
         key = (t.data_ptr(), t.numel() * t.element_size())
         view = _RAW_CACHE.get(key)
@@ -219,7 +223,8 @@ def encode(msg: Message, local: Optional[tuple] = None) -> list:
         frames = [msgpack.packb(header, use_bin_type=True)]
     else:
         frames = [msgpack.packb(header, use_bin_type=True)] + [
-            _raw(seg.data.payload if isinstance(seg.data, Packed) else seg.data)
+            _raw(seg.data.payload if isinstance(seg.data, Packed) else seg.data,
+                 cache=not seg.transient)
             for seg in msg.segments]
     msg.nbytes = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
     return frames
@@ -326,6 +331,8 @@ def _message(header: dict, frames: Sequence[Any], areas: Optional[Callable]) -> 
         return msg
     for desc, frame in zip(descriptors, frames[1:]):
         msg.segments.append(_segment(desc, _buffer(frame)))
+        if kind != PUSH and isinstance(msg.segments[-1].data, Packed):
+            raise ProtocolError(Code.BAD_DTYPE, "packed segments travel in pushes only")
     return msg
 
 
