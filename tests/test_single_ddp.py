@@ -221,8 +221,12 @@ def test_ddp_comm_hooks_are_pytorchs_own(tmp_path, run_cli):
     assert _counts(_weights(tmp_path / "rows")) == {-1.0: 1000, -2.0: 1}
     summary = read_json(tmp_path / "rows" / "summary.json")
     assert summary["comm_hook"] == "fp16"
-    # 1001 values at 2 bytes each step, a 2-rank ring moving 2(W-1) = 2 payloads
+    # 1001 values at 2 bytes each step, a 2-rank ring moving 2(W-1) = 2 payloads, each
+    # rank sending and receiving half of that
     assert summary["bytes"] == 2 * summary["steps"] * 1001 * 2, summary
+    assert summary["worker_bytes"] == {f"rank-{r}": {"sent": summary["bytes"] // 2,
+                                                     "received": summary["bytes"] // 2}
+                                       for r in range(2)}
 
     models = {}
     for task, hooks in (("tasks_for_tests:regression", ("allreduce", "fp16")),

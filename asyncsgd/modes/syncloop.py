@@ -276,6 +276,16 @@ class SyncLoop:
             return "interrupted", 0
         return STOP_REASONS.get(int(agreed[CODE])), int(agreed[PACE])
 
+    def rank_bytes(self) -> dict:
+        """summary.json's ``worker_bytes`` of a DDP run: each rank's share of a ring's
+        traffic, as much sent as received (this session's; ``bytes`` holds a resumed
+        run's earlier sessions too)."""
+        if self.traffic is None:
+            return {}
+        share = self.traffic.bytes(self.steps) // self.world
+        return {"worker_bytes": {f"rank-{r}": {"sent": share, "received": share}
+                                 for r in range(self.world)}}
+
     def note_traffic(self) -> None:
         """Rank 0: the bytes DDP's all-reduces moved so far, for the next evaluation."""
         if self.traffic is not None and self.recorder is not None:
@@ -537,7 +547,7 @@ def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: 
                              **precision.state(), procs=world, lr=loop.opt.lr,
                              batch_size=loop.batch_size, global_batch_size=loop.batch_size * world,
                              pacing=loop.pace(), optimizer=cfg.optimizer, steps=loop.steps,
-                             **_staleness(loop.opt), **(extra or {}))
+                             **loop.rank_bytes(), **_staleness(loop.opt), **(extra or {}))
 
 
 def _resumed_start(recorder: StatefulRecorder, rows: int, world: int) -> list:
