@@ -5,6 +5,7 @@ every row's weight minus the number of times it was trained, so one lost or
 doubled update shows.
 """
 
+import re
 import time
 
 import pytest
@@ -107,10 +108,11 @@ def test_oversized_frames_drop_their_sender_and_nothing_else(server, cli_env):
 
 
 def _client_stats(out: str) -> dict:
-    """Counters from a worker's closing line: '... (retries R, duplicate acks D)'."""
-    inside = out.rsplit("(", 1)[1].rstrip(")\n")
-    return {k.strip().rsplit(" ", 1)[0]: int(k.strip().rsplit(" ", 1)[1])
-            for k in inside.split(",")}
+    """Counters from a worker's closing line:
+    '... (retries R, duplicate acks D; S bytes sent, V received)'."""
+    found = re.search(r"\(retries (\d+), duplicate acks (\d+);", out)
+    assert found, out
+    return {"retries": int(found.group(1)), "duplicate acks": int(found.group(2))}
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shared"])
