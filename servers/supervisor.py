@@ -27,7 +27,11 @@ from .shard_process import ShardProcessSettings, shard_main
 
 log = logging.getLogger(__name__)
 
-SHARD_READY_SECONDS = 60
+# A shard that is alive but not listening yet is still starting (importing torch): waited
+# for, with a note every SHARD_NOTE_SECONDS, up to SHARD_READY_SECONDS; one that died fails
+# at once. 60 s was once too little: a ray-job's shard beside 4 busy processes on 2 cores.
+SHARD_READY_SECONDS = 600
+SHARD_NOTE_SECONDS = 30
 
 
 class ShardSupervisor:
@@ -82,9 +86,14 @@ class ShardSupervisor:
                 for i, s in enumerate(self.settings)]
 
     def _await_port(self, i: int) -> int:
-        if not self.ready[i].poll(SHARD_READY_SECONDS):
-            self.group.check()
-            raise WorkerError(i, f"shard {i} did not start within {SHARD_READY_SECONDS} s")
+        waited = 0
+        while not self.ready[i].poll(SHARD_NOTE_SECONDS):
+            self.group.check()  # a shard that died: its error now
+            waited += SHARD_NOTE_SECONDS
+            if waited >= SHARD_READY_SECONDS:
+                raise WorkerError(i, f"shard {i} did not start within {SHARD_READY_SECONDS} s")
+            log.warning("shard %d is still starting after %d s (a busy machine?); waiting up "
+                        "to %d s", i, waited, SHARD_READY_SECONDS)
         port = self.ready[i].recv()
         self.settings[i] = dataclasses.replace(self.settings[i], port=port)
         return port

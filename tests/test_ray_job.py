@@ -161,6 +161,9 @@ def test_a_killed_worker_actor_is_restarted_and_rejoins(local_ray, tmp_path):
         wait_for(lambda: stats(job)["updates"] >= 200 and pushes() > 0, JOB_SECONDS / 2,
                  "the job to train", every=0.1)
         [first] = job.incarnations()[victim]
+        # not at Ray's default nice 15, which starved the job beside busy processes
+        assert psutil.Process(first["pid"]).nice() == 0
+        assert psutil.Process(job.server_place["pid"]).nice() == 0
         psutil.Process(first["pid"]).send_signal(signal.SIGKILL)  # the actor's process
         killed, before = time.monotonic(), pushes()
         restarted = wait_for(lambda: len(job.incarnations()[victim]) == 2 and time.monotonic(),

@@ -56,6 +56,7 @@ from ..run.process_group import available_cores
 from ..run.recorder import RunResult
 from ..run.rundir import RunDir
 from ..run.settings import saved_settings
+from ..servers.supervisor import SHARD_READY_SECONDS
 from ..run.signals import sigterm_as_interrupt
 from ..wire.transport import parse_endpoint
 from .ray_config import RayJobConfig
@@ -70,6 +71,11 @@ WORKER_GRACE = 20.0  # after the server ended: a worker is told at its next push
 STOP_SECONDS = 90.0  # SIGTERM to a saved run: shards drain (1.5-8 s) and save, a last
 #                      evaluation, summary.json; slow under load
 GONE_SECONDS = 15.0
+NOTE_SECONDS = 30.0  # how often a slow start is noted
+# Ray starts its worker processes at nice 15: beside 4 busy processes on 2 cores the job's
+# actors and the server's shards then got so little CPU that a job to 85% took 439 s (a
+# ps-job beside the same load: 18 s). Ray's own job supervisor asks for 0 the same way.
+UNNICED = {"env_vars": {"RAY_worker_niceness": "0"}}
 REQUIREMENT = "ray>=2.9"
 # Settings a resumed job decides anew rather than taking from the run's config.json.
 _NOT_RESUMED = {"bind", "threads", "out", "resume", "advertise"}
@@ -178,13 +184,14 @@ class RayJob:
                                               soft=False)
         level = logging.getLogger().getEffectiveLevel()
         self._ledger = ray.remote(AsyncSGDLedger).options(
-            num_cpus=0, max_restarts=0, scheduling_strategy=here).remote()
+            num_cpus=0, max_restarts=0, scheduling_strategy=here, runtime_env=UNNICED).remote()
         self._server = ray.remote(AsyncSGDServer).options(
-            num_cpus=0, max_restarts=0, scheduling_strategy=here).remote(
+            num_cpus=0, max_restarts=0, scheduling_strategy=here, runtime_env=UNNICED).remote(
                 os.getcwd(), level, self._origin)
         worker = ray.remote(AsyncSGDWorker).options(
             num_cpus=job.cpus_per_worker, num_gpus=job.gpus_per_worker,
-            max_restarts=job.max_restarts, max_task_retries=job.max_restarts)
+            max_restarts=job.max_restarts, max_task_retries=job.max_restarts,
+            runtime_env=UNNICED)
         self._workers = [worker.remote(rank, level, self._origin)
                          for rank in range(job.workers)]
         self._place_actors()
@@ -265,7 +272,12 @@ class RayJob:
         cfg = server_settings(dataclasses.replace(job, bind=bind, threads=threads),
                               job.workers, resume=job.resume)
         self._serve_ref = self._server.serve.remote(cfg, self._ledger, advertise)
-        deadline = time.monotonic() + job.start_timeout
+        # Its shards start as its children, importing torch: slow on a busy machine (over
+        # 60 s beside 4 busy processes on 2 cores), and bounded by the server itself, which
+        # fails once one has not started in SHARD_READY_SECONDS; this waits for that
+        began = time.monotonic()
+        deadline = began + job.start_timeout + SHARD_READY_SECONDS
+        noted = began
         while True:
             ready, _ = ray.wait([self._serve_ref], timeout=POLL_SECONDS)
             if ready:
@@ -277,9 +289,13 @@ class RayJob:
             if published:
                 self.address, self.run_dir = published
                 return
-            if time.monotonic() > deadline:
-                raise AsyncSGDError(f"the server did not listen within {job.start_timeout:g} s "
-                                    "(--start-timeout)")
+            now = time.monotonic()
+            if now > deadline:
+                raise AsyncSGDError(f"the server did not listen within {now - began:.0f} s")
+            if now - noted > NOTE_SECONDS:
+                noted = now
+                log.warning("ray-job: the server is still starting after %.0f s (a busy "
+                            "machine?); waiting", now - began)
 
     def _await_workers(self) -> None:
         """Return once every worker has begun training (or one has ended already: ``wait``
