@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
-from link_bandwidth import utilisation
-from stragglers import arguments, measure, report, run_by, table
+from link_bandwidth import measure_links, utilisation
+from stragglers import report, run_by, table
 
 NAME = "communication"
 MODES = ("ddp,ddp+fp16,ddp+powersgd,ddp-local:8,ps-sync,ps-async,ps-async+bf16,ps-async+int8,"
@@ -113,19 +112,15 @@ def plot(rows: list, links: list, path: Path) -> None:
     plt.close(fig)
 
 
+def with_link_bytes(link: str, compare_dir: Path, rows: list) -> list:
+    sent = link_bytes(compare_dir)
+    return [{**r, "bytes": sent.get(r["mode"])} for r in rows]
+
+
 def main() -> int:
-    ap = arguments(__doc__, task="mnist1d-mlp:width=512", modes=MODES, procs=4, budget=60.0,
-                   target=0.5)
-    ap.add_argument("--links", default="1gbit,50mbit")
-    args = ap.parse_args()
-    links = args.links.split(",")
-    runs = Path(args.runs or f"runs/{NAME}-{time.strftime('%Y%m%d-%H%M%S')}")
-    started = time.monotonic()
-    rows = []
-    for link in links:
-        measured = measure(args, link, runs / link, key="link", script=NAME, link=link)
-        sent = link_bytes(runs / link)
-        rows += [{**r, "bytes": sent.get(r["mode"])} for r in measured]
+    args, links, rows, started = measure_links(
+        __doc__, NAME, "1gbit,50mbit", with_link_bytes, task="mnist1d-mlp:width=512",
+        modes=MODES, procs=4, budget=60.0, target=0.5)
     lines = [f"# Communication: time, samples and bytes to {args.target:.0%}", "",
              f"{run_by(NAME, started)}: task {args.task}, {args.procs} processes (each on a "
              f"host of its own), seed {args.seed}, budget {args.budget:g} s per run (start-up "

@@ -96,18 +96,28 @@ def plot(rows: list, links: list, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> int:
-    ap = arguments(__doc__, task="mnist1d-mlp:width=512", modes="ddp,ps-sync,ps-async",
-                   procs=2, budget=40.0, target=0.5)
-    ap.add_argument("--links", default="none,1gbit,200mbit,50mbit")
+def measure_links(doc: str, name: str, links: str, enrich=None, **defaults) -> tuple:
+    """The command line (``defaults``, and ``--links``, comma-separated rates, 'none' for
+    unshaped), then one compare per link: ``(args, links, rows, started)``; ``enrich(link,
+    compare directory, rows)`` may add to each link's rows."""
+    ap = arguments(doc, **defaults)
+    ap.add_argument("--links", default=links)
     args = ap.parse_args()
     links = args.links.split(",")
-    runs = Path(args.runs or f"runs/{NAME}-{time.strftime('%Y%m%d-%H%M%S')}")
+    runs = Path(args.runs or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     started = time.monotonic()
     rows = []
     for link in links:
-        rows += measure(args, link, runs / link, key="link", script=NAME,
-                        link=None if link == "none" else link)
+        measured = measure(args, link, runs / link, key="link", script=name,
+                           link=None if link == "none" else link)
+        rows += enrich(link, runs / link, measured) if enrich else measured
+    return args, links, rows, started
+
+
+def main() -> int:
+    args, links, rows, started = measure_links(
+        __doc__, NAME, "none,1gbit,200mbit,50mbit", task="mnist1d-mlp:width=512",
+        modes="ddp,ps-sync,ps-async", procs=2, budget=40.0, target=0.5)
     lines = [f"# Time to {args.target:.0%} and throughput as the link narrows", "",
              f"{run_by(NAME, started)}: task {args.task}, {args.procs} processes, "
              f"seed {args.seed}, budget {args.budget:g} s per run (start-up included), one "

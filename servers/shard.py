@@ -35,7 +35,7 @@ import torch
 from asyncsgd.errors import ConfigError
 from asyncsgd.wire.compression import expand, segment_values, wire_dtype
 from asyncsgd.wire.protocol import (ACK, BYE, DTYPE_NAMES, ERROR, HEARTBEAT, PARAMS, PULL, PUSH,
-                                    STATS, WIRE_FLOATS, Code, Key, Message, ProtocolError,
+                                    STATS, Code, Key, Message, ProtocolError,
                                     Segment, error_message)
 from asyncsgd.wire.stats import STALENESS_BUCKETS
 
@@ -180,10 +180,10 @@ class ShardState:
         if msg.type == STATS:
             return [(peer, Message(type=STATS, shard=self.cfg.index, seq=msg.seq,
                                    meta=self.stats(now)))]
-        pull_dtype = msg.meta.get(Key.PULL_DTYPE)
-        if pull_dtype is not None and pull_dtype not in WIRE_FLOATS:  # observers' too
-            return self.refuse(peer, Code.BAD_DTYPE, f"pull_dtype {pull_dtype!r} is not one "
-                                                     f"of {', '.join(WIRE_FLOATS)}", msg)
+        try:  # the dtype a pull asks its parameters in, observers' too
+            wire_dtype(msg.meta.get(Key.PULL_DTYPE))
+        except ProtocolError as exc:
+            return self.refuse(peer, exc.code, str(exc), msg)
         if msg.type == PULL and msg.meta.get(Key.OBSERVER) is True:
             # The server's evaluator reads parameters; it is no worker and joins no barrier.
             return [(peer, self._params_reply(None, msg))]

@@ -226,7 +226,7 @@ def encode(msg: Message, local: Optional[tuple] = None) -> list:
             _raw(seg.data.payload if isinstance(seg.data, Packed) else seg.data,
                  cache=not seg.transient)
             for seg in msg.segments]
-    msg.nbytes = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+    msg.nbytes = sum(len(f) for f in frames)  # bytes, or uint8 views
     return frames
 
 
@@ -283,7 +283,7 @@ def decode(frames: Sequence[Any], areas: Optional[Callable] = None) -> Message:
         msg = _message(header, frames, areas)
     except ProtocolError as err:
         raise err.echo(header)
-    msg.nbytes = len(head) + sum(len(_buffer(f)) for f in frames[1:])
+    msg.nbytes = sum(len(f) for f in frames)  # zmq.Frame and bytes alike
     return msg
 
 
