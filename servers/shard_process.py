@@ -70,7 +70,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
     """Process target: serve shard ``rank`` until ``stop[0]`` is set."""
     torch.set_num_threads(settings.threads)
     keep_freed_memory()
-    state = ShardState(settings.config, initial, store=ZeroCopyStore)
+    state = ShardState(settings.config, initial, store=ZeroCopyStore, settle_later=True)
     path = checkpoint_path(settings.checkpoint_dir, rank) if settings.checkpoint_dir else None
     saved: dict = {}
     if settings.resume and path is not None and path.exists():
@@ -218,6 +218,7 @@ def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
             reply.meta.update(transport=gate.stats(), pid=os.getpid(), **areas.stats(),
                               reply_copies=state.store.inflight.copies)
         _reply(sock, state, to, reply, areas)
+    state.settle()  # the push's bookkeeping, while its worker reads the reply
 
 
 def _attach(state: ShardState, areas: Areas, peer: bytes, msg: Message) -> Message:

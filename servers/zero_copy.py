@@ -52,7 +52,7 @@ class InFlight:
             self.sends = [(t, tr) for t, tr in self.sends if not tr.done]
 
     def _busy(self, tensor: torch.Tensor) -> bool:
-        return any(t is tensor for t, _ in self.sends)
+        return bool(self.sends) and any(t is tensor for t, _ in self.sends)
 
     def zero_copy(self, tensor: torch.Tensor) -> bool:
         """Whether a reply viewing ``tensor`` may be sent without copying."""

@@ -147,3 +147,28 @@ def test_a_deferred_update_goes_part_by_part_and_equals_the_immediate_one():
     assert torch.equal(later.params, now.params) and later.rule.steps == now.rule.steps == 2
     for key, value in now.rule.state.items():
         assert torch.equal(later.rule.state[key], value)
+
+
+def test_a_push_accounted_after_its_reply_is_still_applied_exactly_once():
+    """With ``settle_later`` (the shard process's way: the reply goes out first), the push
+    is accounted before the shard looks at anything else: a re-send right after it is a
+    duplicate, and stats and checkpoints count it."""
+    cfg = ShardConfig(index=0, start=0, end=SIZE, lr=1.0, heartbeat_timeout=5.0)
+    state = ShardState(cfg, torch.zeros(SIZE), store=ZeroCopyStore, settle_later=True)
+    push = Message(type=PUSH, worker="w", incarnation=1, seq=7, clock=0, shard=0,
+                   meta={"loss": 2.0, "samples": 8, "pull": True},
+                   segments=split(torch.ones(SIZE)))
+    (_, reply), = state.handle(b"a", push, 0.0)
+    assert reply.type == PARAMS and reply.meta["ack"]["applied"] and state.version == 1
+    assert state.counters["pushes"] == 0, "not yet accounted: the caller settles after sending"
+    again = Message(type=PUSH, worker="w", incarnation=1, seq=7, clock=0, shard=0,
+                    meta={"pull": True}, segments=split(torch.ones(SIZE)))
+    (_, dup), = state.handle(b"a", again, 0.0)
+    assert dup.meta["ack"]["duplicate"] and state.version == 1
+    assert torch.equal(state.params, -torch.ones(SIZE)), "the re-sent push applied once"
+    stats = state.stats(0.0)
+    assert stats["pushes"] == 1 and stats["staleness"][0] == 1 and stats["duplicates"] == 1
+    assert state.train["w"] == [2.0, 1, 8]
+    state.handle(b"a", Message(type=PUSH, worker="w", incarnation=1, seq=8, clock=1, shard=0,
+                               meta={"pull": True}, segments=split(torch.ones(SIZE))), 0.0)
+    assert state.state_dict()["dedupe"]["w"][3] == [7, 8], "a checkpoint holds the last push"

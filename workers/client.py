@@ -536,36 +536,44 @@ class PSClient:
 
     def _handle(self, i: int, reply: Message, outstanding: dict, params: torch.Tensor) -> None:
         key = (i, reply.seq)
-        if reply.type == HEARTBEAT or key not in outstanding:
+        entry, kind, meta = outstanding.get(key), reply.type, reply.meta
+        if entry is None or kind == HEARTBEAT:
             return  # a heartbeat, or a late answer to something already settled
-        request, owed = outstanding[key]
-        if reply.type == ERROR and reply.meta.get(Key.CODE) == Code.UNKNOWN_WORKER:
+        request, owed = entry
+        if kind == ERROR:
+            self._refused(i, reply, request)
+            return
+        if kind == BYE and meta.get(Key.STOPPING):
+            self._farewell(but=i)
+            raise ServerFinished()
+        ack = meta if kind == ACK else meta.get(Key.ACK)
+        if ack is not None:
+            owed.discard(ACK)
+            if ack.get(Key.DUPLICATE):
+                self.stats["duplicate_acks"] += 1
+        if kind == PARAMS:
+            if self._intake.take(key, reply, params, self.ranges[i][0]):
+                owed.discard(PARAMS)
+            self.versions[i] = meta.get(Key.VERSION, reply.clock)
+        if not owed:
+            del outstanding[key]
+
+    def _refused(self, i: int, reply: Message, request: Message) -> None:
+        """Shard ``i`` answered ``request`` with an error: re-admission, frames instead of a
+        lost area, or a refusal."""
+        code = reply.meta.get(Key.CODE)
+        if code == Code.UNKNOWN_WORKER:
             # A server started again has a new session key: hello again; its welcome
             # (a new instance) moves this client over and re-sends what is outstanding.
             if not self._readmitting:
                 self._readmitting = True
                 self._hello_again()
             return
-        if reply.type == ERROR and reply.meta.get(Key.CODE) in (Code.UNKNOWN_LINK, Code.NO_LINKS):
+        if code in (Code.UNKNOWN_LINK, Code.NO_LINKS):
             self._drop_area(i, reply.meta.get(Key.ERROR, ""))
             self._send(i, request)  # as frames now; never applied, so not a duplicate
             return
-        if reply.type == ERROR:
-            raise ServerRefused(f"shard {i} refused {request.type}: {reply.meta.get(Key.ERROR)}")
-        if reply.type == BYE and reply.meta.get(Key.STOPPING):
-            self._farewell(but=i)
-            raise ServerFinished()
-        ack = reply.meta if reply.type == ACK else reply.meta.get(Key.ACK)
-        if ack is not None:
-            owed.discard(ACK)
-            if ack.get(Key.DUPLICATE):
-                self.stats["duplicate_acks"] += 1
-        if reply.type == PARAMS:
-            if self._intake.take(key, reply, params, self.ranges[i][0]):
-                owed.discard(PARAMS)
-            self.versions[i] = reply.meta.get(Key.VERSION, reply.clock)
-        if not owed:
-            del outstanding[key]
+        raise ServerRefused(f"shard {i} refused {request.type}: {reply.meta.get(Key.ERROR)}")
 
     def bye(self, interrupted: bool = False) -> None:
         """Tell the shards and the front this worker is leaving (best effort, bounded), so

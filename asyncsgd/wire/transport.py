@@ -17,7 +17,6 @@ turns on CURVE authentication and encryption.
 
 from __future__ import annotations
 
-import functools
 import logging
 import socket
 from typing import Any, Callable, Optional, Sequence
@@ -117,8 +116,15 @@ def send(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None, copy: boo
     ``local``: ``(link, slot)``: the tensors go into that same-host area slot instead.
     """
     frames = encode(msg, local)
-    zero_copy = not copy and any(len(f) >= COPY_BELOW for f in frames[1:])
-    return _send_parts(sock, ([peer] if peer is not None else []) + frames, copy=not zero_copy)
+    zero_copy = False
+    if not copy:
+        for frame in frames:  # (a header this large goes uncopied too: bytes never change)
+            if len(frame) >= COPY_BELOW:
+                zero_copy = True
+                break
+    if peer is not None:
+        frames.insert(0, peer)
+    return _send_parts(sock, frames, copy=not zero_copy)
 
 
 def send_tracked(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None
@@ -159,14 +165,9 @@ def recv_from(sock: zmq.Socket, areas: Optional[Callable] = None) -> tuple:
     frames = _recv_frames(sock)
     peer = frames[0].bytes
     try:
-        resolve = None if areas is None else functools.partial(_for_peer, areas, peer)
-        return peer, decode(frames[1:], resolve)
+        return peer, decode(frames[1:], areas, peer)
     except ProtocolError as exc:
         return peer, exc
-
-
-def _for_peer(areas: Callable, peer: bytes, link: int, worker: str, incarnation: int):
-    return areas(link, worker, incarnation, peer)
 
 
 def is_local(host: str) -> bool:
