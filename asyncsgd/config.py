@@ -325,7 +325,9 @@ class ServerConfig(RunConfig):
     bind: str = knob(
         "tcp://0.0.0.0:5555", "Address workers connect to. Shards listen on free ports of "
         "the same host and are announced in the handshake.", metavar="tcp://HOST:PORT")
-    shards: int = knob(1, "Shard processes; the parameters are split evenly by bytes.",
+    shards: int = knob(1, "Shard processes; the parameters are split evenly by bytes. Each "
+                       "adds a request per step: more than one pays only from ~5 MB a shard "
+                       "(experiments/ps_throughput.py).",
                        type=click.IntRange(min=1))
     optimizer: str = knob(
         "sgd", "Update rule each shard applies to its slice. For workers' --local-steps "

@@ -42,6 +42,7 @@ from .supervisor import ShardSupervisor
 log = logging.getLogger(__name__)
 
 POLL_MS = 100
+SHARD_PAYS_BYTES = 5 * 10 ** 6  # float32 bytes a shard needs before splitting pays (1 trainer)
 SHARD_STOP_GRACE = 15.0  # a shard drains (1.5 to 8 s), then saves its checkpoint: slow under load
 
 
@@ -76,6 +77,12 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
     layout = Layout.of(model)
     data = data_signature(task, cfg.task, cfg.seed)  # what a worker's data must match
     ranges = layout.shard_ranges(cfg.shards)
+    if cfg.shards > 1 and 4 * layout.total < SHARD_PAYS_BYTES * cfg.shards:
+        log.warning("--shards %d for a model of %.2g MB: every shard adds a request per step, "
+                    "and below ~%d MB a shard the extra shards cost more than they saved here "
+                    "(2 shards: 0.74x the round trips of 1 at 20 KB, 0.78x at 1 MB, 1.12x at "
+                    "10 MB; experiments/ps_throughput.py); --shards 1 is faster",
+                    cfg.shards, 4 * layout.total / 1e6, SHARD_PAYS_BYTES // 10 ** 6)
     lr = cfg.lr or task.lr
     torch.set_num_threads(max(1, cfg.threads or 1))
     warning = exposed_warning(host, keys)

@@ -30,6 +30,8 @@ def test_exact_oracle_two_shards_three_workers(server, cli_env, consistency):
         assert code == 0, err
     code, out, err = srv.wait()
     assert code == 0, err
+    assert "--shards 2 for a model of 0.004 MB" in err and "--shards 1 is faster" in err, \
+        "a second shard for a tiny model is named as the slower choice"
     summary = read_json(srv.out / "summary.json")
     assert summary["stopped_by"] == "workers_done"
     # Every row was trained on exactly `epochs` times, by exactly one worker.
