@@ -199,11 +199,15 @@ class ShardState:
             return [(peer, self._params_reply(None, msg))]
         if not msg.worker:
             return [(peer, error_message(Code.UNKNOWN_WORKER, "requests need a worker id", msg))]
-        refusal = self._admit(msg)
-        if refusal:
-            self.counters["refused_workers"] += 1
-            return self.refuse(peer, *refusal, msg)
-        record = self._touch(peer, msg, now)
+        record = self.workers.get(msg.worker)
+        if record is not None and record.incarnation == msg.incarnation and record.alive:
+            record.peer, record.last_seen = peer, now  # the common case: a known live worker
+        else:
+            refusal = self._admit(msg)
+            if refusal:
+                self.counters["refused_workers"] += 1
+                return self.refuse(peer, *refusal, msg)
+            record = self._touch(peer, msg, now)
         if msg.type in (PUSH, PULL) and not record.reported_clock:
             record.reported_clock = True
             self._count_lost(record, msg.clock)
