@@ -80,7 +80,7 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
     if cfg.shards > 1 and 4 * layout.total < SHARD_PAYS_BYTES * cfg.shards:
         log.warning("--shards %d for a model of %.2g MB: every shard adds a request per step, "
                     "and below ~%d MB a shard the extra shards cost more than they saved here "
-                    "(2 shards: 0.74x the round trips of 1 at 20 KB, 0.78x at 1 MB, 1.12x at "
+                    "(2 shards: 0.59x the round trips of 1 at 20 KB, 0.87x at 1 MB, 1.06x at "
                     "10 MB; experiments/ps_throughput.py); --shards 1 is faster",
                     cfg.shards, 4 * layout.total / 1e6, SHARD_PAYS_BYTES // 10 ** 6)
     lr = cfg.lr or task.lr
