@@ -218,7 +218,10 @@ def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
             reply.meta.update(transport=gate.stats(), pid=os.getpid(), **areas.stats(),
                               reply_copies=state.store.inflight.copies)
         _reply(sock, state, to, reply, areas)
-    state.settle()  # the push's bookkeeping, while its worker reads the reply
+    try:
+        state.settle()  # the push's bookkeeping, while its worker reads the reply
+    except Exception:  # as in handle: a bug must not take the shard down
+        log.exception("shard %d: unexpected error accounting a push", state.cfg.index)
 
 
 def _attach(state: ShardState, areas: Areas, peer: bytes, msg: Message) -> Message:

@@ -327,11 +327,12 @@ def _message(header: dict, frames: Sequence[Any], areas: Optional[Callable],
         slot = _slot(link, areas, msg, peer)
         msg.segments.extend(_shared_segment(desc, slot) for desc in descriptors)
         return msg
-    segments = [_segment(desc, _buffer(frame)) for desc, frame in zip(descriptors, frames[1:])]
-    if kind != PUSH:
-        for seg in segments:
-            if type(seg.data) is Packed:
-                raise ProtocolError(Code.BAD_DTYPE, "packed segments travel in pushes only")
+    segments = []
+    for desc, frame in zip(descriptors, frames[1:]):
+        seg = _segment(desc, _buffer(frame))
+        if kind != PUSH and type(seg.data) is Packed:
+            raise ProtocolError(Code.BAD_DTYPE, "packed segments travel in pushes only")
+        segments.append(seg)
     return Message(kind, worker, incarnation, seq, clock, shard, meta, segments, token)
 
 
