@@ -96,9 +96,7 @@ class ZeroCopyStore(ParamStore):
         self._pending: Optional[tuple] = None  # (segments last-first, lr) of a deferred update
 
     def update(self, segments: list, lr_scale: float = 1.0, deferrable: bool = False) -> None:
-        # nothing pending, no send reading the buffer (every reply at 20 KB): write in place
-        buffer = self.buffer if self._pending is None and not self.inflight.sends \
-            else self._writable()
+        buffer = self._writable()
         # Deferred, each part is applied just before its part of the reply goes out; a
         # push of one part is answered in one part: deferring it gains nothing (~1 us)
         if deferrable and len(segments) > 1:
@@ -118,6 +116,8 @@ class ZeroCopyStore(ParamStore):
             self._pending = None
 
     def _writable(self) -> torch.Tensor:
+        if self._pending is None and not self.inflight.sends:
+            return self.buffer  # nothing pending, no send reading it (every reply at 20 KB)
         self.apply_pending()
         self.buffer = self.inflight.writable(self.buffer)
         return self.buffer

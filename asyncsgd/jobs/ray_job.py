@@ -56,8 +56,8 @@ from ..run.process_group import available_cores
 from ..run.recorder import RunResult
 from ..run.rundir import RunDir
 from ..run.settings import saved_settings
-from ..servers.supervisor import SHARD_READY_SECONDS
 from ..run.signals import sigterm_as_interrupt
+from ..servers.supervisor import SHARD_READY_SECONDS
 from ..wire.transport import parse_endpoint
 from .ray_config import RayJobConfig
 from .roles import server_settings, worker_settings
