@@ -126,6 +126,40 @@ def stop_tree(proc, act, timeout=60, orphan_wait=10):
     return stdout, stderr, took, children
 
 
+def shm_entries() -> set:
+    """Names in /dev/shm now (POSIX shared memory and named semaphores, ``sem.*``)."""
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return set()
+
+
+def _mapped_shm() -> set:
+    """/dev/shm entries some live process maps: in use, not leaked."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            names.update(line.split("/dev/shm/", 1)[1].split()[0]
+                         for line in maps.read_text().splitlines() if "/dev/shm/" in line)
+        except OSError:  # the process ended, or is not ours to read
+            pass
+    return names
+
+
+def assert_no_shm_leak(before: set) -> None:
+    """Nothing new in /dev/shm (since ``shm_entries()`` gave ``before``) that no process
+    maps. Other test runs on this machine create entries of their own meanwhile; those
+    are mapped by their live processes."""
+    def leaked():
+        new = shm_entries() - before
+        return new - _mapped_shm() if new else set()
+
+    deadline = time.monotonic() + 10
+    while leaked() and time.monotonic() < deadline:
+        time.sleep(0.2)  # the resource tracker unlinks what a dead process held
+    assert leaked() == set()
+
+
 def one_line_error(res, *fragments):
     """A command that failed with exactly one ``error: ...`` line holding every fragment."""
     assert res.returncode != 0

@@ -1,23 +1,15 @@
 """Failures with real processes: a raising worker, Ctrl-C, SIGTERM; no orphans, no leaks."""
 
-import os
 import signal
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
 from asyncsgd.core.tasks import partition_indices
-from conftest import asyncsgd_cmd, read_json, signal_group, signal_parent, start_training, stop_tree
+from conftest import (asyncsgd_cmd, assert_no_shm_leak, read_json, shm_entries, signal_group,
+                      signal_parent, start_training, stop_tree)
 from faults import record_figure
-
-
-def _shm_entries():
-    try:
-        return set(os.listdir("/dev/shm"))
-    except FileNotFoundError:
-        return set()
 
 
 def test_raising_worker_surfaces_its_traceback(tmp_path, run_cli):
@@ -42,7 +34,7 @@ def _start_training(out, cli_env, *extra):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_every_child_without_leaks(tmp_path, cli_env, sig):
-    shm_before = _shm_entries()
+    shm_before = shm_entries()
     out = tmp_path / "run"
     proc = _start_training(out, cli_env, "--eval-every", 0.5)
     act = signal_group(sig) if sig == signal.SIGINT else signal_parent(sig)
@@ -51,7 +43,7 @@ def test_signal_stops_every_child_without_leaks(tmp_path, cli_env, sig):
     assert proc.returncode == 130, stderr
     assert took < 15
     assert "Traceback" not in stderr
-    _assert_no_shm_leak(shm_before)
+    assert_no_shm_leak(shm_before)
     summary = read_json(out / "summary.json")
     assert summary["status"] == "interrupted" and summary["samples"] > 0
     assert (out / "checkpoint.pt").is_file()  # nothing lost: resumable
@@ -59,7 +51,7 @@ def test_signal_stops_every_child_without_leaks(tmp_path, cli_env, sig):
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 def test_parent_sigkill_leaves_no_orphans_or_shm(tmp_path, cli_env, start_method):
-    shm_before = _shm_entries()
+    shm_before = shm_entries()
     proc = _start_training(tmp_path / "run", cli_env, "--start-method", start_method)
     try:
         descendants = psutil.Process(proc.pid).children(recursive=True)
@@ -72,32 +64,7 @@ def test_parent_sigkill_leaves_no_orphans_or_shm(tmp_path, cli_env, start_method
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    _assert_no_shm_leak(shm_before)
-
-
-def _mapped_shm() -> set:
-    """/dev/shm entries some live process maps: in use, not leaked."""
-    names = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            names.update(line.split("/dev/shm/", 1)[1].split()[0]
-                         for line in maps.read_text().splitlines() if "/dev/shm/" in line)
-        except OSError:  # the process ended, or is not ours to read
-            pass
-    return names
-
-
-def _assert_no_shm_leak(shm_before: set) -> None:
-    """Nothing new in /dev/shm that no process maps. Other test runs on this machine
-    create entries of their own meanwhile; those are mapped by their live processes."""
-    def leaked():
-        new = _shm_entries() - shm_before
-        return new - _mapped_shm() if new else set()
-
-    deadline = time.monotonic() + 10
-    while leaked() and time.monotonic() < deadline:
-        time.sleep(0.2)  # the resource tracker unlinks what a dead process held
-    assert leaked() == set()
+    assert_no_shm_leak(shm_before)
 
 
 @pytest.mark.parametrize("victim,reported", [
@@ -106,7 +73,7 @@ def _assert_no_shm_leak(shm_before: set) -> None:
 def test_child_killed_by_sigkill_is_reported_clearly(tmp_path, cli_env, victim, reported):
     """The default start method forks workers from a fork server: a killed worker is
     reported as killed, and a killed fork server (which takes its workers along) as such."""
-    shm_before = _shm_entries()
+    shm_before = shm_entries()
     out = tmp_path / "run"
     proc = _start_training(out, cli_env, "--start-method", "forkserver")
 
@@ -123,7 +90,7 @@ def test_child_killed_by_sigkill_is_reported_clearly(tmp_path, cli_env, victim, 
     _, stderr, stopped_in, _ = stop_tree(proc, kill)
     assert proc.returncode == 1, stderr
     assert reported in stderr and "Traceback" not in stderr, stderr
-    _assert_no_shm_leak(shm_before)
+    assert_no_shm_leak(shm_before)
     assert read_json(out / "summary.json")["status"] == "failed"
     record_figure(f"Hogwild {victim} SIGKILL", reported=reported,
                   run_stopped_s=round(stopped_in, 1), orphans=0, shm_leaks=0)

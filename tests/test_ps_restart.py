@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from asyncsgd.run.checkpoint import load_checkpoint
-from conftest import (CurveServer, Server, finish, read_json, shard_stats, signal_group, stop_tree,
-                      wait_for, worker)
+from conftest import (CurveServer, Server, assert_no_shm_leak, finish, read_json, shard_stats,
+                      shm_entries, signal_group, stop_tree, wait_for, worker)
 from faults import record_figure
 
 TASK = "tasks_for_tests:dense_pair"
@@ -63,6 +63,7 @@ def test_workers_rejoin_a_server_killed_whole_and_resumed(cli_env, run_cli, tmp_
         return ["--curve-server-key", keys / "server.key", "--curve-secret",
                 keys / "clients" / f"worker-{rank}.key_secret"] if curve else []
 
+    shm_before = shm_entries()
     first = start("--task", TASK, "--samples", ROWS, "--shards", 2, "--workers", 2,
                   "--checkpoint-every", 0.5, own_group=True)
     resumed, blockers, procs = None, [], []
@@ -81,6 +82,8 @@ def test_workers_rejoin_a_server_killed_whole_and_resumed(cli_env, run_cli, tmp_
                  (out / "checkpoint.pt").exists() and both_trained(),
                  120, "checkpoints and 100 pushes of each worker")
         stop_tree(first.proc, signal_group(signal.SIGKILL))  # asserts no shard outlives it
+        # Its resource tracker died with it: nothing of it may be left in /dev/shm for one.
+        assert_no_shm_leak(shm_before)
         killed = [load_checkpoint(shutil.copy(out / f"shard-{i}.pt", tmp_path / f"killed-{i}.pt"))
                   ["shard"]["version"] for i in range(2)]
         assert all(p.poll() is None for p in procs)  # still waiting for their server

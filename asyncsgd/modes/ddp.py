@@ -49,7 +49,8 @@ from ..config import DDPConfig
 from ..core.pacing import Pacing
 from ..core.tasks import Task, task_of
 from ..errors import AsyncSGDError, ConfigError, WorkerError
-from ..run.process_group import WorkerGroup, available_cores, context, threads_per_process
+from ..run.child_reports import ChildReports, send_report
+from ..run.process_group import WorkerGroup, available_cores, threads_per_process
 from ..run.recorder import Outcome, Recorder, RunResult, check_target
 from ..run.rundir import RunDir
 from ..run.sendable import check_sendable
@@ -181,13 +182,13 @@ def train(cfg: DDPConfig, task: Optional[Task] = None,
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=cfg.dist_timeout))
     control = torch.zeros(1, dtype=torch.int64).share_memory_()
-    user_errors = context(cfg.start_method, preload=[__name__]).SimpleQueue()
+    user_errors = ChildReports(procs)  # pipes, not a queue: see run.child_reports
     started_at = time.monotonic()
     places = [Placement(rank, procs, rank, backend, threads, store.port)
               for rank in range(procs)]
     group = WorkerGroup(_spawned_rank, procs, name="rank", start_method=cfg.start_method,
                         args=[(cfg, task, places[r], str(run.path), started_at, control,
-                               user_errors, argv) for r in range(procs)])
+                               user_errors.writer(r), argv) for r in range(procs)])
     _announce(cfg, procs, threads, backend, why)
     try:
         return _supervise(group, control, user_errors, run)
@@ -275,7 +276,7 @@ def _spawned_rank(rank: int, cfg: DDPConfig, task: Task, place: Placement, run_p
             raise exc.__cause__ from None
         raise
     except AsyncSGDError as exc:  # e.g. --resume of a run that does not fit
-        user_errors.put((type(exc).__name__, str(exc)))
+        send_report(user_errors, (type(exc).__name__, str(exc)))
         raise
 
 
@@ -288,12 +289,14 @@ def _wait_for_rank_0(group: WorkerGroup) -> None:
         group.wait(POLL_SECONDS)
 
 
-def _supervise(group: WorkerGroup, control: torch.Tensor, user_errors, run: RunDir) -> RunResult:
+def _supervise(group: WorkerGroup, control: torch.Tensor, user_errors: ChildReports,
+               run: RunDir) -> RunResult:
     """Wait for the ranks; on Ctrl-C/SIGTERM or a failure have rank 0 stop them and save."""
     outcome = Outcome("epochs")
     try:
         with outcome.watch():
             group.start()
+            user_errors.handed_over()
             while not group.wait(POLL_SECONDS):
                 group.check()
             group.check()
@@ -306,8 +309,10 @@ def _supervise(group: WorkerGroup, control: torch.Tensor, user_errors, run: RunD
             group.check()
         except WorkerError as exc:  # failed while the others were stopping
             outcome.failed(exc)
-    if not user_errors.empty():
-        name, message = user_errors.get()
+    user_errors.drain()
+    first = user_errors.first(range(len(group.processes)))
+    if first is not None:
+        name, message = user_errors.get(first)
         raise getattr(errors, name, AsyncSGDError)(message)
     summary = run.read_summary() if (run.path / "summary.json").exists() else None
     if outcome.error is not None:

@@ -9,7 +9,8 @@ the parent's threads and CUDA state). Each child
   watcher thread), so a parent killed with SIGKILL leaves no orphans;
 - logs at the parent's level and in its format, so ``-v`` shows children's
   lines too;
-- sends its traceback to the parent before exiting non-zero when it raises.
+- sends its traceback to the parent (through a pipe of its own, ``child_reports``)
+  before exiting non-zero when it raises.
 
 ``threads_per_process`` says how many torch threads each of N processes on
 this host may run: without that limit they thrash.
@@ -37,6 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch.multiprocessing as mp
 
 from ..errors import WorkerError
+from .child_reports import ChildReports, send_report
 from .lifetime import command_started_at, exit_now, pid_alive, start_command_clock
 
 log = logging.getLogger(__name__)
@@ -151,7 +153,7 @@ def configure_logging(settings: Optional[tuple]) -> None:
                             force=True)
 
 
-def _child_main(target: Callable, rank: int, errors: Any, parent_pid: int,
+def _child_main(target: Callable, rank: int, report: Any, parent_pid: int,
                 logging_of_parent: Optional[tuple], command_started: Optional[float],
                 args: tuple, ignore_sigterm: bool = False) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops its children itself
@@ -168,7 +170,7 @@ def _child_main(target: Callable, rank: int, errors: Any, parent_pid: int,
         text = traceback.format_exc()
         if len(text) > _MAX_TRACEBACK:
             text = "...\n" + text[-_MAX_TRACEBACK:]
-        errors.put((rank, text))
+        send_report(report, text)
         exit_now(1)
     exit_now(0)  # its work is saved; the parent waits for this exit (run.lifetime)
 
@@ -234,10 +236,9 @@ class WorkerGroup:
         self.start_method = start_method
         self.target, self.parent_pid = target, os.getpid()
         self.name = name
-        self._errors = self.ctx.SimpleQueue()
+        self._reports = ChildReports(procs)  # each child's traceback, should it raise
         self._stopped = False
         self._signalled: set = set()  # pids this group's stop() signalled: not failures
-        self._tracebacks: dict = {}
         self._logging = log_settings()
         self.ignore_sigterm = ignore_sigterm
         self.processes = [self._process(rank, args[rank]) for rank in range(procs)]
@@ -245,36 +246,36 @@ class WorkerGroup:
     def _process(self, rank: int, args: tuple):
         return self.ctx.Process(target=_child_main, name=f"asyncsgd-{self.name}-{rank}",
                                 daemon=True,
-                                args=(self.target, rank, self._errors, self.parent_pid,
+                                args=(self.target, rank, self._reports.writer(rank),
+                                      self.parent_pid,
                                       self._logging, command_started_at(), args,
                                       self.ignore_sigterm))
 
     def start(self) -> None:
         with _sigint_blocked():
-            for p in self.processes:
+            for rank, p in enumerate(self.processes):
                 p.start()
+                self._reports.handed_over(rank)
 
     def _drain_errors(self) -> None:
-        if self._stopped:  # stop() drained the queue one last time and closed it
-            return
-        while not self._errors.empty():
-            rank, text = self._errors.get()
-            self._tracebacks.setdefault(rank, text)
+        if not self._stopped:  # stop() drained the pipes one last time and closed them
+            self._reports.drain()
 
     def check(self) -> None:
         """Raise ``WorkerError`` for the first worker that failed.
 
-        First in time, not lowest rank: tracebacks arrive in the order the children
-        raised, so when one failure causes others (a DDP rank whose peer died), the
+        First in time, not lowest rank: each traceback says when it was sent, so when
+        one failure causes others (a DDP rank whose peer died), the
         cause is reported, not its consequences.
         """
         failed = {r: p for r, p in enumerate(self.processes) if self._failed(p)}
         if not failed:
             return
         self._drain_errors()
-        rank = next((r for r in self._tracebacks if r in failed), min(failed))
+        first = self._reports.first(failed)
+        rank = min(failed) if first is None else first
         proc = failed[rank]
-        text = self._tracebacks.get(rank)
+        text = self._reports.get(rank)
         if text:
             raise WorkerError(rank, f"{self.name} {rank} raised an exception; its traceback:\n"
                                     f"{text.rstrip()}")
@@ -299,12 +300,13 @@ class WorkerGroup:
         """Start ``rank`` afresh with ``args`` after it failed; returns how it had ended."""
         old = self.processes[rank]
         self._drain_errors()
-        text = self._tracebacks.pop(rank, None)
+        text = self._reports.pop(rank)
         how = describe_exit(old.exitcode) + (f"; its traceback:\n{text.rstrip()}" if text else "")
         old.join(0)
         self.processes[rank] = self._process(rank, args)
         with _sigint_blocked():
             self.processes[rank].start()
+        self._reports.handed_over(rank)
         return how
 
     def alive(self) -> int:
@@ -349,7 +351,7 @@ class WorkerGroup:
         for p in self._started():
             if p.exitcode is not None:
                 p.join(0)
-        self._errors.close()
+        self._reports.close()
         self._stopped = True
 
     def wait_all(self, timeout: float) -> bool:
