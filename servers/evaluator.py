@@ -54,7 +54,8 @@ class ShardReader:
         versions = {}
         for i, shard in enumerate(self.shards):
             msg = self._reply(i, PARAMS, timeout)
-            while not self.intake.take((i, self.seq), msg, self.flat, shard[Key.START]):
+            while not self.intake.take((i, self.seq), msg, self.flat, shard[Key.START],
+                                       shard[Key.END] - shard[Key.START]):
                 msg = self._reply(i, PARAMS, timeout)  # a large reply comes as several parts
             versions[i] = msg.meta.get(Key.VERSION, 0)
         return versions

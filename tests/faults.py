@@ -141,11 +141,14 @@ class FaultProxy:
     through a DEALER of its own (the server sees one peer per worker), rewrites
     the shard ports in the handshake to ports it listens on itself, and drops
     a share ``drop`` of pushes and of their acknowledgements and sends a share
-    ``dup`` of each twice. Everything else passes untouched.
+    ``dup`` of each twice. ``tamper(message)``, when given, may rewrite each
+    shard's reply (decoded) before it is passed on, as a hostile server would send
+    it. Everything else passes untouched.
     """
 
-    def __init__(self, server_port: int, drop: float, dup: float, seed: int = 0):
-        self.drop, self.dup, self.rng = drop, dup, random.Random(seed)
+    def __init__(self, server_port: int, drop: float, dup: float, seed: int = 0,
+                 tamper=None):
+        self.drop, self.dup, self.rng, self.tamper = drop, dup, random.Random(seed), tamper
         self.counts = {"pushes": 0, "pushes_dropped": 0, "pushes_duplicated": 0,
                        "acks": 0, "acks_dropped": 0, "acks_duplicated": 0}
         self.ctx = zmq.Context()
@@ -220,6 +223,10 @@ class FaultProxy:
                 poller.register(shard_listener, zmq.POLLIN)
                 shard["port"] = int(shard_listener.getsockopt_string(zmq.LAST_ENDPOINT)
                                     .rsplit(":", 1)[1])
+            frames = [bytes(f) for f in encode(msg)]
+        elif self.tamper is not None and listener is not self.front:
+            msg = decode([frames[0], *map(bytearray, frames[1:])])  # writable tensors
+            self.tamper(msg)
             frames = [bytes(f) for f in encode(msg)]
         copies = self._fault("acks") if kind in (ACK, PARAMS) and listener is not self.front \
             and _carries_ack(frames) else 1

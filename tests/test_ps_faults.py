@@ -14,7 +14,7 @@ import torch
 import zmq
 
 from asyncsgd.wire.layout import Layout
-from asyncsgd.wire.protocol import STATS, Message, encode
+from asyncsgd.wire.protocol import PARAMS, STATS, Message, encode
 from conftest import finish, worker
 from faults import (FaultProxy, GarbageFlood, observe, oversized_frame, record_figure, tree_fds,
                     tree_rss)
@@ -160,3 +160,43 @@ def test_drops_and_duplicates_lose_and_double_nothing(server, cli_env, transport
                   ack_messages=counts.pop("acks"), **counts, worker_retries=client["retries"],
                   duplicates_suppressed=suppressed, updates_lost=0, updates_doubled=0,
                   seconds=round(seconds, 1))
+
+
+def _ack_not_a_map(msg):
+    if "ack" in msg.meta:
+        msg.meta["ack"] = 5
+
+
+def _version_not_an_int(msg):
+    if msg.type == PARAMS:
+        msg.meta["version"] = "latest"
+
+
+def _segment_past_the_slice(msg):
+    if msg.type == PARAMS:
+        msg.segments[0].offset += 1
+
+
+@pytest.mark.parametrize("tamper,named", [
+    (_ack_not_a_map, "shard 0 acknowledged with a int, not a map"),
+    (_version_not_an_int, "shard 0 sent version 'latest', not a non-negative integer"),
+    (_segment_past_the_slice, f"at 1 does not fit the {ROWS} values of the slice")])
+def test_a_worker_refuses_a_malformed_reply_with_a_clear_error(server, cli_env, tamper, named):
+    """A server (or whatever stands in its place) that answers with a reply the protocol
+    allows no worker to use: the worker stops with one line naming what was wrong, not a
+    traceback, and copies nothing of a reply whose parameters lie outside its slice."""
+    srv = server(*TASK, "--shards", 1, "--no-exit-when-done")
+    proxy = FaultProxy(srv.port, drop=0, dup=0, tamper=tamper)
+    try:
+        started = time.monotonic()
+        (code, out, err), = finish([worker(cli_env, proxy.address, 0, 1, *TASK, "--epochs", 1,
+                                          "--transport", "tcp")],
+                                   timeout=120)
+        seconds = time.monotonic() - started
+    finally:
+        proxy.close()
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], err
+    assert seconds < 60
+    assert srv.stats()["shard_ports"]  # the server serves on

@@ -548,13 +548,21 @@ class PSClient:
             raise ServerFinished()
         ack = meta if kind == ACK else meta.get(Key.ACK)
         if ack is not None:
+            if type(ack) is not dict:
+                raise ProtocolError(Code.BAD_FIELD, f"shard {i} acknowledged with a "
+                                                    f"{type(ack).__name__}, not a map")
             owed.discard(ACK)
             if ack.get(Key.DUPLICATE):
                 self.stats["duplicate_acks"] += 1
         if kind == PARAMS:
-            if self._intake.take(key, reply, params, self.ranges[i][0]):
+            version = meta.get(Key.VERSION, reply.clock)
+            if type(version) is not int or version < 0:  # sent back as the next clock
+                raise ProtocolError(Code.BAD_FIELD, f"shard {i} sent version {version!r:.40}, "
+                                                    "not a non-negative integer")
+            start, end = self.ranges[i]
+            if self._intake.take(key, reply, params, start, end - start):
                 owed.discard(PARAMS)
-            self.versions[i] = meta.get(Key.VERSION, reply.clock)
+            self.versions[i] = version
         if not owed:
             del outstanding[key]
 

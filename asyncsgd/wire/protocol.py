@@ -451,8 +451,17 @@ def parts_of(msg: Message) -> tuple:
     return part, parts
 
 
-def copy_into(msg: Message, flat: torch.Tensor, start: int = 0) -> None:
-    """Copy ``msg``'s segments into ``flat``, each at ``start`` + its offset."""
+def copy_into(msg: Message, flat: torch.Tensor, start: int = 0,
+              size: Optional[int] = None) -> None:
+    """Copy ``msg``'s segments into ``flat``, each at ``start`` + its offset; a segment
+    outside the ``size`` values from ``start`` (the sender's slice; by default the rest
+    of ``flat``) is a ``ProtocolError`` and nothing of ``msg`` is copied."""
+    limit = flat.shape[0] - start if size is None else size
+    for seg in msg.segments:
+        if seg.offset + seg.data.shape[0] > limit or len(seg.data.shape) != 1:
+            raise ProtocolError(Code.OUT_OF_RANGE, (
+                f"a segment of {list(seg.data.shape)} values at {seg.offset} does not fit "
+                f"the {limit} values of the slice it was sent for"))
     for seg in msg.segments:
         at, n = start + seg.offset, seg.data.shape[0]
         # the whole of ``flat`` (a one-shard model): no slice, ~1 us less
@@ -470,12 +479,14 @@ class ParamsIntake:
     def __init__(self):
         self._left: dict = {}  # key -> parts still to come
 
-    def take(self, key: Any, msg: Message, flat: torch.Tensor, start: int = 0) -> bool:
-        """Copy ``msg`` (a PARAMS reply or one part of it) into ``flat`` at ``start``;
-        True once every part of the reply ``key`` has been copied."""
+    def take(self, key: Any, msg: Message, flat: torch.Tensor, start: int = 0,
+             size: Optional[int] = None) -> bool:
+        """Copy ``msg`` (a PARAMS reply or one part of it) into ``flat`` at ``start``
+        (a slice of ``size`` values: ``copy_into``); True once every part of the reply
+        ``key`` has been copied."""
         meta = msg.meta
         parts = parts_of(msg)[1] if Key.PARTS in meta or Key.PART in meta else 1
-        copy_into(msg, flat, start)
+        copy_into(msg, flat, start, size)
         if parts == 1 and not self._left:  # a whole reply, nothing else unfinished
             return True
         left = self._left.pop(key, parts) - 1
