@@ -36,7 +36,8 @@ from ..core.pacing import Pacer, Pacing, other_seconds, pace_event, pace_note
 from ..core.tasks import Task, epoch_order, partition_indices, task_of
 from ..errors import ConfigError, WorkerError
 from ..run.sendable import check_sendable
-from ..run.process_group import WorkerGroup, available_cores, context, threads_per_process
+from ..run.pipe_semaphore import PipeSemaphore
+from ..run.process_group import WorkerGroup, available_cores, threads_per_process
 from ..run.recorder import Outcome, RunResult, check_target
 from .hogwild_state import (POSITION, RNG_SAVED, HogwildState, pack, set_worker_rngs, unpack,
                             worker_rngs)
@@ -184,9 +185,8 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
     control = torch.zeros(1, dtype=torch.int64).share_memory_()
     counters[:, EPOCHS] = torch.tensor([unpack(int(p))[0] for p in state.positions])
     losses = torch.zeros(procs, SPAN + 1, dtype=torch.float64).share_memory_()
-    ctx = context(cfg.start_method, preload=[__name__])
-    lock = ctx.Lock() if cfg.lock else None
-    ring_sems = _ring_semaphores(ctx, cfg, procs, threads)
+    lock = PipeSemaphore(1) if cfg.lock else None  # not mp's Lock: run.pipe_semaphore
+    ring_sems = _ring_semaphores(cfg, procs, threads)
     group = WorkerGroup(_worker, procs, name="worker", start_method=cfg.start_method, args=[
         (settings, task, model, lock, ring_sems, control, counters, losses,
          state.for_worker(rank)) for rank in range(procs)])
@@ -221,7 +221,7 @@ def _shared_state(cfg: HogwildConfig, task: Task, model: torch.nn.Module,
     return state
 
 
-def _ring_semaphores(ctx, cfg: HogwildConfig, procs: int, threads: int) -> Optional[list]:
+def _ring_semaphores(cfg: HogwildConfig, procs: int, threads: int) -> Optional[list]:
     """One semaphore per worker for the token ring, or None when the ring is off.
 
     ``auto`` turns it on when CPU processes outnumber what the cores can run at once.
@@ -231,7 +231,7 @@ def _ring_semaphores(ctx, cfg: HogwildConfig, procs: int, threads: int) -> Optio
         cfg.share_cores == "auto" and cfg.device == "cpu" and procs * threads > cores)
     if not on or procs < 2:
         return None
-    sems = [ctx.Semaphore(0) for _ in range(procs)]
+    sems = [PipeSemaphore(0) for _ in range(procs)]
     for rank in TokenRing.first_holders(procs, max(1, cores // threads)):
         sems[rank].release()
     return sems
