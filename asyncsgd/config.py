@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import click
 
@@ -70,6 +70,23 @@ class _CheckedText(click.ParamType):
         except ConfigError as exc:
             self.fail(str(exc), param, ctx)
         return str(value)
+
+
+class _ShardCount(click.ParamType):
+    """--shards: ``auto`` or a whole number of at least 1."""
+
+    name = "auto|N"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if value == "auto" or (type(value) is int and value >= 1):
+            return value
+        text = str(value).strip()
+        if text.isdigit() and int(text) >= 1:
+            return int(text)
+        self.fail(f"{value!r} is neither auto nor a whole number of at least 1", param, ctx)
+
+
+_SHARD_COUNT = _ShardCount()
 
 
 def _slowdown() -> Any:
@@ -325,10 +342,12 @@ class ServerConfig(RunConfig):
     bind: str = knob(
         "tcp://0.0.0.0:5555", "Address workers connect to. Shards listen on free ports of "
         "the same host and are announced in the handshake.", metavar="tcp://HOST:PORT")
-    shards: int = knob(1, "Shard processes; the parameters are split evenly by bytes. Each "
-                       "adds a request per step: more than one pays only from ~5 MB a shard "
-                       "(experiments/ps_throughput.py).",
-                       type=click.IntRange(min=1))
+    shards: Union[int, str] = knob(
+        "auto", "Shard processes; the parameters are split evenly by bytes. Each adds a "
+        "request per step and pays only from ~5 MB a shard (experiments/ps_throughput.py). "
+        "auto: one per 5 MB of float32 parameters, at most cores // --workers (1 for every "
+        "model under 10 MB); a resumed run keeps its count.", type=_SHARD_COUNT,
+        metavar="auto|N")
     optimizer: str = knob(
         "sgd", "Update rule each shard applies to its slice. For workers' --local-steps "
         "pseudo-gradients: nesterov (DiLoCo's outer optimizer with --consistency sync: "
@@ -657,8 +676,9 @@ class CompareConfig:
         "RATE each way (tbf): e.g. 100mbit, 1gbit, 500kbit. single and hogwild stay "
         "unshaped on one host. See also 'asyncsgd hosts up'.", metavar="RATE",
         show="none: every process on this host")
-    shards: int = knob(1, "Parameter-server shard processes in the ps-* modes.",
-                       type=click.IntRange(min=1))
+    shards: Union[int, str] = knob(
+        "auto", "Parameter-server shard processes in the ps-* modes (auto: as ps-server "
+        "chooses them).", type=_SHARD_COUNT, metavar="auto|N")
     ddp_backend: str = knob("auto", "torch.distributed backend of the ddp mode.",
                             type=click.Choice(["auto", "nccl", "gloo"]))
     mode_args: tuple = knob(

@@ -1,6 +1,6 @@
 """``asyncsgd ps-server``: a sharded parameter server.
 
-    asyncsgd ps-server --task mnist1d-cnn --shards 2 --bind tcp://0.0.0.0:5555
+    asyncsgd ps-server --task mnist1d-cnn --bind tcp://0.0.0.0:5555    # --shards auto: 1 here
     asyncsgd worker --server tcp://HOST:5555 --task mnist1d-cnn --rank 0 --world 2
 
 The parent process is the *front* (``front.py``): workers connect to
@@ -26,6 +26,7 @@ from asyncsgd.config import ServerConfig
 from asyncsgd.core.signature import data_signature
 from asyncsgd.core.tasks import task_of
 from asyncsgd.errors import ConfigError
+from asyncsgd.run.process_group import available_cores
 from asyncsgd.run.recorder import Outcome, Recorder, RunResult, check_target
 from asyncsgd.wire.layout import Layout
 from asyncsgd.wire.memory import keep_freed_memory
@@ -37,12 +38,12 @@ from .evaluator import Evaluator
 from .front import Front
 from .sessions import Sessions
 from .shard import parse_consistency
+from .sharding import shard_count
 from .supervisor import ShardSupervisor
 
 log = logging.getLogger(__name__)
 
 POLL_MS = 100
-SHARD_PAYS_BYTES = 5 * 10 ** 6  # float32 bytes a shard needs before splitting pays (1 trainer)
 SHARD_STOP_GRACE = 15.0  # a shard drains (1.5 to 8 s), then saves its checkpoint: slow under load
 
 
@@ -76,13 +77,9 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
     recorder = Recorder(cfg, task, model, run, argv=argv)
     layout = Layout.of(model)
     data = data_signature(task, cfg.task, cfg.seed)  # what a worker's data must match
-    ranges = layout.shard_ranges(cfg.shards)
-    if cfg.shards > 1 and 4 * layout.total < SHARD_PAYS_BYTES * cfg.shards:
-        log.warning("--shards %d for a model of %.2g MB: every shard adds a request per step, "
-                    "and below ~%d MB a shard the extra shards cost more than they saved here "
-                    "(2 shards: 0.59x the round trips of 1 at 20 KB, 0.87x at 1 MB, 1.06x at "
-                    "10 MB; experiments/ps_throughput.py); --shards 1 is faster",
-                    cfg.shards, 4 * layout.total / 1e6, SHARD_PAYS_BYTES // 10 ** 6)
+    ranges = layout.shard_ranges(shard_count(cfg.shards, layout.total, cfg.workers,
+                                             available_cores(),
+                                             resumed=run.path if cfg.resume else None))
     lr = cfg.lr or task.lr
     torch.set_num_threads(max(1, cfg.threads or 1))
     warning = exposed_warning(host, keys)
@@ -151,8 +148,8 @@ def _summary(cfg: ServerConfig, lr: float, obs: dict, front: Front, supervisor: 
         "dc_uncompensated": sum(s.get("dc_uncompensated", 0) for s in evaluator.latest)}
     return {**dc, "updates": obs["updates"], "staleness_p50": obs["staleness_p50"],
             "staleness_p99": obs["staleness_p99"], "staleness_hist": obs["staleness_hist"],
-            "shards": cfg.shards, "consistency": cfg.consistency, "optimizer": cfg.optimizer,
-            "lr": lr, "workers_joined": sorted(front.joined),
+            "shards": len(supervisor.settings), "consistency": cfg.consistency,
+            "optimizer": cfg.optimizer, "lr": lr, "workers_joined": sorted(front.joined),
             "refused_handshakes": front.refused,
             "refused_connections": front.stats()["refused_connections"],
             "shard_restarts": supervisor.restarts,

@@ -64,7 +64,7 @@ class ShardSupervisor:
             hyper["momentum"] = cfg.momentum
         if cfg.optimizer == "delayed-nesterov":
             hyper["period"] = cfg.nesterov_period or cfg.workers
-        threads = max(1, cfg.threads or available_cores() // (cfg.shards + 1))
+        threads = max(1, cfg.threads or available_cores() // (len(ranges) + 1))
         settings = [ShardProcessSettings(
             config=ShardConfig(
                 index=i, start=start, end=end, rule=cfg.optimizer, lr=lr, hyper=hyper,

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from asyncsgd.run.checkpoint import load_checkpoint
+from asyncsgd.run.process_group import available_cores
+from asyncsgd.servers.sharding import auto_shards, saved_shards, shard_count
 from asyncsgd.wire.layout import Layout
 from asyncsgd.wire.protocol import (ERROR, HELLO, PUSH, STATS, VERSION, WELCOME, Message, Segment,
                                     encode)
@@ -30,7 +32,7 @@ def test_exact_oracle_two_shards_three_workers(server, cli_env, consistency):
         assert code == 0, err
     code, out, err = srv.wait()
     assert code == 0, err
-    assert "--shards 2 for a model of 0.004 MB" in err and "--shards 1 is faster" in err, \
+    assert "--shards 2 for a model of 0.004 MB" in err and "--shards auto chooses 1" in err, \
         "a second shard for a tiny model is named as the slower choice"
     summary = read_json(srv.out / "summary.json")
     assert summary["stopped_by"] == "workers_done"
@@ -213,6 +215,43 @@ def test_resume_continues_from_the_shard_checkpoints(server, cli_env, tmp_path):
     at = next(i for i, e in enumerate(events) if e["event"] == "resume")
     first_eval = next(e for e in events[at:] if e["event"] == "eval")
     assert first_eval["accuracy"] == before["final_metric"]  # same parameters, same evaluation
+
+
+@pytest.mark.parametrize("params,workers,cores,expected", [
+    (5_000, 1, 2, 1),  # mnist1d-cnn: 20 KB
+    (250_000, 1, 16, 1),  # 1 MB
+    (2_499_999, 1, 2, 1), (2_500_000, 1, 2, 2),  # 10 MB: the second shard's 5 MB
+    (2_500_000, 2, 2, 1), (2_500_000, 4, 2, 1),  # the workers keep both cores busy
+    (10 * 2 ** 20, 1, 2, 2), (10 * 2 ** 20, 1, 16, 8), (10 * 2 ** 20, 4, 16, 4),  # 40 MiB
+    (10 * 2 ** 20, 1, 1, 1)])
+def test_auto_shards_give_a_shard_per_5_mb_within_the_spare_cores(params, workers, cores,
+                                                                  expected):
+    assert auto_shards(params, workers, cores) == expected
+    assert shard_count("auto", params, workers, cores) == expected
+    assert shard_count(3, params, workers, cores) == 3  # a number given is kept
+
+
+def test_auto_shards_split_a_large_model_and_a_resumed_run_keeps_its_count(run_cli, cli_env,
+                                                                           tmp_path):
+    """wide_counter: 16.8 MB of float32, one expected worker; the resumed server runs on one
+    core, where auto would choose 1 shard, and keeps the run's count instead."""
+    cores = available_cores()
+    if cores < 2:
+        pytest.skip("auto gives a second shard only with a second core (this host has 1)")
+    out, task = tmp_path / "run", ["--task", "tasks_for_tests:wide_counter", "--samples", 64]
+    res = run_cli("ps-server", *task, "--workers", 1, "--max-seconds", 4, "--out", out,
+                  "--bind", "tcp://127.0.0.1:0", "--progress", "off")
+    assert res.returncode == 0, res.stderr
+    expected = auto_shards(1 << 22, 1, cores)
+    assert read_json(out / "summary.json")["shards"] == expected == min(3, cores)
+    assert read_json(out / "config.json")["config"]["shards"] == "auto"
+    assert saved_shards(out) == expected
+    res = subprocess.run(["taskset", "-c", "0", *asyncsgd_cmd(
+        "ps-server", "--resume", out, "--max-seconds", 4, "--bind", "tcp://127.0.0.1:0",
+        "--progress", "off", "-v")], env=cli_env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert f"--shards auto: {expected}, as the resumed run's shard checkpoints" in res.stderr
+    assert read_json(out / "summary.json")["shards"] == expected
 
 
 def test_rank_and_world_come_from_flags_torchrun_or_slurm():

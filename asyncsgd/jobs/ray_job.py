@@ -57,6 +57,7 @@ from ..run.recorder import RunResult
 from ..run.rundir import RunDir
 from ..run.settings import saved_settings
 from ..run.signals import sigterm_as_interrupt
+from ..servers.sharding import AUTO, most_auto_shards
 from ..servers.supervisor import SHARD_READY_SECONDS
 from ..wire.transport import parse_endpoint
 from .ray_config import RayJobConfig
@@ -268,7 +269,9 @@ class RayJob:
                                       else server["ip"])
         here = sum(1 for key, p in self._places.items()
                    if key != "server" and p["node"] == server["node"])
-        threads = job.threads or max(1, server["cores"] // (job.shards + here))
+        shards = job.shards if job.shards != AUTO else most_auto_shards(job.workers,
+                                                                         server["cores"])
+        threads = job.threads or max(1, server["cores"] // (shards + here))
         cfg = server_settings(dataclasses.replace(job, bind=bind, threads=threads),
                               job.workers, resume=job.resume)
         self._serve_ref = self._server.serve.remote(cfg, self._ledger, advertise)
