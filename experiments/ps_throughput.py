@@ -37,7 +37,9 @@ measures:
 * how many shards pay: every further count in ``--shards`` (default 1,2)
   gets its own ps-server, and asyncsgd over TCP and the same-host path is
   measured on it with 1 trainer and the largest trainer count, in the same
-  rotation; a table gives its rate against the first count's;
+  rotation; a table gives its rate against the first count's, and a line the
+  floor ratio at the count ``ps-server``'s default ``--shards auto`` chooses for
+  one worker on this host;
 * with one trainer, the floor (``experiments/ps_floor.py``: raw pyzmq plus
   only the work no server can skip) and raw pyzmq round trips in 4 MiB frames
   (``experiments/raw_zmq.py``).
@@ -94,6 +96,9 @@ import time
 from pathlib import Path
 
 import torch
+
+from asyncsgd.run.process_group import available_cores
+from asyncsgd.servers.sharding import auto_shards
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -509,6 +514,23 @@ def report_shards(rows: list, first: int) -> str:
     return "\n".join(lines)
 
 
+def report_default(rows: list, shard_rows: list, cores: int) -> str:
+    """What a user gets by default, one worker: the floor against TCP asyncsgd at the shard
+    count ``ps-server --shards auto --workers 1`` chooses on this host (informational; the
+    targets above are judged at the first shard count)."""
+    floor = {r["size"]: r["floor_ms"] for r in rows if r["trainers"] == 1 and "floor_ms" in r}
+    at = {(r["size"], r["shards"]): r["asyncsgd_tcp"]["ms"] for r in shard_rows
+          if r["trainers"] == 1}
+    cells = []
+    for size in floor:
+        n = auto_shards(SIZES[size] // 4, 1, cores)
+        cells.append(f"{size}: {n} shard(s), " + (
+            f"{floor[size] / at[(size, n)]:.2f}×" if (size, n) in at
+            else "not measured (add it to --shards)"))
+    return ("\nAt ps-server's default shard count (`--shards auto`, one worker, "
+            f"{cores} cores), floor / TCP asyncsgd (ms), 1 trainer: " + "; ".join(cells))
+
+
 TARGETS = [  # (key, what, threshold, rows it applies to)
     ("local_vs_rpc_default", "same-host asyncsgd / RPC PS, TensorPipe default (rate)", 1.0,
      lambda r: True),
@@ -677,6 +699,7 @@ def main() -> int:
     text = report(rows, methods, header)
     if shard_rows:
         text += "\n" + report_shards(shard_rows, args.shard_counts[0])
+        text += "\n" + report_default(rows, shard_rows, available_cores())
     print(text)
     if not args.no_save:
         name = f"ps_throughput_busy{args.busy}" if args.busy else "ps_throughput"
