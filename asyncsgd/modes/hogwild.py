@@ -77,7 +77,7 @@ class WorkerSettings:
 
 
 def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lock,
-            ring_sems, control: torch.Tensor, counters: torch.Tensor,
+            ring_sems: Optional[tuple], control: torch.Tensor, counters: torch.Tensor,
             losses: torch.Tensor, shared_state: tuple) -> None:
     rngs, buffers = shared_state
     count = counters.numpy()[rank]  # views of shared memory: plain stores, no tensor op per step
@@ -95,7 +95,7 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
     pacer = Pacer(s.pacing, rank, s.seed, torch.cuda.synchronize if device.type == "cuda"
                   else None)
     stop = control.numpy()
-    ring = TokenRing(rank, ring_sems, counters.numpy()[:, DONE], stop, s.quantum) \
+    ring = TokenRing(rank, *ring_sems, counters.numpy()[:, DONE], stop, s.quantum) \
         if ring_sems else None
     log.info("worker %d: %d thread(s), %d rows, epochs %d..%d%s%s", rank, s.threads, len(part),
              first_epoch + 1, s.epochs, f" from row {skip}" if skip else "",
@@ -188,8 +188,9 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
     lock = PipeSemaphore(1) if cfg.lock else None  # not mp's Lock: run.pipe_semaphore
     ring_sems = _ring_semaphores(cfg, procs, threads)
     group = WorkerGroup(_worker, procs, name="worker", start_method=cfg.start_method, args=[
-        (settings, task, model, lock, ring_sems, control, counters, losses,
-         state.for_worker(rank)) for rank in range(procs)])
+        (settings, task, model, lock,
+         ring_sems and (ring_sems[rank], ring_sems[(rank + 1) % procs]),  # its own, the next's
+         control, counters, losses, state.for_worker(rank)) for rank in range(procs)])
     log.info("hogwild: %d processes x %d thread(s), task %s, lr %g, batch %d%s%s", procs,
              threads, task.name, lr, batch_size, ", locked updates" if cfg.lock else "",
              f", {len(TokenRing.first_holders(procs, available_cores()))} run tokens"

@@ -10,15 +10,18 @@ runs per core and switches are rare. Every process still updates the shared
 parameters lock-free; only *when* it computes changes. The ring is fair by
 construction: each token visits every process in turn.
 
-A process that finishes its epochs leaves the ring: the ring then skips it,
-and until every process is done it forwards any token that still reaches it.
-Every wait is bounded and watches the stop flag, so a stop never hangs.
+A process holds its own semaphore and its successor's only (a pipe each, two
+file descriptors: a worker handed every process's would stop forkserver at
+~120 processes, which passes a child at most 252). A process that finishes
+its epochs stays in the ring to forward every token that reaches it, until
+every process is done. Every wait is bounded and watches the stop flag, so a
+stop never hangs.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -28,11 +31,12 @@ WAIT_SLICE = 0.05
 class TokenRing:
     """One process's side of the ring; built in the worker from shared objects."""
 
-    def __init__(self, rank: int, semaphores: Sequence[Any], done: np.ndarray, stop: np.ndarray,
+    def __init__(self, rank: int, own: Any, successor: Any, done: np.ndarray, stop: np.ndarray,
                  quantum: float):
-        self.rank, self.sems, self.done, self.stop = rank, semaphores, done, stop
-        self.quantum = quantum
-        self.procs = len(semaphores)
+        """``own``, ``successor``: the semaphores (``release``, ``acquire(timeout)``) of this
+        process and of the next in the ring; ``done``, ``stop``: shared flags."""
+        self.rank, self.own, self.successor = rank, own, successor
+        self.done, self.stop, self.quantum = done, stop, quantum
         self._since = 0.0
 
     @staticmethod
@@ -41,17 +45,13 @@ class TokenRing:
         return sorted({i * procs // tokens for i in range(min(tokens, procs))})
 
     def _pass(self) -> None:
-        """Hand the token to the next process still training (ourselves if we are the last)."""
-        for step in range(1, self.procs + 1):
-            nxt = (self.rank + step) % self.procs
-            if not self.done[nxt]:
-                self.sems[nxt].release()
-                return
+        """Hand the token to the next process (one that is done forwards it)."""
+        self.successor.release()
 
     def acquire(self) -> bool:
         """Wait for a token; False if the run is stopping."""
         while not self.stop[0]:
-            if self.sems[self.rank].acquire(timeout=WAIT_SLICE):
+            if self.own.acquire(timeout=WAIT_SLICE):
                 self._since = time.monotonic()
                 return True
         return False
@@ -69,5 +69,5 @@ class TokenRing:
         if holding:
             self._pass()
         while not self.stop[0] and not self.done.all():
-            if self.sems[self.rank].acquire(timeout=WAIT_SLICE):
+            if self.own.acquire(timeout=WAIT_SLICE):
                 self._pass()

@@ -9,17 +9,19 @@ is two file descriptors the kernel closes with their last holder. It travels
 to a child in the arguments of ``Process`` (spawn and forkserver pass the
 descriptors along).
 
-A one-byte read takes exactly one byte, whichever of several readers gets it,
-so with one unit it is a lock. The read end is non-blocking (a flag every
-process holding it shares): a reader woken for a unit that another took first
-waits on instead of blocking past its timeout.
+A blocking one-byte read takes exactly one byte, and the kernel wakes one
+waiting reader per byte, so with one unit and any number of processes it is
+a lock. ``acquire`` with a timeout polls first: it is for a semaphore that
+only one process takes from (a run-token ring's), where no other reader can
+take the byte that ended the wait. An uncontended acquire + release costs
+~0.8 us here (two system calls) against 0.07 us for multiprocessing's Lock,
+beside a training step of a millisecond.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
-import time
 from typing import Optional
 
 _UNIT = b"\x01"
@@ -28,7 +30,6 @@ _UNIT = b"\x01"
 class PipeSemaphore:
     def __init__(self, value: int = 0):
         self._reader, self._writer = multiprocessing.Pipe(duplex=False)
-        os.set_blocking(self._reader.fileno(), False)
         for _ in range(value):
             self.release()
 
@@ -36,20 +37,13 @@ class PipeSemaphore:
         os.write(self._writer.fileno(), _UNIT)
 
     def acquire(self, timeout: Optional[float] = None) -> bool:
-        """Take a unit, waiting up to ``timeout`` s (None: as long as it takes); False when
-        none came in time."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                if os.read(self._reader.fileno(), 1):
-                    return True
-                raise EOFError("the semaphore's pipe has no writer left")  # we hold one
-            except BlockingIOError:  # none there, or another reader took it first
-                pass
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            self._reader.poll(left)
+        """Take a unit, waiting up to ``timeout`` s (None: as long as it takes; a timeout
+        only where this process alone takes from the semaphore); False when none came."""
+        if timeout is not None and not self._reader.poll(timeout):
+            return False
+        if not os.read(self._reader.fileno(), 1):  # this object holds a writer: never
+            raise EOFError("the semaphore's pipe has no writer left")
+        return True
 
     def __enter__(self) -> "PipeSemaphore":
         self.acquire()
