@@ -49,7 +49,7 @@ from ..config import DDPConfig
 from ..core.pacing import Pacing
 from ..core.tasks import Task, task_of
 from ..errors import AsyncSGDError, ConfigError, WorkerError
-from ..run.child_reports import ChildReports, send_report
+from ..run.child_reports import ChildReports, send_report, tail
 from ..run.process_group import WorkerGroup, available_cores, threads_per_process
 from ..run.recorder import Outcome, Recorder, RunResult, check_target
 from ..run.rundir import RunDir
@@ -276,7 +276,7 @@ def _spawned_rank(rank: int, cfg: DDPConfig, task: Task, place: Placement, run_p
             raise exc.__cause__ from None
         raise
     except AsyncSGDError as exc:  # e.g. --resume of a run that does not fit
-        send_report(user_errors, (type(exc).__name__, str(exc)))
+        send_report(user_errors, (type(exc).__name__, tail(str(exc), 4000)))
         raise
 
 

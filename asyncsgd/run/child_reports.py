@@ -21,9 +21,19 @@ from multiprocessing.connection import Connection
 from typing import Any, Optional
 
 
+def tail(text: str, limit: int) -> str:
+    """``text``, or its last ``limit`` bytes (UTF-8) after a "...": the end of a traceback
+    says what failed."""
+    data = text.encode("utf-8", "replace")
+    if len(data) <= limit:
+        return text
+    return "...\n" + data[-limit:].decode("utf-8", "ignore")
+
+
 def send_report(writer: Connection, payload: Any) -> None:
-    """From a child: ``payload`` (small: a pipe holds 64 KiB, and a child must never block
-    on it) to its parent; nothing when the parent is gone."""
+    """From a child: ``payload`` (small: a pipe holds 64 KiB, 4 KiB for a user past the
+    kernel's pipe-user-pages-soft; the parent drains it as it polls) to its parent;
+    nothing when the parent is gone."""
     try:
         writer.send((time.monotonic(), payload))
     except OSError:  # the parent closed its end or died: there is no one to tell

@@ -38,13 +38,13 @@ from typing import Any, Callable, Optional, Sequence
 import torch.multiprocessing as mp
 
 from ..errors import WorkerError
-from .child_reports import ChildReports, send_report
+from .child_reports import ChildReports, send_report, tail
 from .lifetime import command_started_at, exit_now, pid_alive, start_command_clock
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
-_MAX_TRACEBACK = 16_000  # a pipe holds 64 KiB; a child must never block on reporting
+_MAX_TRACEBACK = 16_000  # bytes: a pipe holds 64 KiB; the parent drains it as it polls
 
 
 def signal_on_parent_death(sig: int) -> bool:
@@ -167,10 +167,7 @@ def _child_main(target: Callable, rank: int, report: Any, parent_pid: int,
     try:
         target(rank, *args)
     except BaseException:
-        text = traceback.format_exc()
-        if len(text) > _MAX_TRACEBACK:
-            text = "...\n" + text[-_MAX_TRACEBACK:]
-        send_report(report, text)
+        send_report(report, tail(traceback.format_exc(), _MAX_TRACEBACK))
         exit_now(1)
     exit_now(0)  # its work is saved; the parent waits for this exit (run.lifetime)
 
@@ -259,7 +256,8 @@ class WorkerGroup:
 
     def _drain_errors(self) -> None:
         if not self._stopped:  # stop() drained the pipes one last time and closed them
-            self._reports.drain()
+            self._reports.drain()  # a few polls: also while no child failed, so none of
+            # them blocks on a report larger than what its pipe holds
 
     def check(self) -> None:
         """Raise ``WorkerError`` for the first worker that failed.
@@ -268,10 +266,10 @@ class WorkerGroup:
         one failure causes others (a DDP rank whose peer died), the
         cause is reported, not its consequences.
         """
+        self._drain_errors()
         failed = {r: p for r, p in enumerate(self.processes) if self._failed(p)}
         if not failed:
             return
-        self._drain_errors()
         first = self._reports.first(failed)
         rank = min(failed) if first is None else first
         proc = failed[rank]
@@ -288,6 +286,7 @@ class WorkerGroup:
 
     def failed(self) -> list:
         """Ranks whose process exited with an error or was killed (not by our own stop)."""
+        self._drain_errors()
         return [r for r, p in enumerate(self.processes) if self._failed(p)]
 
     def _failed(self, p) -> bool:
