@@ -7,6 +7,7 @@ doubled update shows.
 
 import re
 import time
+import types
 
 import pytest
 
@@ -14,7 +15,9 @@ import torch
 import zmq
 
 from asyncsgd.wire.layout import Layout
-from asyncsgd.wire.protocol import PARAMS, STATS, Message, encode
+from asyncsgd.wire.protocol import (ERROR, PARAMS, STATS, Message, ProtocolError, Segment,
+                                    copy_into, encode)
+from asyncsgd.workers.client import PSClient
 from conftest import finish, worker
 from faults import (FaultProxy, GarbageFlood, observe, oversized_frame, record_figure, tree_fds,
                     tree_rss)
@@ -177,7 +180,14 @@ def _segment_past_the_slice(msg):
         msg.segments[0].offset += 1
 
 
+def _error_screaming(msg):
+    if msg.type == PARAMS:
+        msg.type, msg.segments = ERROR, []
+        msg.meta = {"code": "boom", "error": "\x1b[2J" + "A" * 60_000}
+
+
 @pytest.mark.parametrize("tamper,named", [
+    (_error_screaming, ": ?[2JAAAA"),
     (_ack_not_a_map, "shard 0 acknowledged with a int, not a map"),
     (_version_not_an_int, "shard 0 sent version 'latest', not a non-negative integer"),
     (_segment_past_the_slice, f"at 1 does not fit the {ROWS} values of the slice")])
@@ -197,6 +207,36 @@ def test_a_worker_refuses_a_malformed_reply_with_a_clear_error(server, cli_env, 
         proxy.close()
     assert code != 0
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], err[:2000]
+    assert len(lines[0]) < 1200 and "\x1b" not in err  # a peer's text, bounded and printable
     assert seconds < 60
     assert srv.stats()["shard_ports"]  # the server serves on
+
+
+def test_a_reply_with_a_segment_outside_the_slice_copies_nothing():
+    flat = torch.zeros(10)
+    reply = Message(type=PARAMS, segments=[Segment(0, torch.ones(4)), Segment(4, torch.ones(3))])
+    with pytest.raises(ProtocolError, match="does not fit the 6 values"):
+        copy_into(reply, flat, start=2, size=6)  # the second ends at 7 > 6
+    assert torch.equal(flat, torch.zeros(10))
+    scalar = Message(type=PARAMS, segments=[Segment(0, torch.tensor(1.0))])
+    with pytest.raises(ProtocolError, match="does not fit"):
+        copy_into(scalar, flat)
+
+
+@pytest.mark.parametrize("shards", [
+    None, [], [{"port": 5000, "start": 0, "end": 6}],  # short of the model's 10
+    [{"port": 5000, "start": 0, "end": 5}, {"port": 5001, "start": 6, "end": 10}],  # a gap
+    [{"port": 5000, "start": 0, "end": 6}, {"port": 5001, "start": 5, "end": 10}],  # overlap
+    [{"port": 0, "start": 0, "end": 10}], [{"port": "5000", "start": 0, "end": 10}],
+    [{"port": 5000, "start": -2, "end": 10}], [{"port": 5000, "start": 0, "end": 10.0}],
+    [[5000, 0, 10]]])
+def test_a_welcome_must_announce_contiguous_slices_covering_the_model(shards):
+    """The slices a welcome announces bound what each shard's replies may write."""
+    client = types.SimpleNamespace(hello={"signature": {"total": 10}}, host="127.0.0.1",
+                                   server="tcp://127.0.0.1:5555")
+    good = [{"port": 5000, "start": 0, "end": 4}, {"port": 5001, "start": 4, "end": 10}]
+    assert PSClient._layout(client, {"shards": good}) == (
+        ["tcp://127.0.0.1:5000", "tcp://127.0.0.1:5001"], [(0, 4), (4, 10)])
+    with pytest.raises(ProtocolError, match="contiguous slices covering the model"):
+        PSClient._layout(client, {"shards": shards})

@@ -81,6 +81,14 @@ class ServerRefused(AsyncSGDError):
     exit_code = 2
 
 
+def _said(meta: dict, limit: int = 1000) -> str:
+    """The error text a reply carries, as a line fit to print: a shard's own are at most
+    1,000 characters; another peer's may be anything."""
+    text = meta.get(Key.ERROR, "")
+    text = text if isinstance(text, str) else repr(text)
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
+
+
 def new_incarnation() -> int:
     """Larger at every start of a worker process: its start time in milliseconds, then
     its pid (distinct for two starts in one millisecond). Shards refuse an incarnation
@@ -221,7 +229,7 @@ class PSClient:
             if reply.seq != msg.seq:
                 continue  # a heartbeat's answer, or a late one
             if reply.type != ATTACH:
-                return f"the shard answered {reply.type}: {reply.meta.get(Key.ERROR, '')}"
+                return f"the shard answered {reply.type}: {_said(reply.meta)}"
             m = reply.meta
             try:
                 self.areas[i] = Area.open(m.get(Key.PID), m.get(Key.FD), m.get(Key.LINK),
@@ -252,10 +260,24 @@ class PSClient:
             "check the address and that 'asyncsgd ps-server' is running there")
 
     def _layout(self, welcome: dict) -> tuple:
-        """(shard addresses, shard ranges) a WELCOME announces."""
-        shards = welcome[Key.SHARDS]
-        return ([f"tcp://{self.host}:{s[Key.PORT]}" for s in shards],
-                [(s[Key.START], s[Key.END]) for s in shards])
+        """(shard addresses, shard ranges) a WELCOME announces: ports, and contiguous
+        slices that cover this worker's model from 0; a ProtocolError otherwise."""
+        shards, total = welcome.get(Key.SHARDS), self.hello[Key.SIGNATURE].get("total")
+        ranges, end = [], 0
+        valid = type(shards) is list and len(shards) > 0
+        for s in shards if valid else ():
+            valid = (type(s) is dict and type(s.get(Key.PORT)) is int
+                     and 0 < s[Key.PORT] < 65536 and s.get(Key.START) == end
+                     and type(s.get(Key.END)) is int and s[Key.END] > end)
+            if not valid:
+                break
+            ranges.append((end, s[Key.END]))
+            end = s[Key.END]
+        if valid and (total is None or end == total):
+            return [f"tcp://{self.host}:{s[Key.PORT]}" for s in shards], ranges
+        raise ProtocolError(Code.BAD_FIELD, f"the server at {self.server} announced shards "
+                            "that are not ports and contiguous slices covering the model "
+                            f"from 0 to {total}")
 
     def _front_socket(self) -> zmq.Socket:
         return dealer(self.ctx, self.server, curve=self.curve, max_frame=frame_limit(0))
@@ -299,7 +321,7 @@ class PSClient:
                         continue
                     if reply.type == ERROR:
                         raise ServerRefused(f"the server at {self.server} refused: "
-                                            f"{reply.meta.get(Key.ERROR)}")
+                                            f"{_said(reply.meta)}")
                     return reply
             if time.monotonic() >= deadline:
                 raise self._unavailable()
@@ -482,7 +504,7 @@ class PSClient:
             reply = self._in(self.front)
             if reply.type == ERROR:
                 raise ServerRefused(f"the server at {self.server} refused this worker's rejoin: "
-                                    f"{reply.meta.get(Key.ERROR)}")
+                                    f"{_said(reply.meta)}")
             if (reply.type == WELCOME
                     and reply.meta.get(Key.INSTANCE) != self.info.get(Key.INSTANCE)):
                 self._rejoin(reply.meta, outstanding)
@@ -498,8 +520,8 @@ class PSClient:
         addrs, ranges = self._layout(welcome)
         if ranges != self.ranges:
             raise ServerChanged(
-                f"the server at {self.server} restarted with shard ranges {ranges}, but this "
-                f"worker joined it with {self.ranges}: it now runs another --shards or model; "
+                f"the server at {self.server} restarted with shard ranges {ranges!s:.300}, but "
+                f"this worker joined it with {self.ranges}: it now runs another --shards or model; "
                 "start the worker again to join it afresh")
         ports = [s[Key.PORT] for s in welcome[Key.SHARDS]]
         before = [s[Key.PORT] for s in self.info[Key.SHARDS]]
@@ -556,7 +578,7 @@ class PSClient:
                 self.stats["duplicate_acks"] += 1
         if kind == PARAMS:
             version = meta.get(Key.VERSION, reply.clock)
-            if type(version) is not int or version < 0:  # sent back as the next clock
+            if type(version) is not int or not 0 <= version < 2 ** 63:  # the next clock
                 raise ProtocolError(Code.BAD_FIELD, f"shard {i} sent version {version!r:.40}, "
                                                     "not a non-negative integer")
             start, end = self.ranges[i]
@@ -578,10 +600,10 @@ class PSClient:
                 self._hello_again()
             return
         if code in (Code.UNKNOWN_LINK, Code.NO_LINKS):
-            self._drop_area(i, reply.meta.get(Key.ERROR, ""))
+            self._drop_area(i, _said(reply.meta))
             self._send(i, request)  # as frames now; never applied, so not a duplicate
             return
-        raise ServerRefused(f"shard {i} refused {request.type}: {reply.meta.get(Key.ERROR)}")
+        raise ServerRefused(f"shard {i} refused {request.type}: {_said(reply.meta)}")
 
     def bye(self, interrupted: bool = False) -> None:
         """Tell the shards and the front this worker is leaving (best effort, bounded), so

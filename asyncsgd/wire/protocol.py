@@ -458,7 +458,7 @@ def copy_into(msg: Message, flat: torch.Tensor, start: int = 0,
     of ``flat``) is a ``ProtocolError`` and nothing of ``msg`` is copied."""
     limit = flat.shape[0] - start if size is None else size
     for seg in msg.segments:
-        if seg.offset + seg.data.shape[0] > limit or len(seg.data.shape) != 1:
+        if len(seg.data.shape) != 1 or seg.offset + seg.data.shape[0] > limit:
             raise ProtocolError(Code.OUT_OF_RANGE, (
                 f"a segment of {list(seg.data.shape)} values at {seg.offset} does not fit "
                 f"the {limit} values of the slice it was sent for"))
