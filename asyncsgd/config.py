@@ -81,7 +81,7 @@ class _ShardCount(click.ParamType):
         if value == "auto" or (type(value) is int and value >= 1):
             return value
         text = str(value).strip()
-        if text.isdigit() and int(text) >= 1:
+        if text.isascii() and text.isdecimal() and int(text) >= 1:
             return int(text)
         self.fail(f"{value!r} is neither auto nor a whole number of at least 1", param, ctx)
 

@@ -48,11 +48,14 @@ SHARD_STOP_GRACE = 15.0  # a shard drains (1.5 to 8 s), then saves its checkpoin
 
 
 def serve(cfg: ServerConfig, argv: Optional[list] = None,
-          on_listening: Optional[Callable[[str, str], None]] = None) -> RunResult:
+          on_listening: Optional[Callable[[str, str], None]] = None,
+          beside: int = 0) -> RunResult:
     """Run the parameter server until a stop condition; returns its run directory and summary.
 
     ``on_listening(endpoint, run_dir)`` is called once the front and every shard listen
-    (a launcher publishes the address there: ``asyncsgd.jobs``).
+    (a launcher publishes the address there: ``asyncsgd.jobs``). ``beside``: worker
+    processes a launcher placed on this host, which the default ``--threads`` leaves
+    cores to.
 
     Start-up: check the settings, open the run and build the model, bind the
     front (before anything slow starts, so a taken port fails at once), start
@@ -94,7 +97,7 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
         ctx.term()
         raise
     supervisor = ShardSupervisor.for_server(cfg, layout.flatten(model), ranges, lr, host,
-                                            str(run.path), keys, sessions.key)
+                                            str(run.path), keys, sessions.key, beside)
     evaluator = Evaluator(model, layout, recorder)
     outcome = Outcome("workers_done")
     summary: dict = {}

@@ -21,6 +21,8 @@ import logging
 from pathlib import Path
 from typing import Optional, Union
 
+from asyncsgd.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
@@ -33,20 +35,18 @@ def auto_shards(params: int, workers: int, cores: int) -> int:
     return max(1, min(4 * params // SHARD_PAYS_BYTES, cores // max(1, workers)))
 
 
-def most_auto_shards(workers: int, cores: int) -> int:
-    """The most shards ``auto`` can choose with ``workers`` and ``cores``, whatever the
-    model: for a launcher that divides a host's cores before the model is built."""
-    return max(1, cores // max(1, workers))
-
-
 def saved_shards(run_dir: Union[str, Path]) -> Optional[int]:
-    """How many shards wrote checkpoints (``shard-I.pt``) into ``run_dir``; None if none."""
+    """How many shards wrote checkpoints (``shard-I.pt``) into ``run_dir``; None if none; a
+    ConfigError when they are not shards 0 to N-1."""
     indices = set()
     for path in Path(run_dir).glob("shard-*.pt"):
         index = path.stem.split("-", 1)[1]
-        if index.isdigit():
+        if index.isdecimal():
             indices.add(int(index))
-    return max(indices) + 1 if indices else None
+    if indices and indices != set(range(len(indices))):
+        raise ConfigError(f"{run_dir} holds the checkpoints of shards {sorted(indices)}, not "
+                          "of shards 0 to N-1: give the run's count with --shards N")
+    return len(indices) or None
 
 
 def shard_count(spec: Union[int, str], params: int, workers: int, cores: int,
@@ -54,6 +54,8 @@ def shard_count(spec: Union[int, str], params: int, workers: int, cores: int,
     """The shards to run: ``spec`` when it is a number; for ``auto``, the count the resumed
     run ``resumed`` saved checkpoints of, else ``auto_shards``."""
     if spec != AUTO:
+        if type(spec) is not int or spec < 1:
+            raise ConfigError(f"--shards {spec!r}: give auto or a whole number of at least 1")
         if 4 * params < SHARD_PAYS_BYTES * spec and spec > 1:
             log.warning(
                 "--shards %d for a model of %.2g MB: every shard adds a request per step, "

@@ -56,15 +56,18 @@ class ShardSupervisor:
     @classmethod
     def for_server(cls, cfg: ServerConfig, flat: torch.Tensor, ranges: list, lr: float,
                    host: str, checkpoint_dir: str,
-                   keys: Optional[ServerKeys], session_key: bytes) -> "ShardSupervisor":
+                   keys: Optional[ServerKeys], session_key: bytes,
+                   beside: int = 0) -> "ShardSupervisor":
         """The shards of ``ps-server``: shard i owns ``flat[ranges[i]]`` and applies the
-        configured rule to it, listening on ``host``, checkpointing into ``checkpoint_dir``."""
+        configured rule to it, listening on ``host``, checkpointing into ``checkpoint_dir``;
+        by default the host's cores are shared among the shards, the front and ``beside``
+        other processes (workers a launcher placed here)."""
         hyper = {"weight_decay": cfg.weight_decay}
         if cfg.optimizer in ("momentum", "nesterov", "delayed-nesterov"):
             hyper["momentum"] = cfg.momentum
         if cfg.optimizer == "delayed-nesterov":
             hyper["period"] = cfg.nesterov_period or cfg.workers
-        threads = max(1, cfg.threads or available_cores() // (len(ranges) + 1))
+        threads = max(1, cfg.threads or available_cores() // (len(ranges) + 1 + beside))
         settings = [ShardProcessSettings(
             config=ShardConfig(
                 index=i, start=start, end=end, rule=cfg.optimizer, lr=lr, hyper=hyper,

@@ -57,7 +57,6 @@ from ..run.recorder import RunResult
 from ..run.rundir import RunDir
 from ..run.settings import saved_settings
 from ..run.signals import sigterm_as_interrupt
-from ..servers.sharding import AUTO, most_auto_shards
 from ..servers.supervisor import SHARD_READY_SECONDS
 from ..wire.transport import parse_endpoint
 from .ray_config import RayJobConfig
@@ -269,12 +268,11 @@ class RayJob:
                                       else server["ip"])
         here = sum(1 for key, p in self._places.items()
                    if key != "server" and p["node"] == server["node"])
-        shards = job.shards if job.shards != AUTO else most_auto_shards(job.workers,
-                                                                         server["cores"])
-        threads = job.threads or max(1, server["cores"] // (shards + here))
-        cfg = server_settings(dataclasses.replace(job, bind=bind, threads=threads),
-                              job.workers, resume=job.resume)
-        self._serve_ref = self._server.serve.remote(cfg, self._ledger, advertise)
+        # --threads 0: the server divides the node's cores among its shards (their count,
+        # with --shards auto, known once it has built the model), its front and these
+        cfg = server_settings(dataclasses.replace(job, bind=bind), job.workers,
+                              resume=job.resume)
+        self._serve_ref = self._server.serve.remote(cfg, self._ledger, advertise, here)
         # Its shards start as its children, importing torch: slow on a busy machine (over
         # 60 s beside 4 busy processes on 2 cores), and bounded by the server itself, which
         # fails once one has not started in SHARD_READY_SECONDS; this waits for that
@@ -568,7 +566,7 @@ class AsyncSGDServer:
     def where(self) -> dict:
         return _place()
 
-    def serve(self, cfg: ServerConfig, ledger, advertise: str) -> RunResult:
+    def serve(self, cfg: ServerConfig, ledger, advertise: str, beside: int) -> RunResult:
         import ray
 
         from ..servers.server import serve
@@ -578,7 +576,7 @@ class AsyncSGDServer:
             ray.get(ledger.publish.remote(f"tcp://{advertise}:{port}", run_dir))
 
         with _carried():
-            return serve(cfg, on_listening=publish)
+            return serve(cfg, on_listening=publish, beside=beside)
 
 
 class AsyncSGDWorker:
