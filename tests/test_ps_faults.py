@@ -189,7 +189,7 @@ def _error_screaming(msg):
 @pytest.mark.parametrize("tamper,named", [
     (_error_screaming, ": ?[2JAAAA"),
     (_ack_not_a_map, "shard 0 acknowledged with a int, not a map"),
-    (_version_not_an_int, "shard 0 sent version 'latest', not a non-negative integer"),
+    (_version_not_an_int, "shard 0 sent version 'latest', not an integer in [0, 2**63)"),
     (_segment_past_the_slice, f"at 1 does not fit the {ROWS} values of the slice")])
 def test_a_worker_refuses_a_malformed_reply_with_a_clear_error(server, cli_env, tamper, named):
     """A server (or whatever stands in its place) that answers with a reply the protocol

@@ -580,7 +580,7 @@ class PSClient:
             version = meta.get(Key.VERSION, reply.clock)
             if type(version) is not int or not 0 <= version < 2 ** 63:  # the next clock
                 raise ProtocolError(Code.BAD_FIELD, f"shard {i} sent version {version!r:.40}, "
-                                                    "not a non-negative integer")
+                                                    "not an integer in [0, 2**63)")
             start, end = self.ranges[i]
             if self._intake.take(key, reply, params, start, end - start):
                 owed.discard(PARAMS)

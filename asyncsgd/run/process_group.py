@@ -255,9 +255,10 @@ class WorkerGroup:
                 self._reports.handed_over(rank)
 
     def _drain_errors(self) -> None:
+        """Read the tracebacks sent so far (a poll per child): also while none failed, so
+        no child blocks on a report larger than its pipe holds."""
         if not self._stopped:  # stop() drained the pipes one last time and closed them
-            self._reports.drain()  # a few polls: also while no child failed, so none of
-            # them blocks on a report larger than what its pipe holds
+            self._reports.drain()
 
     def check(self) -> None:
         """Raise ``WorkerError`` for the first worker that failed.
@@ -270,6 +271,7 @@ class WorkerGroup:
         failed = {r: p for r, p in enumerate(self.processes) if self._failed(p)}
         if not failed:
             return
+        self._drain_errors()  # what those that exited sent before they did
         first = self._reports.first(failed)
         rank = min(failed) if first is None else first
         proc = failed[rank]
