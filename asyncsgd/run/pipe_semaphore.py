@@ -14,9 +14,10 @@ waiting reader per byte. ``acquire`` with a timeout polls first: it is for a
 semaphore that only one process takes from (a run-token ring's), where no
 other reader can take the byte that ended the wait. An uncontended acquire +
 release costs ~0.8-1.3 us here (two system calls) against 0.07 us for
-multiprocessing's Lock (a futex): fine for run tokens, passed every 250 ms,
-too much for a lock taken every step (Hogwild's ``--lock`` lost 3-10% of its
-samples/s with it, so it keeps multiprocessing's).
+multiprocessing's Lock (a futex): fine for run tokens, passed every 250 ms;
+a lock taken every step pays it each time (Hogwild's ``--lock --procs 4`` ran
+at 0.97x the samples/s with it in an interleaved A/B), so ``--lock`` keeps
+multiprocessing's.
 """
 
 from __future__ import annotations
