@@ -46,10 +46,3 @@ class PipeSemaphore:
         if not os.read(self._reader.fileno(), 1):  # this object holds a writer: never
             raise EOFError("the semaphore's pipe has no writer left")
         return True
-
-    def __enter__(self) -> "PipeSemaphore":
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
