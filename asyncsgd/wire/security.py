@@ -36,6 +36,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import ConfigError, SecurityError
+from .greeting import GREETING_SECONDS, server_mechanism
 
 log = logging.getLogger(__name__)
 
@@ -335,6 +336,11 @@ def await_handshake(ctx: zmq.Context, endpoint: str, keys: Optional[ClientKeys],
     monitor = probe.get_monitor_socket(HANDSHAKE_EVENTS)
     probe.connect(endpoint)
     closed_early = 0
+    mismatch = f"the server at {endpoint} " + (
+        "does not use CURVE but this worker does: drop --curve-server-key and "
+        "--curve-secret, or start the server with --curve-secret" if keys else
+        "requires CURVE authentication: pass --curve-server-key SERVER.key and "
+        "--curve-secret WORKER.key_secret (from 'asyncsgd keygen')")
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -351,15 +357,14 @@ def await_handshake(ctx: zmq.Context, endpoint: str, keys: Optional[ClientKeys],
                     "add its public key (allowed_clients/NAME.key from 'asyncsgd keygen') to the "
                     "server's --allowed-clients directory and restart the server")
             if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == MECHANISM_MISMATCH:
-                raise SecurityError(
-                    f"the server at {endpoint} " + (
-                        "does not use CURVE but this worker does: drop --curve-server-key and "
-                        "--curve-secret, or start the server with --curve-secret"
-                        if keys else
-                        "requires CURVE authentication: pass --curve-server-key SERVER.key and "
-                        "--curve-secret WORKER.key_secret (from 'asyncsgd keygen')"))
+                raise SecurityError(mismatch)
             if kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
                 closed_early += 1
+                # libzmq may show a mismatch only as hang-ups (under load, every time:
+                # greeting.py); the server's greeting names its mechanism
+                if closed_early == 1 and server_mechanism(endpoint, GREETING_SECONDS) == (
+                        "NULL" if keys else "CURVE"):
+                    raise SecurityError(mismatch)
                 if closed_early >= PROBE_FAILURES:
                     raise SecurityError(
                         f"the server at {endpoint} closes the connection during the handshake"
