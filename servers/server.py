@@ -105,6 +105,9 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
         with outcome.watch():
             shards = supervisor.start()
             evaluator.connect(ctx, host, shards, keys.as_client() if keys else None)
+            if not cfg.resume:  # as each shard does: resumable from the start (ps-job
+                # restarts a server killed before its first periodic checkpoint from here)
+                recorder.checkpoint(evaluator.samples, 0)
             front.open(shards, shard_stats=lambda: evaluator.latest)
             log.info("serving %s on %s: %d shard(s) on ports %s, %s", task.name, front.endpoint,
                      len(shards), [s[Key.PORT] for s in shards], cfg.consistency)

@@ -87,6 +87,11 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
     log.info("shard %d serving [%d, %d) on port %d, %s, %d thread(s)", rank,
              settings.config.start, settings.config.end, port, settings.config.consistency,
              settings.threads)
+    if path is not None and saved.get("port") != port:
+        # A checkpoint from the start: a shard (or server) killed before its first periodic
+        # one restarts from it, and counts the acknowledged updates it lost, instead of
+        # starting over from the initial parameters as if it had lost none.
+        save_checkpoint(path, {"shard": state.state_dict(), "port": port})
     ready.send(port)
     ready.close()
     next_checkpoint = time.monotonic() + (settings.checkpoint_every or float("inf"))
@@ -110,9 +115,13 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
             if path is not None and now >= next_checkpoint:
                 save_checkpoint(path, {"shard": state.state_dict(), "port": port})
                 next_checkpoint = now + settings.checkpoint_every
+        if path is not None:  # before the drain, which changes nothing and may last 8 s: a
+            # launcher's grace (torchrun's 30 s from SIGTERM to SIGKILL) may end during it
+            save_checkpoint(path, {"shard": state.state_dict(), "port": port})
+            path = None
         _drain(sock, state)
     finally:
-        if path is not None:
+        if path is not None:  # stopped by an error: save what there is
             save_checkpoint(path, {"shard": state.state_dict(), "port": port})
         areas.close()
         gate.close()

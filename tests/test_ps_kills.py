@@ -192,6 +192,35 @@ def test_shard_sigkill_restarts_from_its_checkpoint_and_counts_lost_updates(serv
                   restored_bit_for_bit=True, reconnect_s=round(reconnect, 2))
 
 
+def test_a_shard_killed_before_its_first_periodic_checkpoint_counts_every_update_lost(
+        server, cli_env):
+    """--checkpoint-every 0 (only at the end): the shard's checkpoint from its start is all
+    there is. Restarted from it (version 0), it counts as lost every acknowledged push it
+    had applied, and the weights prove that count exact; without that checkpoint it would
+    start over from the initial parameters as if it had lost nothing."""
+    rows, epochs = 4000, 2  # one worker, 500 pushes an epoch
+    srv = server("--task", TASK, "--samples", rows, "--checkpoint-every", 0)
+    port = srv.stats()["shard_ports"][0]
+    start = load_checkpoint(srv.out / "shard-0.pt")["shard"]
+    assert start["version"] == 0 and (srv.out / "checkpoint.pt").is_file()
+    trainer = worker(cli_env, srv.address, 0, 1, "--task", TASK, "--samples", rows,
+                     "--epochs", epochs, "--heartbeat", 0.2)
+    wait_for(lambda: shard_stats(srv, port)["version"] >= 200, 120, "200 updates")
+    copy, _ = _kill_shard(srv, srv.out, port)
+    assert load_checkpoint(copy)["shard"]["version"] == 0  # no periodic one came
+    assert shard_stats(srv, port)["restored"] == {"version": 0,
+                                                  "sha256": params_digest(start["params"])}
+    (code, out, err), = finish([trainer])
+    assert code == 0, err
+    assert f"{500 * epochs} steps, {500 * epochs} pushes" in out
+    assert srv.wait()[0] == 0
+    summary = read_json(srv.out / "summary.json")
+    lost = summary["lost_updates"]
+    assert lost >= 200, summary
+    weights = load_checkpoint(srv.out / "checkpoint.pt")["model"]["weight.weight"]
+    assert weights.sum().item() == -BATCH * (500 * epochs - lost)
+
+
 def test_training_reaches_its_target_through_a_shard_crash(server, cli_env):
     srv = server("--task", "mnist1d-cnn", "--shards", 2, "--workers", 2, "--checkpoint-every", 1,
                  "--target", 0.8, "--max-seconds", 150)

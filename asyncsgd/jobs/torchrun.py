@@ -215,7 +215,8 @@ def _serve(job: JobConfig, launch: Launch, store: JobStore, workers: int,
 
 def _previous_run(store: JobStore, starts: int) -> Optional[str]:
     """The run directory of the server's previous start, to resume; None when it saved
-    nothing to resume from (it died before its first checkpoint)."""
+    nothing to resume from (it died before it served: the server and its shards save a
+    checkpoint as they start serving)."""
     run_dir = store.run_dir()
     if run_dir and RunDir(run_dir).checkpoint.is_file():
         return run_dir
