@@ -348,6 +348,10 @@ class ServerConfig(RunConfig):
         "auto: one per 5 MB of float32 parameters, at most cores // --workers (1 for every "
         "model under 10 MB); a resumed run keeps its count.", type=_SHARD_COUNT,
         metavar="auto|N")
+    checkpoint_every: float = knob(
+        60.0, "Seconds between checkpoints during training; the server and its shards also "
+        "save one as they start serving, and one at the end (0: only those).",
+        type=click.FloatRange(min=0))
     optimizer: str = knob(
         "sgd", "Update rule each shard applies to its slice. For workers' --local-steps "
         "pseudo-gradients: nesterov (DiLoCo's outer optimizer with --consistency sync: "

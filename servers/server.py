@@ -44,7 +44,7 @@ from .supervisor import ShardSupervisor
 log = logging.getLogger(__name__)
 
 POLL_MS = 100
-SHARD_STOP_GRACE = 15.0  # a shard drains (1.5 to 8 s), then saves its checkpoint: slow under load
+SHARD_STOP_GRACE = 15.0  # a shard saves its checkpoint, then drains (1.5 to 8 s): slow under load
 
 
 def serve(cfg: ServerConfig, argv: Optional[list] = None,

@@ -5,10 +5,11 @@ and changes nothing), lets the state object decide, and sends its replies:
 parameters straight from the shard's buffer, part by part, each part's
 pending update applied just before it goes (``zero_copy.ZeroCopyStore``). It
 never crashes on input: anything the state raises is logged and answered as
-an error. It checkpoints its slice and optimizer state
-atomically every ``checkpoint_every`` seconds and when it stops, with the
-port it listens on: a shard of a resumed server listens there again when the
-port is free, so running workers find it where it was.
+an error. It checkpoints its slice and optimizer state atomically as it starts
+serving, every ``checkpoint_every`` seconds and when it stops (before the drain
+that tells workers), with the port it listens on: a shard of a resumed server
+listens there again when the port is free, so running workers find it where it
+was.
 """
 
 from __future__ import annotations
@@ -117,16 +118,18 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
                 next_checkpoint = now + settings.checkpoint_every
         if path is not None:  # before the drain, which changes nothing and may last 8 s: a
             # launcher's grace (torchrun's 30 s from SIGTERM to SIGKILL) may end during it
-            save_checkpoint(path, {"shard": state.state_dict(), "port": port})
-            path = None
+            saving, path = path, None  # one try: a failure here is reported, not repeated
+            save_checkpoint(saving, {"shard": state.state_dict(), "port": port})
         _drain(sock, state)
     finally:
-        if path is not None:  # stopped by an error: save what there is
-            save_checkpoint(path, {"shard": state.state_dict(), "port": port})
-        areas.close()
-        gate.close()
-        sock.close(0)
-        ctx.term()
+        try:
+            if path is not None:  # stopped by an error: save what there is
+                save_checkpoint(path, {"shard": state.state_dict(), "port": port})
+        finally:
+            areas.close()
+            gate.close()
+            sock.close(0)
+            ctx.term()
 
 
 def _listen(ctx: zmq.Context, settings: ShardProcessSettings, size: int,

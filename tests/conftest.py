@@ -310,6 +310,14 @@ def keys(run_cli, tmp_path):
     return made
 
 
+def periodic_checkpoint(run_dir, index: int = 0) -> bool:
+    """Shard ``index`` of the server in ``run_dir`` saved a checkpoint after updates (each
+    saves version 0 as it starts serving; a later one has a version above 0)."""
+    from asyncsgd.run.checkpoint import load_checkpoint
+    path = Path(run_dir) / f"shard-{index}.pt"
+    return path.exists() and load_checkpoint(path)["shard"]["version"] > 0
+
+
 def shard_stats(srv, port: int) -> dict:
     return srv.request(encode(Message(type=STATS, seq=1)), port=port).meta
 

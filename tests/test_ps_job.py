@@ -17,7 +17,8 @@ from datetime import timedelta
 import psutil
 import pytest
 
-from conftest import BIN, TESTS, free_port, marked_processes, read_events, read_json, wait_for
+from conftest import (BIN, TESTS, free_port, marked_processes, periodic_checkpoint,
+                      read_events, read_json, wait_for)
 from netns import Hosts, can_make_namespaces
 
 TARGET = 0.85
@@ -160,7 +161,7 @@ def test_a_killed_server_resumes_from_its_checkpoint_and_counts_what_it_lost(cli
     proc = start([str(a) for a in argv + ["--out", out, "--progress", "off",
                                            "--checkpoint-every", 1]], job_env(cli_env, mark))
     try:
-        wait_for(lambda: (out / "shard-0.pt").exists() and training(out), JOB_SECONDS / 2,
+        wait_for(lambda: periodic_checkpoint(out) and training(out), JOB_SECONDS / 2,
                  "a shard checkpoint and training")
         time.sleep(1.5)  # updates beyond the checkpoint
         killed = _kill_once_training(mark, out, rank=0)

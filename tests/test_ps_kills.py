@@ -16,7 +16,8 @@ import torch
 from asyncsgd.core.tasks import partition_indices
 from asyncsgd.run.checkpoint import load_checkpoint
 from asyncsgd.wire.layout import Layout
-from conftest import finish, read_events, read_json, shard_stats, wait_for, worker
+from conftest import (finish, periodic_checkpoint, read_events, read_json, shard_stats,
+                      wait_for, worker)
 from faults import observe, record_figure
 from asyncsgd.servers.shard import params_digest
 from tasks_for_tests import index_counter
@@ -159,7 +160,7 @@ def test_shard_sigkill_restarts_from_its_checkpoint_and_counts_lost_updates(serv
     run_dir = srv.out
     trainer = worker(cli_env, srv.address, 0, 1, "--task", TASK, "--samples", rows,
                      "--epochs", epochs, "--heartbeat", 0.2, "--transport", "shared")
-    wait_for(lambda: (run_dir / "shard-0.pt").exists() and
+    wait_for(lambda: periodic_checkpoint(run_dir) and
              shard_stats(srv, port)["version"] >= 400, 120, "a checkpoint and 400 updates")
     copy, killed = _kill_shard(srv, run_dir, port)
     saved = load_checkpoint(copy)["shard"]
@@ -194,10 +195,10 @@ def test_shard_sigkill_restarts_from_its_checkpoint_and_counts_lost_updates(serv
 
 def test_a_shard_killed_before_its_first_periodic_checkpoint_counts_every_update_lost(
         server, cli_env):
-    """--checkpoint-every 0 (only at the end): the shard's checkpoint from its start is all
-    there is. Restarted from it (version 0), it counts as lost every acknowledged push it
-    had applied, and the weights prove that count exact; without that checkpoint it would
-    start over from the initial parameters as if it had lost nothing."""
+    """--checkpoint-every 0 (only at the start and the end): the shard's checkpoint from
+    its start is all there is. Restarted from it (version 0), it counts as lost every
+    acknowledged push it had applied, and the weights prove that count exact; without that
+    checkpoint it would start over from the initial parameters as if it had lost nothing."""
     rows, epochs = 4000, 2  # one worker, 500 pushes an epoch
     srv = server("--task", TASK, "--samples", rows, "--checkpoint-every", 0)
     port = srv.stats()["shard_ports"][0]
@@ -227,7 +228,7 @@ def test_training_reaches_its_target_through_a_shard_crash(server, cli_env):
     ports = srv.stats()["shard_ports"]
     procs = [worker(cli_env, srv.address, r, 2, "--epochs", 1000, "--heartbeat", 0.2)
              for r in range(2)]
-    wait_for(lambda: (srv.out / "shard-1.pt").exists() and
+    wait_for(lambda: periodic_checkpoint(srv.out, 1) and
              shard_stats(srv, ports[1])["updates"] >= 100, 120, "a checkpoint and 100 updates")
     _, killed = _kill_shard(srv, srv.out, ports[1], index=1)
     pushes = 0

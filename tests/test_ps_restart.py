@@ -17,8 +17,9 @@ import psutil
 import pytest
 
 from asyncsgd.run.checkpoint import load_checkpoint
-from conftest import (CurveServer, Server, assert_no_shm_leak, finish, read_json, shard_stats,
-                      shm_entries, signal_group, stop_tree, wait_for, worker)
+from conftest import (CurveServer, Server, assert_no_shm_leak, finish, periodic_checkpoint,
+                      read_json, shard_stats, shm_entries, signal_group, stop_tree, wait_for,
+                      worker)
 from faults import record_figure
 
 TASK = "tasks_for_tests:dense_pair"
@@ -78,8 +79,8 @@ def test_workers_rejoin_a_server_killed_whole_and_resumed(cli_env, run_cli, tmp_
             train = shard_stats(first, old_ports[1]).get("train", {})
             return len(train) == 2 and min(steps for _, steps, _ in train.values()) >= 100
 
-        wait_for(lambda: all((out / f"shard-{i}.pt").exists() for i in range(2)) and
-                 (out / "checkpoint.pt").exists() and both_trained(),
+        wait_for(lambda: all(periodic_checkpoint(out, i) for i in range(2)) and
+                 both_trained(),
                  120, "checkpoints and 100 pushes of each worker")
         stop_tree(first.proc, signal_group(signal.SIGKILL))  # asserts no shard outlives it
         # Its resource tracker died with it: nothing of it may be left in /dev/shm for one.

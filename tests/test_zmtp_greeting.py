@@ -154,6 +154,6 @@ def test_a_plain_peer_that_hangs_up_on_a_plain_client_is_not_said_to_need_keys(
     srv = hang_up_server("NULL")
     with pytest.raises(SecurityError) as err:
         fetch_stats(srv.address, 30, None)
-    assert "though it needs no keys: is it an asyncsgd server?" in str(err.value)
+    assert "though its greeting names NULL security: is it an asyncsgd server?" in str(err.value)
     assert "CURVE" not in str(err.value)
     assert srv.hung_up >= 10 and srv.greeted == 1

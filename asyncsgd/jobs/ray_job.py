@@ -68,7 +68,7 @@ POLL_SECONDS = 0.2
 LEDGER_EVERY = 1.0  # how often the driver looks for restarted workers, to log them
 WORKER_GRACE = 20.0  # after the server ended: a worker is told at its next push; one that
 #                      was restarting would wait --server-timeout for a server that is gone
-STOP_SECONDS = 90.0  # SIGTERM to a saved run: shards drain (1.5-8 s) and save, a last
+STOP_SECONDS = 90.0  # SIGTERM to a saved run: shards save and drain (1.5-8 s), a last
 #                      evaluation, summary.json; slow under load
 GONE_SECONDS = 15.0
 NOTE_SECONDS = 30.0  # how often a slow start is noted

@@ -28,6 +28,7 @@ GREETING_BYTES = 64
 MECHANISM = slice(12, 32)
 KNOWN = ("NULL", "PLAIN", "CURVE", "GSSAPI")
 GREETING_SECONDS = 2.0  # a live server sends it in ~10 ms on 127.0.0.1, even under load
+GREETING_TRIES = 3  # a client asks at each of its first hang-ups until one answers
 
 
 def server_mechanism(endpoint: str, timeout: float) -> Optional[str]:
@@ -36,8 +37,13 @@ def server_mechanism(endpoint: str, timeout: float) -> Optional[str]:
     ``timeout`` seconds (nothing listening, not ZeroMQ, an older ZMTP, or too slow)."""
     host, port = parse_endpoint(endpoint, "--server")
     deadline = time.monotonic() + timeout
+    # libzmq without ZMQ_IPV6 (as asyncsgd's sockets are) connects over IPv4 only, unless
+    # given an IPv6 literal: ask the address it reached
+    family = socket.AF_INET6 if host.startswith("[") else socket.AF_INET
     try:
-        with socket.create_connection((host.strip("[]"), port), timeout=timeout) as sock:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect((host.strip("[]"), port))
             sock.sendall(SIGNATURE + bytes([MAJOR_VERSION]))
             greeting = b""
             while len(greeting) < GREETING_BYTES:
@@ -49,7 +55,7 @@ def server_mechanism(endpoint: str, timeout: float) -> Optional[str]:
                 if not chunk:
                     return None
                 greeting += chunk
-    except OSError:  # refused, reset, timed out
+    except (OSError, ValueError):  # refused, reset, timed out, unresolvable, a bad name
         return None
     if greeting[0] != SIGNATURE[0] or greeting[9] != SIGNATURE[9] or greeting[10] < 3:
         return None

@@ -36,7 +36,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import ConfigError, SecurityError
-from .greeting import GREETING_SECONDS, server_mechanism
+from .greeting import GREETING_SECONDS, GREETING_TRIES, server_mechanism
 
 log = logging.getLogger(__name__)
 
@@ -336,6 +336,7 @@ def await_handshake(ctx: zmq.Context, endpoint: str, keys: Optional[ClientKeys],
     monitor = probe.get_monitor_socket(HANDSHAKE_EVENTS)
     probe.connect(endpoint)
     closed_early = 0
+    mechanism = None  # the server's, once its greeting told
     mismatch = f"the server at {endpoint} " + (
         "does not use CURVE but this worker does: drop --curve-server-key and "
         "--curve-secret, or start the server with --curve-secret" if keys else
@@ -362,9 +363,11 @@ def await_handshake(ctx: zmq.Context, endpoint: str, keys: Optional[ClientKeys],
                 closed_early += 1
                 # libzmq may show a mismatch only as hang-ups (under load, every time:
                 # greeting.py); the server's greeting names its mechanism
-                if closed_early == 1 and server_mechanism(endpoint, GREETING_SECONDS) == (
-                        "NULL" if keys else "CURVE"):
-                    raise SecurityError(mismatch)
+                if mechanism is None and closed_early <= GREETING_TRIES:
+                    mechanism = server_mechanism(endpoint, min(
+                        GREETING_SECONDS, deadline - time.monotonic()))
+                    if mechanism == ("NULL" if keys else "CURVE"):
+                        raise SecurityError(mismatch)
                 if closed_early >= PROBE_FAILURES:
                     raise SecurityError(
                         f"the server at {endpoint} closes the connection during the handshake"

@@ -30,7 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import AsyncSGDError, SecurityError
 from .protocol import ERROR, STATS, Key, Message
-from .greeting import GREETING_SECONDS, server_mechanism
+from .greeting import GREETING_SECONDS, GREETING_TRIES, server_mechanism
 from .security import HANDSHAKE_EVENTS, MECHANISM_MISMATCH, PROBE_FAILURES
 from .transport import dealer, parse_endpoint, recv, send
 
@@ -87,9 +87,8 @@ def _await_reply(sock: zmq.Socket, monitor: zmq.Socket, handshake: "_Handshake")
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
-    deadline = time.monotonic() + handshake.timeout
     while True:
-        left = deadline - time.monotonic()
+        left = handshake.deadline - time.monotonic()
         if left <= 0:
             raise handshake.timed_out()
         ready = dict(poller.poll(int(left * 1000) + 1))
@@ -107,7 +106,8 @@ class _Handshake:
         self.server, self.timeout, self.keys = server, timeout, keys
         self.connected = self.succeeded = False
         self.failures = 0
-        self.ours = "CURVE" if keys else "NULL"
+        self.deadline = time.monotonic() + timeout
+        self.other = "NULL" if keys else "CURVE"  # the mechanism that would not fit ours
         self.mechanism: Optional[str] = None  # the server's, from its greeting
 
     def see(self, event: int, value: int) -> None:
@@ -125,9 +125,11 @@ class _Handshake:
             raise SecurityError(self._mismatch())
         elif event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
             self.failures += 1
-            if self.failures == 1:  # a mismatch libzmq showed only as a hang-up? ask
-                self.mechanism = server_mechanism(self.server, GREETING_SECONDS)
-                if self.mechanism and self.mechanism != self.ours:
+            if self.mechanism is None and self.failures <= GREETING_TRIES:
+                # a mismatch libzmq showed only as a hang-up? the server's greeting says
+                self.mechanism = server_mechanism(self.server, min(
+                    GREETING_SECONDS, self.deadline - time.monotonic()))
+                if self.mechanism == self.other:
                     raise SecurityError(self._mismatch())
             if self.failures >= PROBE_FAILURES:  # 1.2 s of reconnects, measured
                 raise SecurityError(self._hung_up())
@@ -140,10 +142,10 @@ class _Handshake:
         return f"{self.server} requires CURVE keys: {NEED_KEYS}"
 
     def _hung_up(self) -> str:
-        if self.mechanism == "NULL":  # a plain ZeroMQ peer that hangs up on a plain client
+        if self.mechanism not in (None, "CURVE"):  # plain (or PLAIN, GSSAPI), yet hangs up
             return (f"{self.server} closes the connection during the handshake "
-                    f"({self.failures} tries) though it needs no keys: is it an asyncsgd "
-                    "server?")
+                    f"({self.failures} tries) though its greeting names {self.mechanism} "
+                    "security: is it an asyncsgd server?")
         if self.keys:
             return (f"{self.server} closes the connection during the CURVE handshake "
                     f"({self.failures} tries): --curve-server-key is probably not this "
