@@ -16,6 +16,7 @@ import zmq
 
 from asyncsgd.config import ServerConfig
 from asyncsgd.core.tasks import load_task
+from asyncsgd.run.checkpoint import load_checkpoint
 from asyncsgd.wire.layout import Layout
 from asyncsgd.wire.protocol import HELLO, STATS, WELCOME, Key, Message, decode, encode
 from asyncsgd.wire.security import ClientKeys
@@ -313,7 +314,6 @@ def keys(run_cli, tmp_path):
 def periodic_checkpoint(run_dir, index: int = 0) -> bool:
     """Shard ``index`` of the server in ``run_dir`` saved a checkpoint after updates (each
     saves version 0 as it starts serving; a later one has a version above 0)."""
-    from asyncsgd.run.checkpoint import load_checkpoint
     path = Path(run_dir) / f"shard-{index}.pt"
     return path.exists() and load_checkpoint(path)["shard"]["version"] > 0
 

@@ -10,7 +10,7 @@ tries of each:
   code on the first or second connection (7 of 15 first saw the socket closed,
   FAILED_NO_DETAIL); libzmq then stops reconnecting. Keys, plain server: the same
   mismatch within three connections. Under load the closures can win every time (a CI
-  run: 10 of 10), so at the first one ``greeting.server_mechanism`` reads the server's
+  run: 10 of 10), so at the first ones ``greeting.server_mechanism`` reads the server's
   mechanism from its ZMTP greeting and a mismatch is told at once.
 - a client key the server does not admit: HANDSHAKE_FAILED_AUTH (status 400), once.
 - the wrong server public key: only FAILED_NO_DETAIL (the server hangs up, EPIPE),
@@ -29,8 +29,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import AsyncSGDError, SecurityError
-from .protocol import ERROR, STATS, Key, Message
 from .greeting import GREETING_SECONDS, GREETING_TRIES, server_mechanism
+from .protocol import ERROR, STATS, Key, Message
 from .security import HANDSHAKE_EVENTS, MECHANISM_MISMATCH, PROBE_FAILURES
 from .transport import dealer, parse_endpoint, recv, send
 
