@@ -83,6 +83,10 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
     sock, endpoint = _listen(ctx, settings, state.size, saved.get("port"))
     gate.watch(sock)
     port = int(endpoint.rsplit(":", 1)[1])
+
+    def save(to: Path) -> None:
+        save_checkpoint(to, {"shard": state.state_dict(), "port": port})
+
     sessions = Sessions(settings.session_key)
     areas = Areas(state.size, max(MIN_AREAS, 2 * settings.config.expected_workers))
     log.info("shard %d serving [%d, %d) on port %d, %s, %d thread(s)", rank,
@@ -92,7 +96,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
         # A checkpoint from the start: a shard (or server) killed before its first periodic
         # one restarts from it, and counts the acknowledged updates it lost, instead of
         # starting over from the initial parameters as if it had lost none.
-        save_checkpoint(path, {"shard": state.state_dict(), "port": port})
+        save(path)
     ready.send(port)
     ready.close()
     next_checkpoint = time.monotonic() + (settings.checkpoint_every or float("inf"))
@@ -114,17 +118,17 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
                 for peer, reply in state.tick(now):
                     _reply(sock, state, peer, reply, areas)
             if path is not None and now >= next_checkpoint:
-                save_checkpoint(path, {"shard": state.state_dict(), "port": port})
+                save(path)
                 next_checkpoint = now + settings.checkpoint_every
         if path is not None:  # before the drain, which changes nothing and may last 8 s: a
             # launcher's grace (torchrun's 30 s from SIGTERM to SIGKILL) may end during it
             saving, path = path, None  # one try: a failure here is reported, not repeated
-            save_checkpoint(saving, {"shard": state.state_dict(), "port": port})
+            save(saving)
         _drain(sock, state)
     finally:
         try:
             if path is not None:  # stopped by an error: save what there is
-                save_checkpoint(path, {"shard": state.state_dict(), "port": port})
+                save(path)
         finally:
             areas.close()
             gate.close()

@@ -31,6 +31,30 @@ GREETING_SECONDS = 2.0  # a live server sends it in ~10 ms on 127.0.0.1, even un
 GREETING_TRIES = 3  # a client asks at each of its first hang-ups until one answers
 
 
+def misfit(keys: bool) -> str:
+    """The server mechanism a client with (or without) CURVE keys cannot talk to."""
+    return "NULL" if keys else "CURVE"
+
+
+class HangUps:
+    """The server's mechanism as a client learns it at its handshake hang-ups: asked at
+    each of the first ``GREETING_TRIES`` until the greeting answers, never past the
+    client's ``deadline`` (``time.monotonic()``)."""
+
+    def __init__(self, endpoint: str, deadline: float):
+        self.endpoint, self.deadline = endpoint, deadline
+        self.count = 0
+        self.mechanism: Optional[str] = None
+
+    def hung_up(self) -> Optional[str]:
+        """Count one hang-up; the server's mechanism, when known."""
+        self.count += 1
+        if self.mechanism is None and self.count <= GREETING_TRIES:
+            self.mechanism = server_mechanism(self.endpoint, min(
+                GREETING_SECONDS, self.deadline - time.monotonic()))
+        return self.mechanism
+
+
 def server_mechanism(endpoint: str, timeout: float) -> Optional[str]:
     """The mechanism (``NULL``, ``PLAIN``, ``CURVE``, ``GSSAPI``) the ZMTP 3 server at
     ``endpoint`` (``tcp://HOST:PORT``) announces; None when no such greeting comes within

@@ -36,7 +36,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import ConfigError, SecurityError
-from .greeting import GREETING_SECONDS, GREETING_TRIES, server_mechanism
+from .greeting import HangUps, misfit
 
 log = logging.getLogger(__name__)
 
@@ -335,14 +335,13 @@ def await_handshake(ctx: zmq.Context, endpoint: str, keys: Optional[ClientKeys],
     probe = dealer(ctx, endpoint, curve=keys, connect_now=False)
     monitor = probe.get_monitor_socket(HANDSHAKE_EVENTS)
     probe.connect(endpoint)
-    closed_early = 0
-    mechanism = None  # the server's, once its greeting told
     mismatch = f"the server at {endpoint} " + (
         "does not use CURVE but this worker does: drop --curve-server-key and "
         "--curve-secret, or start the server with --curve-secret" if keys else
         "requires CURVE authentication: pass --curve-server-key SERVER.key and "
         "--curve-secret WORKER.key_secret (from 'asyncsgd keygen')")
     deadline = time.monotonic() + timeout
+    hang_ups = HangUps(endpoint, deadline)
     try:
         while True:
             left = deadline - time.monotonic()
@@ -360,15 +359,11 @@ def await_handshake(ctx: zmq.Context, endpoint: str, keys: Optional[ClientKeys],
             if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == MECHANISM_MISMATCH:
                 raise SecurityError(mismatch)
             if kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
-                closed_early += 1
                 # libzmq may show a mismatch only as hang-ups (under load, every time:
                 # greeting.py); the server's greeting names its mechanism
-                if mechanism is None and closed_early <= GREETING_TRIES:
-                    mechanism = server_mechanism(endpoint, min(
-                        GREETING_SECONDS, deadline - time.monotonic()))
-                    if mechanism == ("NULL" if keys else "CURVE"):
-                        raise SecurityError(mismatch)
-                if closed_early >= PROBE_FAILURES:
+                if hang_ups.hung_up() == misfit(keys is not None):
+                    raise SecurityError(mismatch)
+                if hang_ups.count >= PROBE_FAILURES:
                     raise SecurityError(
                         f"the server at {endpoint} closes the connection during the handshake"
                         + (": --curve-server-key is probably not this server's public key "

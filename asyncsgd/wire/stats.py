@@ -29,7 +29,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import AsyncSGDError, SecurityError
-from .greeting import GREETING_SECONDS, GREETING_TRIES, server_mechanism
+from .greeting import HangUps, misfit
 from .protocol import ERROR, STATS, Key, Message
 from .security import HANDSHAKE_EVENTS, MECHANISM_MISMATCH, PROBE_FAILURES
 from .transport import dealer, parse_endpoint, recv, send
@@ -105,10 +105,8 @@ class _Handshake:
     def __init__(self, server: str, timeout: float, keys: bool):
         self.server, self.timeout, self.keys = server, timeout, keys
         self.connected = self.succeeded = False
-        self.failures = 0
         self.deadline = time.monotonic() + timeout
-        self.other = "NULL" if keys else "CURVE"  # the mechanism that would not fit ours
-        self.mechanism: Optional[str] = None  # the server's, from its greeting
+        self.hang_ups = HangUps(server, self.deadline)
 
     def see(self, event: int, value: int) -> None:
         """Note one event; raise at once when it settles what is wrong."""
@@ -124,14 +122,10 @@ class _Handshake:
         elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == MECHANISM_MISMATCH:
             raise SecurityError(self._mismatch())
         elif event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
-            self.failures += 1
-            if self.mechanism is None and self.failures <= GREETING_TRIES:
-                # a mismatch libzmq showed only as a hang-up? the server's greeting says
-                self.mechanism = server_mechanism(self.server, min(
-                    GREETING_SECONDS, self.deadline - time.monotonic()))
-                if self.mechanism == self.other:
-                    raise SecurityError(self._mismatch())
-            if self.failures >= PROBE_FAILURES:  # 1.2 s of reconnects, measured
+            # a mismatch libzmq showed only as a hang-up? the server's greeting says
+            if self.hang_ups.hung_up() == misfit(self.keys):
+                raise SecurityError(self._mismatch())
+            if self.hang_ups.count >= PROBE_FAILURES:  # 1.2 s of reconnects, measured
                 raise SecurityError(self._hung_up())
 
     def _mismatch(self) -> str:
@@ -142,22 +136,23 @@ class _Handshake:
         return f"{self.server} requires CURVE keys: {NEED_KEYS}"
 
     def _hung_up(self) -> str:
-        if self.mechanism not in (None, "CURVE"):  # plain (or PLAIN, GSSAPI), yet hangs up
+        mechanism = self.hang_ups.mechanism
+        if mechanism not in (None, "CURVE"):  # plain (or PLAIN, GSSAPI), yet hangs up
             return (f"{self.server} closes the connection during the handshake "
-                    f"({self.failures} tries) though its greeting names {self.mechanism} "
+                    f"({self.hang_ups.count} tries) though its greeting names {mechanism} "
                     "security: is it an asyncsgd server?")
         if self.keys:
             return (f"{self.server} closes the connection during the CURVE handshake "
-                    f"({self.failures} tries): --curve-server-key is probably not this "
+                    f"({self.hang_ups.count} tries): --curve-server-key is probably not this "
                     "server's public key (the server.key 'asyncsgd keygen' wrote with its "
                     "--curve-secret)")
-        return (f"{self.server} closes the connection during the handshake ({self.failures} "
+        return (f"{self.server} closes the connection during the handshake ({self.hang_ups.count} "
                 f"tries): it probably requires CURVE keys: {NEED_KEYS}")
 
     def timed_out(self) -> AsyncSGDError:
         """The error for no reply within the timeout, by how far the connection got."""
         wait = f"within {self.timeout:g} s"
-        if self.failures:
+        if self.hang_ups.count:
             return SecurityError(self._hung_up())
         if self.succeeded:
             return AsyncSGDError(f"no answer from {self.server} {wait} though it accepted the "
