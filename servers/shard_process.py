@@ -26,6 +26,7 @@ import torch
 import zmq
 
 from asyncsgd.run.checkpoint import load_checkpoint, save_checkpoint
+from asyncsgd.wire.busy_poll import BusyPoll
 from asyncsgd.wire.memory import keep_freed_memory
 from asyncsgd.wire.protocol import (ATTACH, BYE, PARAMS, STATS, Code, Key, Message,
                                     ProtocolError, error_message, in_parts)
@@ -60,6 +61,7 @@ class ShardProcessSettings:
     threads: int
     curve: Optional[ServerKeys] = None
     session_key: bytes = b""  # checks the tokens the front hands out (sessions.py)
+    busy_poll_us: float = 0.0  # polls for the next message this long (wire.busy_poll)
 
 
 def checkpoint_path(directory: str, index: int) -> Path:
@@ -109,9 +111,10 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
         # flag (a numpy view: 0.1 us a check against 1.1) are read after every message.
         sock.setsockopt(zmq.RCVTIMEO, int(TICK_SECONDS * 1000))
         stopped = stop.numpy()
+        busy = BusyPoll(settings.busy_poll_us / 1e6)
         while not stopped[0]:
             with contextlib.suppress(zmq.Again):  # nothing came within the tick
-                _serve_one(sock, state, gate, sessions, areas)
+                _serve_one(sock, state, gate, sessions, areas, busy)
             now = time.monotonic()
             if now >= next_tick:  # liveness needs no finer grain than this
                 next_tick = now + TICK_SECONDS
@@ -209,10 +212,18 @@ def _reply(sock: zmq.Socket, state: ShardState, peer: bytes, reply: Message,
 
 
 def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
-               sessions: Sessions, areas: Areas) -> None:
-    """Receive one message (waiting up to RCVTIMEO: zmq.Again when none came) and answer
-    it."""
-    peer, msg = recv_from(sock, areas.grads_of)
+               sessions: Sessions, areas: Areas, busy: Optional[BusyPoll] = None) -> None:
+    """Receive one message (waiting up to RCVTIMEO: zmq.Again when none came; polling
+    first with ``busy`` while messages come that often) and answer it."""
+    if busy is None:
+        peer, msg = recv_from(sock, areas.grads_of)
+    else:
+        idle = time.perf_counter()
+        busy.wait(sock)
+        try:
+            peer, msg = recv_from(sock, areas.grads_of)
+        finally:
+            busy.waited(time.perf_counter() - idle)
     if isinstance(msg, ProtocolError):
         replies = state.refuse(peer, msg.code, str(msg), msg)
     elif not sessions.admits(msg):

@@ -158,6 +158,7 @@ def test_worker_with_another_model_is_refused(server, run_cli):
     (["--bind", "localhost:5555"], "use tcp://HOST:PORT"),
     (["--shards", "0"], "--shards"),
     (["--optimizer", "rmsprop"], "--optimizer"),
+    (["--busy-poll-us", "-1"], "--busy-poll-us"),
 ])
 def test_bad_server_flags_are_one_clear_line(run_cli, args, fragment, tmp_path):
     res = run_cli("ps-server", *args, "--out", tmp_path / "run", timeout=60)
@@ -175,8 +176,9 @@ def test_port_in_use_is_one_clear_line(server, run_cli, tmp_path):
 
 def test_ps_stats_reports_a_running_server(server, cli_env, run_cli):
     """One worker pulls after every push, so each of its 20 pushes has staleness 0 on each of
-    the 2 shards: the histogram holds exactly those 40."""
-    task = ["--task", "tasks_for_tests:dense_pair", "--samples", 160]
+    the 2 shards: the histogram holds exactly those 40. (Neither side busy-polls here;
+    everywhere else both do, by default.)"""
+    task = ["--task", "tasks_for_tests:dense_pair", "--samples", 160, "--busy-poll-us", 0]
     srv = server(*task, "--shards", 2, "--no-exit-when-done")
     (code, out, err), = finish([worker(cli_env, srv.address, 0, 1, *task, "--epochs", 1)])
     assert code == 0 and "20 steps, 20 pushes" in out, err

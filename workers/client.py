@@ -43,7 +43,9 @@ from typing import Optional
 import torch
 import zmq
 
+from asyncsgd.config import BUSY_POLL_US
 from asyncsgd.errors import AsyncSGDError
+from asyncsgd.wire.busy_poll import BusyPoll
 from asyncsgd.wire.compression import WIRE_DTYPES, Compressor
 from asyncsgd.wire.protocol import (ACK, ATTACH, BYE, ERROR, HEARTBEAT, HELLO, PARAMS, PULL, PUSH,
                                     WELCOME, Code, Key, Message, ParamsIntake, ProtocolError,
@@ -107,7 +109,8 @@ class PSClient:
                  heartbeat: float = 1.0, server_timeout: float = 60.0,
                  curve: Optional[ClientKeys] = None, transport: str = "auto",
                  data: Optional[dict] = None, compressor: Optional[Compressor] = None,
-                 pull_dtype: str = "float32"):
+                 pull_dtype: str = "float32",
+                 busy_poll_us: float = BUSY_POLL_US):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r} is not one of {TRANSPORTS}")
         # Compressed pushes and pulls travel as frames: a same-host area holds float32
@@ -126,6 +129,8 @@ class PSClient:
                                                     "host (in this network namespace)"))
         self.incarnation = new_incarnation()
         self.heartbeat, self.server_timeout = heartbeat, server_timeout
+        # How a reply is awaited: polling for up to busy_poll_us while replies come that fast
+        self.busy_poll = BusyPoll(busy_poll_us / 1e6)
         self.curve = curve
         self.ctx = zmq.Context()
         self.seq = 0
@@ -452,17 +457,22 @@ class PSClient:
         of its own (strace: 10 poll calls a 20 KB round trip in this process). False
         when the answer is late or needs the general loop (a re-admission)."""
         (i, _seq), = outstanding
+        sock, sent = self.shards[i], time.perf_counter()
+        self.busy_poll.wait(sock)
         until = time.monotonic() + self.heartbeat  # stray replies do not extend the wait
-        while outstanding and time.monotonic() < until:
-            try:
-                reply = self._in(self.shards[i], self._slots[i])
-            except zmq.Again:
-                return False
-            if reply.shard in (-1, i):
-                self._handle(i, reply, outstanding, params)
-            if self._readmitting:
-                break
-        return not outstanding
+        try:
+            while outstanding and time.monotonic() < until:
+                try:
+                    reply = self._in(sock, self._slots[i])
+                except zmq.Again:
+                    return False
+                if reply.shard in (-1, i):
+                    self._handle(i, reply, outstanding, params)
+                if self._readmitting:
+                    break
+            return not outstanding
+        finally:
+            self.busy_poll.waited(time.perf_counter() - sent)
 
     def _reopen(self, i: int, outstanding: dict) -> None:
         """A fresh socket to shard ``i``'s current address; its outstanding requests re-sent."""

@@ -150,7 +150,7 @@ def run_worker(cfg: WorkerConfig, seen: Optional[list] = None,
                       server_timeout=cfg.server_timeout, curve=keys, transport=cfg.transport,
                       data=data_signature(task, cfg.task, cfg.seed, PS_PARTITION_SEED),
                       compressor=Compressor(*parse_compress(cfg.compress), cfg.push_dtype),
-                      pull_dtype=cfg.pull_dtype)
+                      pull_dtype=cfg.pull_dtype, busy_poll_us=cfg.busy_poll_us)
     if seen and len(seen) == len(client.versions):
         client.versions = [int(v) for v in seen]
     set_threads(cfg, world, is_local(client.host), len(client.shards))
