@@ -24,6 +24,7 @@ from .errors import ConfigError
 # Microseconds a worker polls for a reply, and a shard for its next message, before
 # sleeping (asyncsgd.wire.busy_poll): a 20 KB round trip took 0.20 ms instead of 0.26.
 BUSY_POLL_US = 400
+MAX_BUSY_POLL_US = 10_000  # well below a heartbeat and a shard's 0.1 s tick
 
 
 def knob(default: Any, help: str, *, type: Any = None, show: Optional[str] = None,
@@ -438,7 +439,7 @@ class ServerConfig(RunConfig):
         BUSY_POLL_US, "Each shard polls for its next message for up to this many "
         "microseconds before sleeping, while messages come that often and no other thread "
         "wants its core (a woken process waited ~25 us for a core here). 0: always sleep.",
-        type=click.IntRange(min=0))
+        type=click.IntRange(0, MAX_BUSY_POLL_US))
 
     mode = "ps"
 
@@ -517,10 +518,11 @@ class WorkerConfig:
     heartbeat: float = knob(1.0, "Seconds between heartbeats while waiting on the server.",
                             type=click.FloatRange(min=0.05))
     busy_poll_us: int = knob(
-        BUSY_POLL_US, "Wait for a shard's reply by polling for up to this many microseconds "
-        "before sleeping, while replies come that fast and no other thread wants the core: "
-        "a 20 KB push+pull took 0.20 ms instead of 0.26 ms here. 0: always sleep.",
-        type=click.IntRange(min=0))
+        BUSY_POLL_US, "With a one-shard server, wait for a shard's reply by polling for up to "
+        "this many microseconds before sleeping, while replies come that fast and no other "
+        "thread wants the core: a 20 KB push+pull took 0.20 ms instead of 0.26 ms here. 0: "
+        "always sleep.",
+        type=click.IntRange(0, MAX_BUSY_POLL_US))
     server_timeout: float = knob(
         60.0, "Give up with an error after the server has been unreachable this long.",
         type=click.FloatRange(min=0.1))
@@ -588,9 +590,9 @@ _JOB_HELP = {  # settings both roles take, where the server's own help would mis
     "max_seconds": dict(default=None, help="Stop this many seconds after the command "
                         "started, server and workers alike."),
     "busy_poll_us": dict(default=BUSY_POLL_US, help="Shards poll for their next message, "
-                         "workers for their replies, for up to this many microseconds before "
-                         "sleeping, while messages come that often and no other thread wants "
-                         "the core. 0: always sleep."),
+                         "and workers of a one-shard server for their replies, for up to this "
+                         "many microseconds before sleeping, while messages come that often "
+                         "and no other thread wants the core. 0: always sleep."),
 }
 
 

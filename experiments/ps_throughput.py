@@ -31,9 +31,10 @@ measures:
   not is an error) and ``transport="auto"`` (the same-host fast path; each
   trainer reports how many of its shards it reaches through a shared-memory
   area, and a cell where one fell back to frames is marked); both with
-  asyncsgd's defaults, so trainers and shards busy-poll for up to 400 us
-  before sleeping in recv while messages come that fast (``--busy-poll-us``,
-  ``asyncsgd.wire.busy_poll``; each trainer counts its polls and hits);
+  asyncsgd's defaults, so shards, and trainers of a one-shard server,
+  busy-poll for up to 400 us before sleeping in recv while messages come that
+  fast (``--busy-poll-us``, ``asyncsgd.wire.busy_poll``; each trainer counts
+  its polls and hits);
 * an RPC parameter server on torch.distributed.rpc (``experiments/rpc_ps.py``,
   as in pytorch/examples ``distributed/rpc``), TensorPipe's default (shared
   memory and cross-memory attach on one host) and TensorPipe over TCP only;
@@ -565,10 +566,10 @@ def report(rows: list, methods: list, header: str) -> str:
     lines = [header, "",
              "Per cell: ms per round trip (median over the trainers) · aggregate round trips/s "
              "of all trainers · GB/s (push + pull). Floor and raw pyzmq: one trainer. "
-             "asyncsgd runs with its defaults, so its trainers and shards poll for a message "
-             "for up to 400 µs before sleeping while messages come that fast "
-             "(`--busy-poll-us`; the JSON counts each trainer's polls); the floor, raw pyzmq "
-             "and the RPC PS sleep in recv.", "",
+             "asyncsgd runs with its defaults, so its shards, and its trainers of a one-shard "
+             "server, poll for a message for up to 400 µs before sleeping while messages come "
+             "that fast (`--busy-poll-us`; the JSON counts the trainers' polls); the floor, "
+             "raw pyzmq and the RPC PS sleep in recv.", "",
              "| model | trainers | " + " | ".join(METHODS[m] for m in cols)
              + " | floor | raw pyzmq, 4 MiB frames |",
              "|---|---:|" + "---:|" * (len(cols) + 2)]

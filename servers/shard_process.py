@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 import zmq
 
+from asyncsgd.config import BUSY_POLL_US
 from asyncsgd.run.checkpoint import load_checkpoint, save_checkpoint
 from asyncsgd.wire.busy_poll import BusyPoll
 from asyncsgd.wire.memory import keep_freed_memory
@@ -61,7 +62,7 @@ class ShardProcessSettings:
     threads: int
     curve: Optional[ServerKeys] = None
     session_key: bytes = b""  # checks the tokens the front hands out (sessions.py)
-    busy_poll_us: float = 0.0  # polls for the next message this long (wire.busy_poll)
+    busy_poll_us: float = BUSY_POLL_US  # polls for the next message this long (wire.busy_poll)
 
 
 def checkpoint_path(directory: str, index: int) -> Path:
@@ -243,7 +244,9 @@ def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
     for to, reply in replies:
         if reply.type == STATS:
             reply.meta.update(transport=gate.stats(), pid=os.getpid(), **areas.stats(),
-                              reply_copies=state.store.inflight.copies)
+                              reply_copies=state.store.inflight.copies,
+                              busy_polls=busy.polls if busy else 0,
+                              busy_poll_hits=busy.hits if busy else 0)
         _reply(sock, state, to, reply, areas)
     try:
         state.settle()  # the push's bookkeeping, while its worker reads the reply

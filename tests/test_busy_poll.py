@@ -3,9 +3,14 @@
 import time
 
 import pytest
+import torch
 import zmq
 
-from asyncsgd.wire.busy_poll import CONTENDED_SECONDS, SMOOTHING, BusyPoll
+from asyncsgd.config import BUSY_POLL_US
+from asyncsgd.wire.busy_poll import CONTENDED_SECONDS, MAX_SKIPS, SMOOTHING, BusyPoll
+from asyncsgd.wire.layout import Layout
+from asyncsgd.workers.client import PSClient
+from tasks_for_tests import index_counter
 
 
 @pytest.fixture
@@ -60,6 +65,46 @@ def test_a_wanted_core_ends_the_poll_after_one_yield(pair):
     assert (poll.polls, poll.hits, poll.contended) == (1, 0, 1)
 
 
+def test_contended_polls_in_a_row_sleep_through_1_2_4_waits_until_one_pays(pair):
+    a, b = pair
+    contended = [True]
+    yields = []
+
+    def core():  # contended while contended[0]; free otherwise, and then the reply lands
+        yields.append(1)
+        if contended[0]:
+            time.sleep(0.1)
+        else:
+            a.send(b"reply")
+
+    # a yield over 50 ms was contended: a free one stays below even when preempted under load
+    poll = BusyPoll(10.0, yield_core=core, contended_seconds=0.05)
+
+    def waits(n):  # n waits; how many of them yielded (polled) and did not sleep through
+        before = len(yields)
+        for _ in range(n):
+            poll.wait(b)
+        return len(yields) - before
+
+    assert waits(2) == 1  # contended, then 1 wait slept through
+    assert waits(3) == 1  # contended again, then 2 slept through
+    assert waits(5) == 1  # and 4
+    assert (poll.contended, poll.skip) == (3, 0)
+    contended[0] = False
+    assert waits(1) == 1 and poll.hits == 1  # free: it paid
+    assert b.recv(zmq.NOBLOCK) == b"reply"
+    contended[0] = True
+    assert waits(2) == 1  # back to sleeping through 1
+
+
+def test_sleeping_through_never_exceeds_max_skips(pair):
+    _, b = pair
+    poll = BusyPoll(10.0, yield_core=lambda: time.sleep(0.002), contended_seconds=0.001)
+    for _ in range(2000):
+        poll.wait(b)
+    assert poll.penalty == MAX_SKIPS
+
+
 def test_off_or_slow_replies_never_poll(pair):
     a, b = pair
     a.send(b"reply")
@@ -92,3 +137,26 @@ def test_the_estimate_follows_the_waits_and_turns_polling_back_on(pair):
 def test_a_negative_budget_is_refused():
     with pytest.raises(ValueError, match="busy-poll budget"):
         BusyPoll(-1e-6)
+
+
+def test_a_real_server_and_client_poll_by_default_and_not_when_told(server):
+    """Polling changes when a message is read, never what: exact parameters either way. The
+    first wait always polls (nothing has been slow yet), so the counters prove the knob
+    reached both sides."""
+    srv = server("--task", "tasks_for_tests:index_counter", "--samples", 1000,
+                 "--eval-every", 1000)
+    layout = Layout.of(index_counter(1000).build_model())
+    params, total = torch.zeros(layout.total), torch.zeros(layout.total)
+    polls = {}
+    for worker, budget in (("polls", BUSY_POLL_US), ("sleeps", 0)):
+        with PSClient(srv.address, worker, layout.signature(), rank=0, world=1,
+                      server_timeout=20, transport="tcp", busy_poll_us=budget) as client:
+            for step in range(20):
+                grad = torch.randint(-4, 5, (layout.total,)).float()
+                client.push_pull(grad, params)
+                total += grad
+                assert torch.equal(params, -total), f"{worker}, step {step}: not exact"
+            polls[worker] = client.busy_poll.polls
+    assert polls["polls"] >= 1 and polls["sleeps"] == 0
+    shard, = srv.stats()["shard_stats"]
+    assert shard["busy_polls"] >= 1

@@ -263,7 +263,7 @@ def test_resuming_another_modes_run_refuses_before_any_warning(tmp_path, run_cli
      ["next message"]),
     ("ps-server", "--busy-poll-us", ["next message", "0: always sleep", "[default: 400"],
      ["reply"]),
-    ("ps-job", "--busy-poll-us", ["Shards poll", "workers for their replies", "[default: 400"],
+    ("ps-job", "--busy-poll-us", ["Shards poll", "one-shard server", "[default: 400"],
      []),
 ])
 def test_each_commands_help_is_true_for_it(run_cli, command, flag, says, never):

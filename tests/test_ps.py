@@ -176,8 +176,8 @@ def test_port_in_use_is_one_clear_line(server, run_cli, tmp_path):
 
 def test_ps_stats_reports_a_running_server(server, cli_env, run_cli):
     """One worker pulls after every push, so each of its 20 pushes has staleness 0 on each of
-    the 2 shards: the histogram holds exactly those 40. (Neither side busy-polls here;
-    everywhere else both do, by default.)"""
+    the 2 shards: the histogram holds exactly those 40. With --busy-poll-us 0 on both
+    sides, neither polls: the shards count no poll."""
     task = ["--task", "tasks_for_tests:dense_pair", "--samples", 160, "--busy-poll-us", 0]
     srv = server(*task, "--shards", 2, "--no-exit-when-done")
     (code, out, err), = finish([worker(cli_env, srv.address, 0, 1, *task, "--epochs", 1)])
@@ -187,6 +187,7 @@ def test_ps_stats_reports_a_running_server(server, cli_env, run_cli):
     assert res.returncode == 0, res.stderr
     stats = json.loads(res.stdout)
     assert stats["shards"] == 2 and stats["task"] == "tasks_for_tests:dense_pair"
+    assert [s["busy_polls"] for s in stats["shard_stats"]] == [0, 0]
     assert stats["updates"] == 40 and stats["staleness"] == [40] + [0] * 63
     assert len(stats["joined"]) == 1 and stats["left"] == stats["joined"]
     # The run's metrics carry the same: updates, updates/s and staleness percentiles.

@@ -129,7 +129,8 @@ class PSClient:
                                                     "host (in this network namespace)"))
         self.incarnation = new_incarnation()
         self.heartbeat, self.server_timeout = heartbeat, server_timeout
-        # How a reply is awaited: polling for up to busy_poll_us while replies come that fast
+        # A reply from one shard (the only exchange that waits on one socket) is awaited by
+        # polling for up to busy_poll_us first, while replies come that fast (busy_poll.py)
         self.busy_poll = BusyPoll(busy_poll_us / 1e6)
         self.curve = curve
         self.ctx = zmq.Context()
@@ -458,8 +459,8 @@ class PSClient:
         when the answer is late or needs the general loop (a re-admission)."""
         (i, _seq), = outstanding
         sock, sent = self.shards[i], time.perf_counter()
-        self.busy_poll.wait(sock)
         until = time.monotonic() + self.heartbeat  # stray replies do not extend the wait
+        self.busy_poll.wait(sock)  # a heartbeat at most, with the budget's cap
         try:
             while outstanding and time.monotonic() < until:
                 try:
@@ -471,7 +472,7 @@ class PSClient:
                 if self._readmitting:
                     break
             return not outstanding
-        finally:
+        finally:  # (the reply's handling, its copy, counts in: a little over the bare wait)
             self.busy_poll.waited(time.perf_counter() - sent)
 
     def _reopen(self, i: int, outstanding: dict) -> None:
