@@ -158,8 +158,12 @@ def test_shard_sigkill_restarts_from_its_checkpoint_and_counts_lost_updates(serv
     srv = server("--task", TASK, "--samples", rows, "--checkpoint-every", 1)
     port = srv.stats()["shard_ports"][0]
     run_dir = srv.out
+    # Paced (2 ms a step, >= 4 s in all): the kill must land mid-run however fast the
+    # round trips are; unpaced, the 2000 pushes took ~2 s here, and the first periodic
+    # checkpoint with 400 updates came when 1500-1900 of them were done.
     trainer = worker(cli_env, srv.address, 0, 1, "--task", TASK, "--samples", rows,
-                     "--epochs", epochs, "--heartbeat", 0.2, "--transport", "shared")
+                     "--epochs", epochs, "--heartbeat", 0.2, "--transport", "shared",
+                     "--delay", "const:2ms")
     wait_for(lambda: periodic_checkpoint(run_dir) and
              shard_stats(srv, port)["version"] >= 400, 120, "a checkpoint and 400 updates")
     copy, killed = _kill_shard(srv, run_dir, port)
@@ -205,7 +209,7 @@ def test_a_shard_killed_before_its_first_periodic_checkpoint_counts_every_update
     start = load_checkpoint(srv.out / "shard-0.pt")["shard"]
     assert start["version"] == 0 and (srv.out / "checkpoint.pt").is_file()
     trainer = worker(cli_env, srv.address, 0, 1, "--task", TASK, "--samples", rows,
-                     "--epochs", epochs, "--heartbeat", 0.2)
+                     "--epochs", epochs, "--heartbeat", 0.2, "--delay", "const:2ms")  # mid-run
     wait_for(lambda: shard_stats(srv, port)["version"] >= 200, 120, "200 updates")
     copy, _ = _kill_shard(srv, srv.out, port)
     assert load_checkpoint(copy)["shard"]["version"] == 0  # no periodic one came
