@@ -422,6 +422,9 @@ def run(args, sizes: list, trainer_counts: list, methods: list, ctx) -> dict:
                     if method == "asyncsgd_local":
                         extra += f", same-host areas {r['shared_shards']}/{r['shards']}" + (
                             "" if r["all_shared"] else f" {FELL_BACK} a trainer fell back to TCP")
+                    if "busy_polls" in r:  # the share of round trips that polled, and found
+                        extra += (f", polled {r['busy_polls'] / max(1, r['round_trips']):.0%}"
+                                  f" (found {r['busy_poll_hits'] / max(1, r['round_trips']):.0%})")
                     if r.get("retries") or r.get("reconnects"):
                         extra += f", {r['retries']} retries, {r['reconnects']} reconnects"
                     name = label(method) + ("" if shards == first else f", {shards} shards")
@@ -452,6 +455,9 @@ def summarise(runs: dict, sizes: list, trainer_counts: list, methods: list) -> l
                                "runs_ms": [r["ms_per_round_trip"] for r in rs],
                                "runs_round_trips_per_s": [r["round_trips_per_s"] for r in rs],
                                "startup_s": statistics.median(r["startup_s"] for r in rs),
+                               **({"runs_polled": [r["busy_polls"] / max(1, r["round_trips"])
+                                                   for r in rs]}
+                                  if "busy_polls" in rs[0] else {}),
                                "wall_s": statistics.median(r["wall_s"] for r in rs)}
                 if method == "asyncsgd_local":  # fewest shards any trainer reached by an area
                     row[method]["shared_shards"] = [r["shared_shards"] for r in rs]

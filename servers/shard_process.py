@@ -213,18 +213,15 @@ def _reply(sock: zmq.Socket, state: ShardState, peer: bytes, reply: Message,
 
 
 def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
-               sessions: Sessions, areas: Areas, busy: Optional[BusyPoll] = None) -> None:
-    """Receive one message (waiting up to RCVTIMEO: zmq.Again when none came; polling
-    first with ``busy`` while messages come that often) and answer it."""
-    if busy is None:
+               sessions: Sessions, areas: Areas, busy: BusyPoll) -> None:
+    """Receive one message (polling first with ``busy`` while messages come that often,
+    then waiting up to RCVTIMEO: zmq.Again when none came) and answer it."""
+    idle = time.perf_counter()
+    busy.wait(sock)
+    try:
         peer, msg = recv_from(sock, areas.grads_of)
-    else:
-        idle = time.perf_counter()
-        busy.wait(sock)
-        try:
-            peer, msg = recv_from(sock, areas.grads_of)
-        finally:
-            busy.waited(time.perf_counter() - idle)
+    finally:
+        busy.waited(time.perf_counter() - idle)
     if isinstance(msg, ProtocolError):
         replies = state.refuse(peer, msg.code, str(msg), msg)
     elif not sessions.admits(msg):
@@ -245,8 +242,7 @@ def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
         if reply.type == STATS:
             reply.meta.update(transport=gate.stats(), pid=os.getpid(), **areas.stats(),
                               reply_copies=state.store.inflight.copies,
-                              busy_polls=busy.polls if busy else 0,
-                              busy_poll_hits=busy.hits if busy else 0)
+                              busy_polls=busy.polls, busy_poll_hits=busy.hits)
         _reply(sock, state, to, reply, areas)
     try:
         state.settle()  # the push's bookkeeping, while its worker reads the reply

@@ -460,7 +460,7 @@ class PSClient:
         (i, _seq), = outstanding
         sock, sent = self.shards[i], time.perf_counter()
         until = time.monotonic() + self.heartbeat  # stray replies do not extend the wait
-        self.busy_poll.wait(sock)  # a heartbeat at most, with the budget's cap
+        self.busy_poll.wait(sock)  # 10 ms at most (--busy-poll-us), before recv's heartbeat
         try:
             while outstanding and time.monotonic() < until:
                 try:
