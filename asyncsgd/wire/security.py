@@ -279,6 +279,9 @@ class Gatekeeper:
             while registered < len(self._monitors):
                 poller.register(self._monitors[registered], zmq.POLLIN)
                 registered += 1
+            if not poller.sockets:  # an empty Poller returns at once: no busy loop meanwhile
+                self._stop.wait(GATE_POLL_MS / 1000)
+                continue
             for sock, _ in poller.poll(GATE_POLL_MS):
                 if sock is self._zap:
                     self._answer_zap()
