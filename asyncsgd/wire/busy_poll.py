@@ -5,8 +5,10 @@ machine (a VM whose idle vCPUs halt: ``guest_halt_poll_ns`` 0) waking is slow:
 a 20 KB push+pull round trip wakes six threads, and each woken Python thread
 waited ~25 us for its core (schedstat). A worker that polls its socket for the
 reply, and a shard that polls for the next push, are awake when the message
-lands: a 20 KB round trip took 0.20-0.21 ms instead of 0.26-0.28 ms here,
-against 0.19-0.20 ms for ``experiments/ps_floor.py``, whose processes sleep.
+lands: a 20 KB round trip took 0.215 ms instead of 0.228 ms in
+``experiments/ps_throughput.py`` (2026-11-27 and -26), against 0.19 ms for
+``experiments/ps_floor.py``, whose processes sleep; in a harness timing only
+these two, 0.23 ms instead of 0.29 ms (the floor 0.22-0.24 ms).
 
 Polling costs a core, so it is kept to where it pays and takes little from
 other work:
