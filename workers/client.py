@@ -103,7 +103,9 @@ class PSClient:
     on this host (``asyncsgd.wire.shared``) and over TCP otherwise; ``shared`` insists
     on shared memory (an error when it cannot be had); ``tcp`` always sends frames.
     ``data``: the worker's data signature (``asyncsgd.core.signature``), sent in the
-    hello so that the server refuses a worker about to train on other data."""
+    hello so that the server refuses a worker about to train on other data.
+    ``busy_poll_us``: how long the reply of a one-shard server is polled for before
+    sleeping, while replies come that fast (0: always sleep; ``asyncsgd.wire.busy_poll``)."""
 
     def __init__(self, server: str, worker: str, signature: dict, *, rank: int, world: int,
                  heartbeat: float = 1.0, server_timeout: float = 60.0,
