@@ -14,7 +14,7 @@ Polling costs a core, so it is kept to where it pays and takes little from
 other work:
 
 * only while recent messages came within the budget (``max_seconds``): a
-  1 MB round trip (~1 ms), or four workers sharing two cores, wait longer and
+  1 MB round trip (~1 ms), or a worker among four sharing two cores, waits longer and
   sleep as before;
 * each poll offers the core to any other thread that wants it
   (``sched_yield``); a yield that took long (another thread ran: the core is
