@@ -14,8 +14,8 @@ Polling costs a core, so it is kept to where it pays and takes little from
 other work:
 
 * only while recent messages came within the budget (``max_seconds``): a
-  1 MB round trip (~1 ms), or a worker among four sharing two cores, waits longer and
-  sleep as before;
+  1 MB round trip (~1 ms), or a worker among four sharing two cores, waits
+  longer and sleeps as before;
 * each poll offers the core to any other thread that wants it
   (``sched_yield``); a yield that took long (another thread ran: the core is
   wanted) ends the polling, and the caller sleeps in ``recv`` as before;
