@@ -29,6 +29,24 @@ def test_round_trip_keeps_every_field_and_tensor():
     assert back.segments[1].data.dtype == torch.float64
 
 
+def test_a_segment_sent_again_sends_its_tensors_current_values():
+    """encode keeps a sent segment's descriptor and byte view on it (a worker sends the same
+    gradient views every step): the view follows the tensor's memory, so every message
+    carries the values of the moment; a strided tensor's bytes are a copy, never kept."""
+    flat = torch.zeros(12)
+    views = [Segment(0, flat[:8]), Segment(8, flat[8:])]
+    strided = Segment(0, torch.zeros(16)[::2])
+    for step in range(3):
+        flat.copy_(torch.arange(12) * (step + 1))
+        strided.data.fill_(step)
+        back = decode(_frames(Message(type=PUSH, worker="w", seq=step, segments=views)))
+        assert torch.equal(torch.cat([s.data for s in back.segments]), flat)
+        assert [s.offset for s in back.segments] == [0, 8]
+        (again,) = decode(_frames(Message(type=PARAMS, segments=[strided]))).segments
+        assert torch.equal(again.data, torch.full((8,), float(step)))
+    assert all(v.wire is not None for v in views) and strided.wire is None
+
+
 def test_split_keeps_frames_at_most_4_mib():
     flat = torch.zeros(3 * 1024 * 1024)  # 12 MiB of float32
     segments = split(flat, offset=100)

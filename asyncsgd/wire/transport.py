@@ -162,10 +162,10 @@ def recv_from(sock: zmq.Socket, areas: Optional[Callable] = None) -> tuple:
     """``(peer, message)`` from a ROUTER; ``message`` is the ``ProtocolError`` instead when
     the bytes break the protocol, so the peer can still be answered. ``areas(link,
     worker, incarnation, peer)``: the slot of a same-host area, as for ``recv``."""
-    frames = _recv_frames(sock)
-    peer = frames[0].bytes
+    peer = sock.recv(0)  # the identity, as bytes: 0.65 us less than a Frame and .bytes
+    frames = _recv_frames(sock)  # (a ROUTER always has a frame after the identity)
     try:
-        return peer, decode(frames[1:], areas, peer)
+        return peer, decode(frames, areas, peer)
     except ProtocolError as exc:
         return peer, exc
 
