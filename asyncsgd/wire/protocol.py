@@ -167,35 +167,8 @@ class Message:
     nbytes: int = 0  # the frames' total size, once encoded or as decoded (traffic counts)
 
 
-# Views of the same memory are sent step after step (a worker's gradient buffer, a
-# shard's parameters): getting a tensor's bytes takes five torch calls, so the views
-# of recent contiguous tensors are kept, keyed by address and size. A kept view holds
-# its memory alive, so no other tensor can appear at the same address meanwhile; the
-# oldest go first beyond a few entries or bytes, so transient tensors pin little.
-_RAW_CACHE: dict = {}
-_RAW_CACHE_ENTRIES = 64
-_RAW_CACHE_BYTES = 128 * 2 ** 20
-_raw_cached_bytes = 0
-
-
-def _raw(t: torch.Tensor, cache: bool = True) -> memoryview:
-    """The bytes of a CPU tensor, without copying when it is contiguous; ``cache`` False
-    for a tensor made for one message, which would only push the reused views out."""
-    global _raw_cached_bytes
-    if not cache:
-        return memoryview(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
-    if t.is_contiguous():
-        key = (t.data_ptr(), t.numel() * t.element_size())
-        view = _RAW_CACHE.get(key)
-        if view is None:
-            view = memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
-            if key[1] <= FRAME_BYTES:
-                while _RAW_CACHE and (len(_RAW_CACHE) >= _RAW_CACHE_ENTRIES or
-                                      _raw_cached_bytes + key[1] > _RAW_CACHE_BYTES):
-                    _raw_cached_bytes -= _RAW_CACHE.pop(next(iter(_RAW_CACHE))).nbytes
-                _RAW_CACHE[key] = view
-                _raw_cached_bytes += key[1]
-        return view
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor: a view when it is contiguous, else a contiguous copy."""
     return memoryview(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
 
 
@@ -228,14 +201,16 @@ def encode(msg: Message, local: Optional[tuple] = None) -> list:
 
 
 def _wire(seg: Segment) -> tuple:
-    """``seg``'s descriptor and bytes; kept on it when they stay valid: its tensor is
-    contiguous (its bytes are a view, not a copy) and it is not made for one message."""
+    """``seg``'s descriptor and bytes. Getting a tensor's bytes takes five torch calls, and
+    the same segments are sent step after step (a worker's gradient views, a shard's
+    parameter views), so they are kept on the segment when they stay valid: its tensor
+    is contiguous (its bytes are a view, not a copy) and it is not made for one message."""
     data = seg.data
     if isinstance(data, Packed):
         desc, tensor = [seg.offset, data.format, [data.numel], data.param], data.payload
     else:
         desc, tensor = [seg.offset, DTYPE_NAMES[data.dtype], list(data.shape)], data
-    wire = desc, _raw(tensor, cache=not seg.transient)
+    wire = desc, _raw(tensor)
     if not seg.transient and tensor.is_contiguous():
         seg.wire = wire
     return wire
