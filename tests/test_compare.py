@@ -650,3 +650,37 @@ def test_a_worker_outliving_a_cleanly_ended_server_is_stopped_not_a_failure(
             in stream.getvalue(), stream.getvalue()
     else:
         assert error is not None and error.startswith("server exited with code 3"), error
+
+
+def _pgrp_and_session(pid: int) -> tuple:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[2]), int(fields[3])
+
+
+def test_a_run_of_compare_is_out_of_ctrl_c_reach_yet_scheduled_with_its_caller(
+        tmp_path, monkeypatch, cli_env):
+    """Each process compare starts has a process group of its own (Ctrl-C on the terminal
+    reaches only compare, which then stops its runs so that they save) but stays in the
+    caller's session: Linux schedules a session as one group (autogroup), and a ps-server
+    and workers in sessions of their own would pay for it where Hogwild's workers do not
+    (cli_launcher's docstring has the figures)."""
+    for name, value in cli_env.items():
+        monkeypatch.setenv(name, str(value))
+    child = Child.start("worker", ["--server", f"tcp://127.0.0.1:{free_port()}",
+                                   "--server-timeout", 300, "--progress", "off"],
+                        tmp_path / "logs")
+    try:
+        deadline = time.monotonic() + 60
+        while b"asyncsgd" not in Path(f"/proc/{child.proc.pid}/cmdline").read_bytes():
+            assert child.returncode is None and time.monotonic() < deadline, child.error()
+            time.sleep(0.05)  # still the trampoline
+        pgrp, session = _pgrp_and_session(child.proc.pid)
+        assert pgrp == child.proc.pid != os.getpgrp()
+        assert session == os.getsid(0)
+        if Path("/proc/self/autogroup").exists():
+            assert Path(f"/proc/{child.proc.pid}/autogroup").read_text().split()[0] == \
+                Path("/proc/self/autogroup").read_text().split()[0]
+    finally:
+        stop_all([child])
+    assert child.returncode is not None
