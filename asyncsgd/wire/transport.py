@@ -90,13 +90,19 @@ def dealer(ctx: zmq.Context, connect: str, identity: Optional[bytes] = None, cur
 
 
 def _send_parts(sock: zmq.Socket, parts: Sequence, copy: bool) -> bool:
-    """True when libzmq took the message; False if the peer is gone or not keeping up."""
+    """True when libzmq took the message; False if the peer is gone or not keeping up.
+
+    ``copy=False`` sends the frames of COPY_BELOW bytes or more uncopied; smaller ones
+    (a peer's id, a header) are copied all the same: an uncopied frame costs pyzmq a
+    Frame object (4.3 us here, against 0.3 us) and, once libzmq lets go of it, a
+    wake-up of pyzmq's garbage-collector thread."""
     try:
         # libzmq takes a multipart message whole or not at all: the high-water mark and
         # ROUTER_MANDATORY refuse its first frame, never a later one.
         last = len(parts) - 1
         for j, part in enumerate(parts):
-            _send_frame(sock, part, _MORE if j < last else _LAST, copy)
+            _send_frame(sock, part, _MORE if j < last else _LAST,
+                        copy or len(part) < COPY_BELOW)
         return True
     except zmq.Again:
         log.warning("send queue full for a peer; reply dropped (the peer will retry)")
@@ -116,15 +122,9 @@ def send(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None, copy: boo
     ``local``: ``(link, slot)``: the tensors go into that same-host area slot instead.
     """
     frames = encode(msg, local)
-    zero_copy = False
-    if not copy:
-        for frame in frames:  # (a header this large goes uncopied too: bytes never change)
-            if len(frame) >= COPY_BELOW:
-                zero_copy = True
-                break
     if peer is not None:
         frames.insert(0, peer)
-    return _send_parts(sock, frames, copy=not zero_copy)
+    return _send_parts(sock, frames, copy)
 
 
 def send_tracked(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None
