@@ -50,8 +50,10 @@ measures:
 
 Every trainer runs one torch thread, preallocates its buffers, warms up with
 3 round trips, and all T start at one shared instant; the aggregate rate is
-the round trips all of them complete in the next ``--seconds`` divided by
-``--seconds``, the latency the median of each trainer's median.
+the round trips all of them complete in the next ``--seconds``, plus the share
+of each one still in flight at the end that fell inside them
+(``rpc_ps.timed_round_trips``), divided by ``--seconds``; the latency the
+median of each trainer's median.
 
 Start-up is kept out of the way, not out of the measurement: one ps-server
 per size serves every asyncsgd measurement of that size (trainer counts,
