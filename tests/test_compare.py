@@ -672,9 +672,10 @@ def test_a_run_of_compare_is_out_of_ctrl_c_reach_yet_scheduled_with_its_caller(
                         tmp_path / "logs")
     try:
         deadline = time.monotonic() + 60
-        while b"asyncsgd" not in Path(f"/proc/{child.proc.pid}/cmdline").read_bytes():
+        cmdline = Path(f"/proc/{child.proc.pid}/cmdline")
+        while cmdline.read_bytes().split(b"\0")[1:2] != [b"-m"]:  # the trampoline runs -c
             assert child.returncode is None and time.monotonic() < deadline, child.error()
-            time.sleep(0.05)  # still the trampoline
+            time.sleep(0.05)
         pgrp, session = _pgrp_and_session(child.proc.pid)
         assert pgrp == child.proc.pid != os.getpgrp()
         assert session == os.getsid(0)
