@@ -17,11 +17,11 @@ in one mode cannot take the caller down. A child
 - runs in a process group of its own, so Ctrl-C on the terminal reaches only
   the caller, which decides how to stop its children (SIGINT: they save their
   run). Not in a session of its own: Linux schedules each session as one group
-  (autogroup), and a parameter server whose server and workers sit in separate
-  groups answered a 20 KB round trip in 0.288 ms instead of 0.238 ms beside a
-  process busy half the time (``experiments/ps_throughput.py``'s server and
-  trainers, 2026-11-27), while Hogwild's workers, one group, pay nothing of
-  the kind;
+  (autogroup, for processes in the root cpu cgroup), and a parameter server
+  whose server and workers sit in separate groups answered a 20 KB round trip
+  in 0.288 ms instead of 0.238 ms beside a process busy half the time
+  (``experiments/ps_throughput.py``'s server and trainers, 2026-11-27), while
+  Hogwild's workers, one group, pay nothing of the kind;
 - gets SIGTERM when the caller dies, even by SIGKILL (``PR_SET_PDEATHSIG``);
   the CLI's own worker processes die with it, so nothing is orphaned;
 - may run in another network namespace (``where``: ``ip netns exec NS``, which
