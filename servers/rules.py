@@ -203,6 +203,22 @@ class UpdateRule(abc.ABC):
         n = grad.shape[0]
         self._apply(params if n == self.size else params[offset: offset + n], grad, offset, lr)
 
+    def apply_one_into(self, out: torch.Tensor, params: torch.Tensor, offset: int,
+                       grad: torch.Tensor, lr: float) -> None:
+        """``apply_one`` to ``params``' values, written to ``out`` (another buffer of the same
+        size) instead of ``params``, which stays as it was."""
+        n = grad.shape[0]
+        whole = n == self.size
+        self._apply_into(out if whole else out[offset: offset + n],
+                         params if whole else params[offset: offset + n], grad, offset, lr)
+
+    def _apply_into(self, out: torch.Tensor, p: torch.Tensor, g: torch.Tensor, o: int,
+                    lr: float) -> None:
+        """``_apply`` reading ``p`` and writing ``out``: a copy, then ``_apply`` on it; a rule
+        that can write its result elsewhere in the same pass overrides this."""
+        out.copy_(p)
+        self._apply(out, g, o, lr)
+
     def state_dict(self) -> dict:
         """A snapshot (cloned tensors) of everything needed to continue: only tensors, ints,
         floats and strings."""
@@ -283,6 +299,11 @@ class SGD(UpdateRule):
             g = g.add(p, alpha=self.weight_decay)  # new segment-sized tensor: grad stays untouched
         # Exactly this and nothing more when weight_decay == 0: the exact-oracle tests depend on it.
         p.sub_(g, alpha=lr)
+
+    def _apply_into(self, out, p, g, o, lr):
+        if self.weight_decay:
+            g = g.add(p, alpha=self.weight_decay)
+        torch.sub(p, g, alpha=lr, out=out)  # the same kernel as sub_: the same bits
 
 
 class Momentum(UpdateRule):

@@ -132,3 +132,49 @@ def test_in_parts_splits_a_reply_and_parts_of_checks_the_numbers():
                  {"part": 0, "parts": 10 ** 9}):
         with pytest.raises(ProtocolError):
             parts_of(Message(type=PARAMS, meta=meta))
+
+
+def _sending(store):
+    """Mark ``store``'s buffer as read by a send still in flight; returns the tracker's event."""
+    import threading
+    sent = threading.Event()
+    store.inflight.sent(store.buffer, zmq.MessageTracker(sent))
+    return sent
+
+
+def test_an_update_of_a_buffer_being_sent_writes_the_exact_result_elsewhere_in_one_pass():
+    """An update (SGD's fused path, and Momentum's copy-then-apply) of parameters a reply
+    still reads leaves that buffer untouched and writes exactly what the update in place
+    would have to another one; deferred, part by part: the segments up to the part being
+    sent and the elements no segment covers (copied), nothing later."""
+    from asyncsgd.servers.rules import make_rule
+
+    size = 1000
+    segments = [(700, torch.linspace(-3, 3, 300)), (0, torch.linspace(5, -1, 200)),
+                (300, torch.full((100,), 0.25))]  # [200, 300) and [400, 700) are not pushed
+    for name, hyper in (("sgd", {}), ("sgd", {"weight_decay": 0.01}), ("momentum", {})):
+        start = torch.randn(size, generator=torch.Generator().manual_seed(0))
+        store = ZeroCopyStore(start.clone(), make_rule(name, size, 0.1, **hyper))
+        reference = make_rule(name, size, 0.1, **hyper)
+        expected = start.clone()
+        for step in range(2):  # the second step also reads the rule's state (momentum)
+            reference.apply(expected, segments, lr_scale=0.5)
+            sent_from = store.buffer
+            before = sent_from.clone()
+            released = _sending(store)
+            store.update(segments, lr_scale=0.5, deferrable=True)
+            assert store.buffer is not sent_from and store.inflight.copies == step + 1
+            store.apply_pending(until=250)  # a reply part ending at element 250
+            assert torch.equal(store.buffer[:250], expected[:250]), (name, hyper)
+            store.apply_pending(until=650)
+            assert torch.equal(store.buffer[:650], expected[:650]), (name, hyper)
+            assert torch.equal(sent_from, before), "the buffer being sent was written"
+            assert torch.equal(store.params, expected), (name, hyper)
+            released.set()
+    # Not deferrable: applied at once.
+    store = ZeroCopyStore(torch.zeros(4), make_rule("sgd", 4, 1.0))
+    sent_from = store.buffer
+    _sending(store)
+    store.update([(0, torch.ones(4))], deferrable=False)
+    assert store._pending is None and torch.equal(store.buffer, -torch.ones(4))
+    assert torch.equal(sent_from, torch.zeros(4))
