@@ -672,8 +672,8 @@ def test_a_run_of_compare_is_out_of_ctrl_c_reach_yet_scheduled_with_its_caller(
             time.sleep(0.05)
         assert os.getpgid(child.proc.pid) == child.proc.pid != os.getpgrp()
         assert os.getsid(child.proc.pid) == os.getsid(0)
-        # Empty for a process left in the default autogroup (a session begun while
-        # autogroup could not give it one): CI's runner is; then both must be.
+        # Empty for a process in the default autogroup (pid 1's, and CI's runner's);
+        # a child inherits its parent's, so then both are.
         if Path("/proc/self/autogroup").exists():
             assert Path(f"/proc/{child.proc.pid}/autogroup").read_text().split()[:1] == \
                 Path("/proc/self/autogroup").read_text().split()[:1]
