@@ -112,25 +112,25 @@ class ZeroCopyStore(ParamStore):
 
     def update(self, segments: list, lr_scale: float = 1.0, deferrable: bool = False) -> None:
         self.apply_pending()
-        if self.inflight.sends and self.inflight.reads(self.buffer):
-            # A reply still reads the parameters (another worker's, with several pushing at
-            # once): the update reads them and writes another buffer, in one pass. Copying
-            # them first and updating the copy was a second pass over memory: with 4
-            # trainers at 40 MiB, 202 of ~220 pushes moved, and the copy took as many of
-            # the shard's CPU samples (perf: 14 %) as the update itself (15 %).
-            source, self.buffer = self.buffer, self.inflight.move(self.buffer)
-            self._pending = (sorted(segments, key=lambda s: -s[0]),
-                             self.rule.begin(lr_scale), source)
-            self._done = 0
-            if not deferrable:
-                self.apply_pending()
-        elif deferrable and len(segments) > 1:
-            # Deferred, each part is applied just before its part of the reply goes out; a
-            # push of one part is answered in one part: deferring it gains nothing (~1 us)
-            self._pending = (sorted(segments, key=lambda s: -s[0]),
-                             self.rule.begin(lr_scale), None)
-        else:
+        # A reply still reads the parameters (another worker's, with several pushing at
+        # once): the update reads them and writes another buffer, in one pass. Copying
+        # them first and updating the copy was a second pass over memory: with 4 trainers
+        # at 40 MiB, 202 of ~220 pushes moved, and the copy took as many of the shard's
+        # CPU samples (perf: 14 %) as the update itself (15 %).
+        moves = bool(self.inflight.sends) and self.inflight.reads(self.buffer)
+        # Deferred, each part is applied just before its part of the reply goes out; a
+        # push of one part is answered in one part: deferring it gains nothing (~1 us)
+        if not moves and not (deferrable and len(segments) > 1):
             self.rule.apply(self.buffer, segments, lr_scale=lr_scale)
+            return
+        source = None
+        if moves:
+            source, self.buffer = self.buffer, self.inflight.move(self.buffer)
+        self._pending = (sorted(segments, key=lambda s: -s[0]), self.rule.begin(lr_scale),
+                         source)
+        self._done = 0
+        if not deferrable:
+            self.apply_pending()
 
     def apply_pending(self, until: Optional[int] = None) -> None:
         """Write what the deferred update has pending on elements before ``until`` (all by
