@@ -6,10 +6,11 @@ returned. Copying every reply first costs a full pass over memory (7 ms for
 40 MiB here, a sixth of a round trip); sending in place is free but an update
 applied while the bytes are still going out would tear the reply.
 
-``InFlight`` keeps the MessageTracker of every zero-copy reply with the tensor
-it reads. Before the shard writes its parameters it calls ``writable``: when
-no send still reads them (the common case: a worker pushes again only after it
-has received its reply) they are written in place; otherwise the shard moves to
+``InFlight`` keeps the ``Reading`` of every zero-copy reply (from
+``send_tracked``: whether libzmq still reads it) with the tensor it reads.
+Before the shard writes its parameters it calls ``writable``: when no send
+still reads them (the common case: a worker pushes again only after it has
+received its reply) they are written in place; otherwise the shard moves to
 a spare buffer holding a copy, and the old one is recycled once its sends are
 done. At most ``max_buffers`` buffers exist; beyond that ``zero_copy`` says no
 and replies are copied as they are sent, so a peer that stops reading can pin
@@ -31,10 +32,9 @@ import logging
 from typing import Optional
 
 import torch
-import zmq
 
 from asyncsgd.wire.protocol import Message
-from asyncsgd.wire.transport import COPY_BELOW
+from asyncsgd.wire.transport import COPY_BELOW, Reading
 
 from .rules import UpdateRule
 from .store import ParamStore
@@ -45,13 +45,13 @@ log = logging.getLogger(__name__)
 class InFlight:
     def __init__(self, max_buffers: int = 3):
         self.max_buffers = max_buffers
-        self.sends: list = []  # (tensor, MessageTracker) of replies still being sent
+        self.sends: list = []  # (tensor, Reading) of replies still being sent
         self.spares: list = []  # buffers no send reads, ready to become the parameters
         self.copies = 0  # writes that had to move to another buffer (``move``)
 
     def _settle(self) -> None:
         if self.sends:
-            self.sends = [(t, tr) for t, tr in self.sends if not tr.done]
+            self.sends = [(t, r) for t, r in self.sends if not r.done]
 
     def _busy(self, tensor: torch.Tensor) -> bool:
         return bool(self.sends) and any(t is tensor for t, _ in self.sends)
@@ -62,9 +62,9 @@ class InFlight:
         held = {id(t) for t, _ in self.sends} | {id(tensor)}
         return len(held) < self.max_buffers or self._busy(tensor)
 
-    def sent(self, tensor: torch.Tensor, tracker: zmq.MessageTracker) -> None:
-        if not tracker.done:
-            self.sends.append((tensor, tracker))
+    def sent(self, tensor: torch.Tensor, reading: Reading) -> None:
+        if not reading.done:
+            self.sends.append((tensor, reading))
 
     def reads(self, tensor: torch.Tensor) -> bool:
         """Whether a send still reads ``tensor``."""
@@ -173,8 +173,8 @@ class ZeroCopyStore(ParamStore):
                 and self._views_of is self.buffer and self.buffer.numel() * 4 >= COPY_BELOW
                 and self.inflight.zero_copy(self.buffer))
 
-    def sending(self, buffer: torch.Tensor, tracker: Optional[zmq.MessageTracker]) -> None:
-        """A part of a reply went out from ``buffer``; ``tracker`` says when libzmq is done
+    def sending(self, buffer: torch.Tensor, reading: Optional[Reading]) -> None:
+        """A part of a reply went out from ``buffer``; ``reading`` says when libzmq is done
         reading it (None: nothing is read any more)."""
-        if tracker is not None:
-            self.inflight.sent(buffer, tracker)
+        if reading is not None:
+            self.inflight.sent(buffer, reading)

@@ -4,12 +4,14 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 
+import numpy
 import torch
 import zmq
 
 from asyncsgd.wire.protocol import PULL, PUSH, Message, split
-from asyncsgd.wire.transport import recv_from, router
+from asyncsgd.wire.transport import Reading, recv_from, router
 from asyncsgd.servers.shard import ShardConfig, ShardState
 from asyncsgd.servers.shard_process import _reply
 from asyncsgd.servers.zero_copy import InFlight, ZeroCopyStore
@@ -87,6 +89,7 @@ def test_update_during_a_zero_copy_send_moves_to_a_copy_and_the_reply_stays_whol
         while inflight.sends and time.monotonic() < deadline:
             inflight.writable(state.params)
             time.sleep(0.01)
+        assert not inflight.sends, "the peer read the whole reply: no send may still hold it"
         current = state.params
         state.handle(b"other", _push(2, 2, state.version, "v"), time.monotonic())
         assert state.params is current and inflight.copies == 1
@@ -135,11 +138,11 @@ def test_in_parts_splits_a_reply_and_parts_of_checks_the_numbers():
 
 
 def _sending(store):
-    """Mark ``store``'s buffer as read by a send still in flight; returns the tracker's event."""
-    import threading
-    sent = threading.Event()
-    store.inflight.sent(store.buffer, zmq.MessageTracker(sent))
-    return sent
+    """Mark ``store``'s buffer as read by a send still in flight: a ``Reading`` of an object
+    held here, as pyzmq holds a sent frame's; returns what ends the send (drops it)."""
+    held = [numpy.empty(1)]
+    store.inflight.sent(store.buffer, Reading([weakref.ref(held[0])]))
+    return held.clear
 
 
 def test_an_update_of_a_buffer_being_sent_writes_the_exact_result_elsewhere_in_one_pass():
@@ -170,11 +173,12 @@ def test_an_update_of_a_buffer_being_sent_writes_the_exact_result_elsewhere_in_o
             assert torch.equal(store.buffer[:650], expected[:650]), (name, hyper)
             assert torch.equal(sent_from, before), "the buffer being sent was written"
             assert torch.equal(store.params, expected), (name, hyper)
-            released.set()
+            released()
     # Not deferrable: applied at once.
     store = ZeroCopyStore(torch.zeros(4), make_rule("sgd", 4, 1.0))
     sent_from = store.buffer
-    _sending(store)
+    release = _sending(store)  # (the send goes on while this is held)
     store.update([(0, torch.ones(4))], deferrable=False)
     assert store._pending is None and torch.equal(store.buffer, -torch.ones(4))
     assert torch.equal(sent_from, torch.zeros(4))
+    release()
