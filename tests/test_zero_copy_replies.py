@@ -10,7 +10,7 @@ import numpy
 import torch
 import zmq
 
-from asyncsgd.wire.protocol import PULL, PUSH, Message, split
+from asyncsgd.wire.protocol import PULL, PUSH, Message, Segment, split
 from asyncsgd.wire.transport import Reading, recv_from, router
 from asyncsgd.servers.shard import ShardConfig, ShardState
 from asyncsgd.servers.shard_process import _reply
@@ -182,3 +182,44 @@ def test_an_update_of_a_buffer_being_sent_writes_the_exact_result_elsewhere_in_o
     assert store._pending is None and torch.equal(store.buffer, -torch.ones(4))
     assert torch.equal(sent_from, torch.zeros(4))
     release()
+
+
+def test_shared_gradient_frames_carry_each_sends_values_and_are_copied_when_asked():
+    """``shared_frames`` (a worker's gradient segments, sent as zmq.Frames made once):
+    every push over TCP carries the buffer's values at its send; a small or strided
+    (copied) segment is left as it was; and a send asked to copy does copy (over
+    inproc, where an uncopied message is the sender's memory itself)."""
+    from asyncsgd.wire.transport import dealer, recv, send, shared_frames
+
+    grads = torch.zeros(2 ** 17)  # 512 KiB: sent uncopied
+    segments = shared_frames(split(grads))
+    assert type(segments[0].wire[1]) is zmq.Frame
+    small = shared_frames([Segment(0, torch.zeros(10))])[0]
+    strided = shared_frames([Segment(0, torch.zeros(2 ** 18)[::2])])[0]
+    assert type(small.wire[1]) is not zmq.Frame and strided.wire is None
+    ctx = zmq.Context()
+    server, endpoint = router(ctx, "tcp://127.0.0.1:0")
+    client = dealer(ctx, endpoint)
+    pair_out, pair_in = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        for step in range(3):
+            grads.fill_(step)
+            assert send(client, Message(type=PUSH, worker="w", seq=step, segments=segments),
+                        copy=False)
+            assert server.poll(20000)
+            _, got = recv_from(server)  # (the buffer is left alone until then, as a worker's)
+            assert got.seq == step and torch.equal(got.segments[0].data, grads)
+        pair_in.bind("inproc://shared-frames")
+        pair_out.connect("inproc://shared-frames")
+        for copy, expected in ((True, 3.0), (False, 4.0)):
+            grads.fill_(3)
+            assert send(pair_out, Message(type=PUSH, worker="w", segments=segments), copy=copy)
+            grads.fill_(4)  # after the send: seen through an uncopied message only
+            assert pair_in.poll(20000)
+            got = recv(pair_in).segments[0].data
+            assert torch.equal(got, torch.full_like(grads, expected)), f"copy={copy}"
+            del got
+    finally:
+        for sock in (server, client, pair_out, pair_in):
+            sock.close(0)
+        ctx.term()

@@ -52,7 +52,8 @@ from asyncsgd.wire.protocol import (ACK, ATTACH, BYE, ERROR, HEARTBEAT, HELLO, P
                                     in_parts, split)
 from asyncsgd.wire.security import ClientKeys, await_handshake
 from asyncsgd.wire.shared import Area, AreaUnavailable
-from asyncsgd.wire.transport import dealer, frame_limit, is_local, parse_endpoint, recv, send
+from asyncsgd.wire.transport import (dealer, frame_limit, is_local, parse_endpoint, recv, send,
+                                     shared_frames)
 
 log = logging.getLogger(__name__)
 
@@ -386,7 +387,8 @@ class PSClient:
         key = (grads.data_ptr(), grads.shape, grads.stride())
         if self._grads_key != key or self._grads is not grads:
             self._grads, self._grads_key = grads, key
-            self._grad_segments = [split(grads[start:end]) for start, end in self.ranges]
+            self._grad_segments = [shared_frames(split(grads[start:end]))
+                                   for start, end in self.ranges]
         return self._grad_segments
 
     def _await(self, outstanding: dict, params: torch.Tensor) -> None:

@@ -178,7 +178,7 @@ def encode(msg: Message, local: Optional[tuple] = None) -> list:
 
     ``local``: ``(link, slot)`` of a same-host area (``shared.py``): the segments are
     written into ``slot`` at their offsets instead, and the header alone goes out."""
-    wire = [seg.wire or _wire(seg) for seg in msg.segments]
+    wire = [seg.wire or wire_of(seg) for seg in msg.segments]
     header = {
         "v": VERSION, "t": msg.type, "w": msg.worker, "i": msg.incarnation, "s": msg.seq,
         "c": msg.clock, "sh": msg.shard, "m": msg.meta, "d": [desc for desc, _ in wire],
@@ -200,7 +200,7 @@ def encode(msg: Message, local: Optional[tuple] = None) -> list:
     return frames
 
 
-def _wire(seg: Segment) -> tuple:
+def wire_of(seg: Segment) -> tuple:
     """``seg``'s descriptor and bytes. Getting a tensor's bytes takes five torch calls, and
     the same segments are sent step after step (a worker's gradient views, a shard's
     parameter views), so they are kept on the segment when they stay valid: its tensor

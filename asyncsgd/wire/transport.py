@@ -26,7 +26,8 @@ import numpy
 import zmq
 
 from ..errors import ConfigError
-from .protocol import FRAME_BYTES, MAX_HEADER_BYTES, Message, ProtocolError, decode, encode
+from .protocol import (FRAME_BYTES, MAX_HEADER_BYTES, Message, ProtocolError, decode, encode,
+                       wire_of)
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,8 @@ def _send_parts(sock: zmq.Socket, parts: Sequence, copy: bool) -> bool:
         # ROUTER_MANDATORY refuse its first frame, never a later one.
         last = len(parts) - 1
         for j, part in enumerate(parts):
+            if copy and type(part) is zmq.Frame:  # pyzmq shares a Frame even when told to copy
+                part = part.buffer
             _send_frame(sock, part, _MORE if j < last else _LAST,
                         copy or len(part) < COPY_BELOW)
         return True
@@ -113,6 +116,26 @@ def _send_parts(sock: zmq.Socket, parts: Sequence, copy: bool) -> bool:
             raise
         log.info("peer disconnected before its reply could be sent")
     return False
+
+
+def shared_frames(segments: list) -> list:
+    """``segments``, each that views a buffer's own bytes (``wire_of``) and is large enough
+    to go uncopied now sent as one ``zmq.Frame`` made once over those bytes.
+
+    Every send of such a Frame shares it with libzmq (a reference count) and reads the
+    buffer as it is then; an uncopied send of the bytes themselves costs pyzmq a Frame
+    object and a garbage-collector entry each time, and, once libzmq lets go, a wake-up
+    of pyzmq's garbage-collector thread: 1 MB sent and received in a loop, 1.2-1.7 us
+    against 8.5-10 us; a 1 MB push+pull round trip, interleaved with the floor (0.91 ms),
+    1.002 ms against 1.039 ms, 2026-11-27. For a buffer its owner leaves unchanged until
+    every send of it has been answered (a worker's gradients, until the ACK), as for
+    ``copy=False``.
+    """
+    for seg in segments:
+        desc, raw = wire_of(seg)
+        if seg.wire is not None and len(raw) >= COPY_BELOW:  # kept: a view, never a copy
+            seg.wire = desc, zmq.Frame(raw, copy=False)
+    return segments
 
 
 def send(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None, copy: bool = True,
