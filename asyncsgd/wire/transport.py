@@ -119,8 +119,8 @@ def _send_parts(sock: zmq.Socket, parts: Sequence, copy: bool) -> bool:
 
 
 def shared_frames(segments: list) -> list:
-    """``segments``, each that views a buffer's own bytes (``wire_of``) and is large enough
-    to go uncopied now sent as one ``zmq.Frame`` made once over those bytes.
+    """``segments``, returned; each that views its buffer's own bytes (``wire_of``) and is
+    large enough to go uncopied will go out as one ``zmq.Frame``, made here once.
 
     Every send of such a Frame shares it with libzmq (a reference count) and reads the
     buffer as it is then; an uncopied send of the bytes themselves costs pyzmq a Frame
