@@ -11,7 +11,8 @@ import torch
 import zmq
 
 from asyncsgd.wire.protocol import PULL, PUSH, Message, Segment, split
-from asyncsgd.wire.transport import Reading, recv_from, router
+from asyncsgd.wire.transport import (Reading, dealer, recv, recv_from, router, send,
+                                     shared_frames)
 from asyncsgd.servers.shard import ShardConfig, ShardState
 from asyncsgd.servers.shard_process import _reply
 from asyncsgd.servers.zero_copy import InFlight, ZeroCopyStore
@@ -189,8 +190,6 @@ def test_shared_gradient_frames_carry_each_sends_values_and_are_copied_when_aske
     every push over TCP carries the buffer's values at its send; a small or strided
     (copied) segment is left as it was; and a send asked to copy does copy (over
     inproc, where an uncopied message is the sender's memory itself)."""
-    from asyncsgd.wire.transport import dealer, recv, send, shared_frames
-
     grads = torch.zeros(2 ** 17)  # 512 KiB: sent uncopied
     segments = shared_frames(split(grads))
     assert type(segments[0].wire[1]) is zmq.Frame
@@ -218,7 +217,6 @@ def test_shared_gradient_frames_carry_each_sends_values_and_are_copied_when_aske
             assert pair_in.poll(20000)
             got = recv(pair_in).segments[0].data
             assert torch.equal(got, torch.full_like(grads, expected)), f"copy={copy}"
-            del got
     finally:
         for sock in (server, client, pair_out, pair_in):
             sock.close(0)
