@@ -152,7 +152,11 @@ def _summary(cfg: ServerConfig, lr: float, obs: dict, front: Front, supervisor: 
     """What summary.json adds for a parameter server."""
     dc = {} if cfg.dc_asgd is None else {  # pushes whose worker's copy was given up
         "dc_uncompensated": sum(s.get("dc_uncompensated", 0) for s in evaluator.latest)}
-    return {**dc, "updates": obs["updates"], "staleness_p50": obs["staleness_p50"],
+    # sync: pushes that came after their round was applied (a backup worker's, or one that
+    # missed a round), acknowledged and not applied; summed over shards, as updates are
+    stale = {} if parse_consistency(cfg.consistency)[0] != "sync" else {
+        "stale_pushes": sum(s.get("stale", 0) for s in evaluator.latest)}
+    return {**dc, **stale, "updates": obs["updates"], "staleness_p50": obs["staleness_p50"],
             "staleness_p99": obs["staleness_p99"], "staleness_hist": obs["staleness_hist"],
             "shards": len(supervisor.settings), "consistency": cfg.consistency,
             "optimizer": cfg.optimizer, "lr": lr, "workers_joined": sorted(front.joined),
