@@ -18,7 +18,7 @@ from asyncsgd.config import ServerConfig
 from asyncsgd.core.tasks import load_task
 from asyncsgd.run.checkpoint import load_checkpoint
 from asyncsgd.wire.layout import Layout
-from asyncsgd.wire.protocol import HELLO, STATS, WELCOME, Key, Message, decode, encode
+from asyncsgd.wire.protocol import BYE, HELLO, STATS, WELCOME, Key, Message, decode, encode
 from asyncsgd.wire.security import ClientKeys
 
 TESTS = Path(__file__).parent
@@ -249,7 +249,40 @@ class Server:
         out, err = self.proc.communicate(timeout=timeout)
         return self.proc.returncode, out, err
 
+    def goodbyes(self, timeout: float = 2.0) -> None:
+        """Each hand-made peer admitted through ``admit`` says bye to every shard (as its
+        newest incarnation), as a worker does when it ends: a stopping shard tells every
+        worker it still counts that the run is over, and waits up to 8 s for one that never
+        asks again (the teardown of 21 tests took 8.4 s each, against 1.9 s)."""
+        if not self.tokens or self.proc.poll() is not None:
+            return
+        try:
+            ports = self.stats(timeout=timeout)["shard_ports"]
+        except TimeoutError:
+            return
+        newest = {}
+        for (worker, incarnation), token in sorted(self.tokens.items()):
+            newest[worker] = (incarnation, token)
+        deadline = time.monotonic() + timeout
+        for port in ports:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if getattr(self, "curve", None) is not None:
+                self.curve.apply(sock)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            try:
+                for seq, (worker, (incarnation, token)) in enumerate(newest.items(), 1):
+                    sock.send_multipart(encode(Message(type=BYE, worker=worker, seq=seq,
+                                                       incarnation=incarnation, token=token)))
+                for _ in newest:  # an answer each, or the time is up
+                    if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+                        break
+                    sock.recv_multipart()
+            finally:
+                sock.close()
+
     def close(self):
+        self.goodbyes()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:

@@ -144,8 +144,8 @@ def test_a_real_server_and_client_poll_by_default_and_not_when_told(server):
     first wait always polls (nothing has been slow yet), so the counters prove the knob
     reached both sides."""
     srv = server("--task", "tasks_for_tests:index_counter", "--samples", 1000,
-                 "--eval-every", 1000)
-    layout = Layout.of(index_counter(1000).build_model())
+                 "--eval-every", 1000, "--no-exit-when-done")  # the first client's bye
+    layout = Layout.of(index_counter(1000).build_model())       # does not end the run
     params, total = torch.zeros(layout.total), torch.zeros(layout.total)
     polls = {}
     for worker, budget in (("polls", BUSY_POLL_US), ("sleeps", 0)):

@@ -210,7 +210,8 @@ def test_a_worker_refuses_a_malformed_reply_with_a_clear_error(server, cli_env, 
     assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], err[:2000]
     assert len(lines[0]) < 1200 and "\x1b" not in err  # a peer's text, bounded and printable
     assert seconds < 60
-    assert srv.stats()["shard_ports"]  # the server serves on
+    stats = srv.stats()  # the server serves on, and heard the failed worker's goodbye
+    assert stats["shard_ports"] and stats["joined"] and stats["left"] == stats["joined"], stats
 
 
 def test_a_reply_with_a_segment_outside_the_slice_copies_nothing():

@@ -5,6 +5,7 @@ ones, keeps a bounded number, and a worker whose area went falls back to frames.
 SGD with lr 1 from zeros: every weight equals minus the sum of the applied pushes.
 """
 
+import contextlib
 import os
 
 import msgpack
@@ -133,10 +134,11 @@ def test_areas_are_bounded_and_an_evicted_worker_falls_back_to_frames(server):
     srv = server("--task", TASK, "--samples", SIZE, "--no-exit-when-done", "--workers", 1)
     port = srv.stats()["shard_ports"][0]
     signature = Layout.of(index_counter(SIZE).build_model(0)).signature()
-    clients = [PSClient(srv.address, f"w{k}", signature, rank=k, world=10, heartbeat=0.5,
-                        server_timeout=20, transport="shared") for k in range(10)]
     params, total = torch.zeros(SIZE), torch.zeros(SIZE)
-    try:
+    with contextlib.ExitStack() as clients_open:  # each says bye as it closes
+        clients = [clients_open.enter_context(PSClient(
+            srv.address, f"w{k}", signature, rank=k, world=10, heartbeat=0.5, server_timeout=20,
+            transport="shared")) for k in range(10)]
         for step in range(2):
             for k, client in enumerate(clients):
                 g = grad(*[float(k + step + 1)] * (k + 1))
@@ -147,9 +149,7 @@ def test_areas_are_bounded_and_an_evicted_worker_falls_back_to_frames(server):
         assert stats["areas"] == 8 and stats["areas_evicted"] >= 2, stats
         assert stats["areas_made"] > 10, "evicted workers attached again"
         assert stats["pushes"] == 20 and stats["updates"] == 20, stats
-    finally:
-        for client in clients:
-            client.close()
+    assert shard_stats(srv, port)["live_workers"] == 0
     assert torch.equal(observe(srv, port, SIZE), -total)
 
 

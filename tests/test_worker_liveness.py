@@ -64,10 +64,15 @@ def test_a_stopped_worker_says_goodbye_and_the_survivor_goes_on(server, cli_env,
         assert stats["dropped_workers"] == 0 and stats["live_workers"] == 1, stats
         assert survivor.poll() is None
     finally:
-        for p in procs:
+        for p in procs:  # Ctrl-C: the survivor says goodbye too, so the server stops at once
             if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+            try:
+                p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
                 p.kill()
-            p.communicate()
+                p.communicate()
+    assert survivor.returncode == 130  # its own goodbye, not a kill
     record_figure(f"worker stopped by {sig.name}", exit_code=130, heartbeat_timeout_s=60,
                   survivor_rounds_again_within_s=round(going_on, 2))
 

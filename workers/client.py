@@ -33,6 +33,7 @@ shard count: ``ServerChanged``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -141,6 +142,7 @@ class PSClient:
         self.info: dict = {}  # the latest welcome: shards, instance, session token
         self._readmitting = False  # a shard did not know our session: hello sent again
         self._linger = 0  # ms close() waits for goodbyes still queued
+        self._left = False  # said goodbye (bye), or heard the run is over (_farewell)
         # bytes: every frame this worker's sockets sent and received (headers included;
         # what a same-host area carries crosses no socket and is not counted)
         self.stats = {"retries": 0, "duplicate_acks": 0, "reconnects": 0, "rejoins": 0,
@@ -156,9 +158,14 @@ class PSClient:
                       Key.HOST: socket.gethostname()}
         if data is not None:  # the data signature: refused unless the server's data match
             self.hello[Key.DATA] = data
-        welcome = self._request_front(Message(type=HELLO, meta=self.hello))
-        self.info = welcome.meta
-        self.shard_addrs, self.ranges = self._layout(welcome.meta)
+        try:
+            welcome = self._request_front(Message(type=HELLO, meta=self.hello))
+            self.info = welcome.meta
+            self.shard_addrs, self.ranges = self._layout(welcome.meta)
+        except BaseException:  # refused, or no answer: nothing of this client stays open
+            self.front.close(0)
+            self.ctx.term()
+            raise
         self.shards = [self._shard_socket(i) for i in range(len(self.shard_addrs))]
         self.poller = zmq.Poller()
         for sock in [self.front, *self.shards]:
@@ -627,6 +634,7 @@ class PSClient:
         ``interrupted``: a signal may have cut an exchange short, even between the
         frames of one message, so the goodbye goes on fresh sockets of its own."""
         self._closing.set()
+        self._left = True
         with self._sockets:
             if interrupted:
                 socks = [self._shard_socket(i) for i in range(len(self.shards))]
@@ -661,6 +669,7 @@ class PSClient:
             if j != but:
                 self._out(sock, self._msg(BYE, shard=j))
         self._linger = FAREWELL_LINGER_MS
+        self._left = True
 
     def close(self) -> None:
         self._closing.set()
@@ -675,7 +684,16 @@ class PSClient:
     def __enter__(self) -> "PSClient":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        """Leaving the block says goodbye, as ``bye`` (a stopping server waited 8 s for a
+        worker it still counted), unless said already or no one is left to tell (the
+        server ended the run, or stopped answering); then closes."""
+        try:
+            if not self._left and not (kind and issubclass(kind, (ServerFinished,
+                                                                   ServerUnavailable))):
+                with contextlib.suppress(zmq.ZMQError):  # best effort: the block's error
+                    self.bye(interrupted=kind is not None)  # is the one that counts
+        finally:
+            self.close()
 
 

@@ -12,6 +12,7 @@ step allocates a parameter-sized tensor.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -38,7 +39,7 @@ from asyncsgd.wire.protocol import Key
 from asyncsgd.wire.security import ClientKeys
 from asyncsgd.wire.transport import is_local, parse_endpoint
 
-from .client import PSClient, ServerFinished
+from .client import PSClient, ServerFinished, ServerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,15 @@ def run_worker(cfg: WorkerConfig, seen: Optional[list] = None,
         # Stopped (Ctrl-C, SIGTERM): say goodbye, so that barriers drop this worker now
         # rather than after the server's heartbeat timeout.
         with sigterm_as_interrupt():
+            client.bye(interrupted=True)
+        raise
+    except ServerUnavailable:
+        raise  # no one left to tell
+    except Exception:
+        # Failed (a reply it refused, an error of its own): leaving all the same, so it says
+        # goodbye as on Ctrl-C; a stopping shard otherwise waited 8 s to tell it the run was
+        # over. Best effort: the error that ended it is the one reported.
+        with sigterm_as_interrupt(), contextlib.suppress(Exception):
             client.bye(interrupted=True)
         raise
     finally:
