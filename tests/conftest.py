@@ -207,12 +207,17 @@ class Server:
                 continue
         raise AssertionError("server did not come up")
 
-    def request(self, frames, port=None, timeout=5.0):
+    def _dealer(self, port=None) -> zmq.Socket:
+        """A DEALER to the front (or to ``port``), with this server's keys where it has any."""
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         if getattr(self, "curve", None) is not None:  # a CURVE server (test_security.py)
             self.curve.apply(sock)
         sock.connect(f"tcp://127.0.0.1:{port or self.port}")
+        return sock
+
+    def request(self, frames, port=None, timeout=5.0):
+        sock = self._dealer(port)
         try:
             sock.send_multipart(frames)
             if not sock.poll(int(timeout * 1000)):
@@ -265,11 +270,7 @@ class Server:
             newest[worker] = (incarnation, token)
         deadline = time.monotonic() + timeout
         for port in ports:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            if getattr(self, "curve", None) is not None:
-                self.curve.apply(sock)
-            sock.connect(f"tcp://127.0.0.1:{port}")
+            sock = self._dealer(port)
             try:
                 for seq, (worker, (incarnation, token)) in enumerate(newest.items(), 1):
                     sock.send_multipart(encode(Message(type=BYE, worker=worker, seq=seq,

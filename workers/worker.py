@@ -165,18 +165,13 @@ def run_worker(cfg: WorkerConfig, seen: Optional[list] = None,
     except ServerFinished:
         log.info("the server ended training")
         return loop.result(ended_by_server=True)
-    except KeyboardInterrupt:
-        # Stopped (Ctrl-C, SIGTERM): say goodbye, so that barriers drop this worker now
-        # rather than after the server's heartbeat timeout.
-        with sigterm_as_interrupt():
-            client.bye(interrupted=True)
-        raise
     except ServerUnavailable:
         raise  # no one left to tell
-    except Exception:
-        # Failed (a reply it refused, an error of its own): leaving all the same, so it says
-        # goodbye as on Ctrl-C; a stopping shard otherwise waited 8 s to tell it the run was
-        # over. Best effort: the error that ended it is the one reported.
+    except BaseException:
+        # Stopped (Ctrl-C, SIGTERM) or failed (a reply it refused, an error of its own): say
+        # goodbye, so that barriers drop this worker now rather than after the server's
+        # heartbeat timeout, and a stopping shard does not wait 8 s to tell it the run is
+        # over. Best effort: what ended it is what is reported.
         with sigterm_as_interrupt(), contextlib.suppress(Exception):
             client.bye(interrupted=True)
         raise
