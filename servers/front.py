@@ -53,6 +53,7 @@ class Front:
         self.shard_stats: Callable[[], list] = list
         self.joined: dict = {}  # worker id -> last seen (monotonic)
         self.left: set = set()
+        self.forgot_live = False  # the roster forgot a worker that had not said goodbye
         self.refused = 0
         # Distinct for every start of the server: a worker that re-does its handshake
         # learns from it whether the server restarted (and its shards may have moved).
@@ -156,6 +157,7 @@ class Front:
         gone = sorted((t, w) for w, t in self.joined.items()
                       if w in self.left or now - t > self.cfg.heartbeat_timeout)
         for _, worker in gone[:max(1, len(self.joined) - ROSTER + 1)]:
+            self.forgot_live |= worker not in self.left
             del self.joined[worker]
             self.left.discard(worker)
 
@@ -194,6 +196,11 @@ class Front:
         shard_live = any(w.get("alive") for s in self.shard_stats()
                          for name, w in s.get("workers", {}).items() if name not in self.left)
         return not live and not shard_live
+
+    def everyone_left(self) -> bool:
+        """Every worker the front welcomed has said goodbye: none may still come to a shard
+        (a worker that went silent may; so may one the roster forgot)."""
+        return not self.forgot_live and self.left.issuperset(self.joined)
 
     def close(self) -> None:
         self.gate.close()

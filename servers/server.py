@@ -119,7 +119,7 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
                                                       recorder)
             summary = _summary(cfg, lr, evaluator.observe(), front, supervisor, evaluator)
     finally:
-        supervisor.stop_all(grace=SHARD_STOP_GRACE)
+        supervisor.stop_all(grace=SHARD_STOP_GRACE, all_left=front.everyone_left())
         evaluator.close()
         front.close()
         ctx.term()

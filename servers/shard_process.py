@@ -48,6 +48,12 @@ DRAIN_SECONDS = 1.5  # after a stop, answer stragglers with 'bye' for at least t
 # asked after the shard had gone, and waited out its --server-timeout; the server gives
 # its shards SHARD_STOP_GRACE (15 s) to drain and save
 DRAIN_MAX_SECONDS = 8.0
+# What the supervisor writes into a shard's stop flag. STOP: a worker the front welcomed may
+# still be on its way, so the drain lasts DRAIN_SECONDS at least. STOP_ALL_LEFT: every worker
+# the front welcomed said goodbye, nobody is to come, and the drain ends once the shard's own
+# live workers were told: Ctrl-C to exit of a ps-server took 1.71 s with a welcomed worker
+# still to come, 0.34 s once every worker had left (tests/test_worker_liveness.py).
+STOP, STOP_ALL_LEFT = 1, 2
 MIN_AREAS = 8  # same-host areas a shard keeps at least (else 2 per expected worker)
 
 
@@ -128,7 +134,10 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
             # launcher's grace (torchrun's 30 s from SIGTERM to SIGKILL) may end during it
             saving, path = path, None  # one try: a failure here is reported, not repeated
             save(saving)
-        _drain(sock, state)
+        if stopped[0] == STOP_ALL_LEFT:
+            log.info("shard %d: stopping; every worker the front welcomed has left, so no "
+                     "worker is still to come", rank)
+        _drain(sock, state, 0.0 if stopped[0] == STOP_ALL_LEFT else DRAIN_SECONDS)
     finally:
         try:
             if path is not None:  # stopped by an error: save what there is
@@ -159,10 +168,10 @@ def _listen(ctx: zmq.Context, settings: ShardProcessSettings, size: int,
     return listen(settings.port)
 
 
-def _drain(sock: zmq.Socket, state: ShardState) -> None:
+def _drain(sock: zmq.Socket, state: ShardState, linger: float) -> None:
     """Training is over: tell every worker that waits or asks, so it ends cleanly. A live
     worker asks within a heartbeat (it beats while it computes), so the drain lasts until
-    each one was told, DRAIN_SECONDS at least and DRAIN_MAX_SECONDS at most."""
+    each one was told, ``linger`` seconds at least and DRAIN_MAX_SECONDS at most."""
     def over(seq: int) -> Message:
         return Message(type=BYE, shard=state.cfg.index, seq=seq, meta={Key.STOPPING: True})
 
@@ -172,8 +181,8 @@ def _drain(sock: zmq.Socket, state: ShardState) -> None:
             send(sock, over(record.held_pull.seq), record.peer)
             untold.discard(record.worker)
     now = time.monotonic()
-    short = now + DRAIN_SECONDS
-    long = now + max(DRAIN_SECONDS, min(DRAIN_MAX_SECONDS, state.cfg.heartbeat_timeout))
+    short = now + linger
+    long = now + max(linger, min(DRAIN_MAX_SECONDS, state.cfg.heartbeat_timeout))
     while (now := time.monotonic()) < short or (untold and now < long):
         if not sock.poll(50):
             continue

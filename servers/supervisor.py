@@ -23,7 +23,7 @@ from asyncsgd.wire.protocol import Key
 from asyncsgd.wire.security import ServerKeys
 
 from .shard import ShardConfig
-from .shard_process import ShardProcessSettings, shard_main
+from .shard_process import STOP, STOP_ALL_LEFT, ShardProcessSettings, shard_main
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,8 @@ class ShardSupervisor:
                         "(%d restart(s) left)", i, how, settings.port, self.restarts_left)
             self._await_port(i)
 
-    def stop_all(self, grace: float) -> None:
-        self.stop[0] = 1
+    def stop_all(self, grace: float, all_left: bool = False) -> None:
+        """Stop every shard within ``grace`` seconds; ``all_left``: no worker is still to
+        come (each one the front welcomed said goodbye), so the shards need not linger."""
+        self.stop[0] = STOP_ALL_LEFT if all_left else STOP
         self.group.stop(grace=grace)

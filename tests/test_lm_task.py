@@ -71,11 +71,14 @@ def test_task_options_build_the_model_they_name():
 
 
 def test_lm_trains_in_every_mode_and_compare_reports_perplexity(run_cli, tmp_path):
+    """Every mode ends once it reaches the target (--stop-at-target), each by its own
+    evaluation, and the report times that crossing. The budget only bounds a run that
+    never gets there: idle, each passed the target within 4 s of training."""
     out = tmp_path / "cmp"
     res = run_cli("compare", "--task", TINY, "--samples", 2000, "--modes", ",".join(MODES),
-                  "--procs", 2, "--budget", 14, "--eval-every", 0.5, "--target", TARGET,
-                  "--mode-args", "single=--tensorboard", "--progress", "log", "--out", out,
-                  timeout=400)
+                  "--procs", 2, "--budget", 30, "--eval-every", 0.5, "--target", TARGET,
+                  "--stop-at-target", "--mode-args", "single=--tensorboard",
+                  "--progress", "log", "--out", out, timeout=400)
     assert res.returncode == 0, res.stdout + res.stderr
     rows = {r["mode"]: r for r in parse_table((out / "report.md").read_text())}
     assert list(rows) == MODES
@@ -87,6 +90,7 @@ def test_lm_trains_in_every_mode_and_compare_reports_perplexity(run_cli, tmp_pat
         for e in evals:  # the score every mode recorded is the task's: exp(mean loss)
             assert e["perplexity"] == pytest.approx(math.exp(e["loss"]), rel=1e-4), mode
         summary = read_json(run / "summary.json")
+        assert summary["stopped_by"] == "target", (mode, summary["stopped_by"])
         assert summary["metric"] == {"name": "perplexity", "higher_is_better": False,
                                      "percent": False}
         assert summary["final_metric"] == evals[-1]["perplexity"]

@@ -9,8 +9,11 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 from asyncsgd.run.process_group import available_cores
+from asyncsgd.servers.shard_process import DRAIN_SECONDS
+from asyncsgd.workers.client import PSClient
 from conftest import asyncsgd_cmd, finish, shard_stats, wait_for, worker
 from faults import observe, record_figure
 
@@ -75,6 +78,34 @@ def test_a_stopped_worker_says_goodbye_and_the_survivor_goes_on(server, cli_env,
     assert survivor.returncode == 130  # its own goodbye, not a kill
     record_figure(f"worker stopped by {sig.name}", exit_code=130, heartbeat_timeout_s=60,
                   survivor_rounds_again_within_s=round(going_on, 2))
+
+
+def test_a_server_whose_workers_all_left_stops_without_waiting_for_stragglers(server):
+    """A stopping shard answers stragglers for DRAIN_SECONDS: a worker the front welcomed may
+    not have reached it yet. Once every welcomed worker said goodbye none can come, and the
+    shards stop at once; a server with a welcomed worker that never left still waits."""
+    task = ("--task", "tasks_for_tests:dense_counter", "--lr", 1, "--eval-every", 1000,
+            "--no-exit-when-done", "-v")
+    left, silent = server(*task), server(*task)
+    params = torch.zeros(1)
+    with PSClient(left.address, "w", left.signature(), rank=0, world=1, heartbeat=0.5,
+                  server_timeout=20) as client:
+        client.push_pull(torch.ones(1), params)  # at the shard: live there until its bye
+    assert params.item() == -1
+    silent.admit("w")  # welcomed by the front, never at a shard, never says goodbye
+    ended = {}
+    for name, srv in (("left", left), ("silent", silent)):
+        started = time.monotonic()
+        srv.proc.send_signal(signal.SIGINT)
+        code, _, err = srv.wait(timeout=60)
+        ended[name] = time.monotonic() - started, err
+        assert code == 130 and "Traceback" not in err, err
+    note = "shard 0: stopping; every worker the front welcomed has left"
+    assert note in ended["left"][1], ended["left"][1]
+    assert note not in ended["silent"][1], ended["silent"][1]
+    assert ended["silent"][0] >= DRAIN_SECONDS, ended  # a lower bound: load only adds to it
+    record_figure("ps-server stopped with Ctrl-C", every_worker_left_s=round(ended["left"][0], 2),
+                  one_welcomed_worker_still_to_come_s=round(ended["silent"][0], 2))
 
 
 def _threads_seen(err: str) -> int:
