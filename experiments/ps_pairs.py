@@ -1,0 +1,74 @@
+"""Many trainers against one, in interleaved pairs, on one ps-server: does the rate fall?
+
+    python experiments/ps_pairs.py               # 40 MiB, 1 vs 4 trainers, 12 pairs: ~1.6 min
+    python experiments/ps_pairs.py --size 10MB --pairs 6 --transport auto
+
+``ps_throughput.py`` gives each cell the median of 5 runs of 2 s, taken minutes
+apart; where one trainer already keeps the cores busy (40 MiB over TCP on 2
+cores) the 4-trainer / 1-trainer ratio of two such medians falls either side of 1
+with the machine's drift. This measures only that ratio, as close together as it
+can: pairs of runs (few, many; then many, few; ...) against one ``asyncsgd
+ps-server`` (1 shard), the same trainers as ``ps_throughput.py``, and the
+share of the CPU busy during each run (``/proc/stat``, start-up included).
+
+2026-11-27 on 2 vCPUs (AMD EPYC), 40 MiB over TCP, 12 pairs of 3 s, twice (the
+first with an earlier copy of this script): 4/1 median 1.01x, 6 of 12 pairs at
+or above 1 (0.89-1.48x, the rates drifting between 16 and 31/s); then 0.97x, 3
+of 12 (0.89-1.14x; 30.9 and 30.0/s). The CPU was 73-74 % busy with one trainer,
+90 % with four.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from ps_throughput import PRELOAD, SIZES, PSServer, measure_asyncsgd
+from rpc_ps import start_context
+
+
+def _cpu() -> tuple:
+    """(all jiffies, idle + iowait jiffies) since boot."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return sum(fields), fields[3] + fields[4]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--size", default="40MiB", choices=list(SIZES))
+    ap.add_argument("--few", type=int, default=1, help="trainers in the first run of a pair")
+    ap.add_argument("--many", type=int, default=4, help="trainers in the other")
+    ap.add_argument("--pairs", type=int, default=12)
+    ap.add_argument("--seconds", type=float, default=3.0, help="timed seconds per run")
+    ap.add_argument("--transport", default="tcp", choices=["tcp", "auto"])
+    args = ap.parse_args()
+    if min(args.few, args.many, args.pairs) < 1 or args.seconds <= 0 or args.few == args.many:
+        ap.error("--few, --many and --pairs >= 1, --few != --many, --seconds > 0")
+    ctx = start_context("forkserver", PRELOAD)
+    rates: dict = {args.few: [], args.many: []}
+    busy: dict = {args.few: [], args.many: []}
+    with PSServer(SIZES[args.size], 1, max(4, args.many)) as server:
+        for k in range(args.pairs):
+            for trainers in (args.few, args.many)[::1 if k % 2 == 0 else -1]:
+                before = _cpu()
+                r = measure_asyncsgd(server, trainers, args.seconds, args.transport, ctx)
+                after = _cpu()
+                rates[trainers].append(r["round_trips_per_s"])
+                busy[trainers].append(1 - (after[1] - before[1]) / (after[0] - before[0]))
+            print(f"pair {k + 1}/{args.pairs}: {rates[args.few][-1]:.1f} and "
+                  f"{rates[args.many][-1]:.1f} round trips/s", flush=True)
+    ratios = [m / f for m, f in zip(rates[args.many], rates[args.few])]
+    print(f"{args.size}, {args.transport}, {args.pairs} pairs of {args.seconds:g} s: "
+          f"{args.many} trainers / {args.few}: median {statistics.median(ratios):.2f}x, "
+          f"{sum(x >= 1 for x in ratios)} of {len(ratios)} pairs at or above 1 "
+          f"({min(ratios):.2f}-{max(ratios):.2f}x); median rates "
+          f"{statistics.median(rates[args.few]):.1f} and "
+          f"{statistics.median(rates[args.many]):.1f}/s; CPU busy "
+          f"{statistics.median(busy[args.few]):.0%} and {statistics.median(busy[args.many]):.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
