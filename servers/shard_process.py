@@ -134,10 +134,11 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
             # launcher's grace (torchrun's 30 s from SIGTERM to SIGKILL) may end during it
             saving, path = path, None  # one try: a failure here is reported, not repeated
             save(saving)
-        if stopped[0] == STOP_ALL_LEFT:
+        all_left = stopped[0] == STOP_ALL_LEFT
+        if all_left:
             log.info("shard %d: stopping; every worker the front welcomed has left, so no "
                      "worker is still to come", rank)
-        _drain(sock, state, 0.0 if stopped[0] == STOP_ALL_LEFT else DRAIN_SECONDS)
+        _drain(sock, state, 0.0 if all_left else DRAIN_SECONDS)
     finally:
         try:
             if path is not None:  # stopped by an error: save what there is
