@@ -335,7 +335,14 @@ def inner_optimizer(kind: str, flat_params: torch.Tensor, flat_grads: torch.Tens
 
 
 def _gather_grads(model, layout: Layout, flat_grads: torch.Tensor) -> None:
+    """The GPU model's gradients into the (zeroed) flat CPU buffer. A sparse gradient
+    (``sparse-logreg``'s EmbeddingBag) has no reshape: only its rows cross to the CPU and
+    are added there."""
     for spec, p in zip(layout.specs, model.parameters()):
         if p.grad is not None:
-            flat_grads[spec.offset:spec.offset + spec.numel].copy_(p.grad.reshape(-1))
+            view = flat_grads[spec.offset:spec.offset + spec.numel]
+            if p.grad.is_sparse:
+                view.view(spec.shape).add_(p.grad.cpu())
+            else:
+                view.copy_(p.grad.reshape(-1))
             p.grad = None
