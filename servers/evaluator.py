@@ -153,6 +153,10 @@ class Evaluator:
         self.model.load_state_dict(self.layout.state_dict(self.reader.flat))
         self.latest = self.reader.stats()
         self.feed.update(self.latest[0])
+        return self.last_observation()
+
+    def last_observation(self) -> dict:
+        """What the shards' counters said at the last observation."""
         hist = merged_staleness(self.latest)
         return {"updates": sum(s.get("updates", 0) for s in self.latest),
                 "staleness_p50": percentile(hist, 0.5), "staleness_p99": percentile(hist, 0.99),

@@ -117,7 +117,10 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
             evaluator.evaluate_start()
             outcome.stopped_by = _serve_until_stopped(cfg, front, supervisor, evaluator,
                                                       recorder)
-            summary = _summary(cfg, lr, evaluator.observe(), front, supervisor, evaluator)
+        with outcome.watch():  # also after Ctrl-C; a second one keeps what is known by then
+            obs = _final_observation(evaluator, supervisor)
+            if obs is not None:
+                summary = _summary(cfg, lr, obs, front, supervisor, evaluator)
     finally:
         supervisor.stop_all(grace=SHARD_STOP_GRACE, all_left=front.everyone_left())
         evaluator.close()
@@ -145,6 +148,20 @@ def _serve_until_stopped(cfg: ServerConfig, front: Front, supervisor: ShardSuper
         if cfg.exit_when_done and front.joined and front.all_left():
             return "workers_done"
         recorder.checkpoint_if_due(evaluator.samples, 0)
+
+
+def _final_observation(evaluator: Evaluator, supervisor: ShardSupervisor) -> Optional[dict]:
+    """The shards' parameters and counters as the run stops, into the evaluator's model for
+    the final evaluation and checkpoint.pt (a Ctrl-C may come long after the last
+    evaluation); where a shard is down, what the last evaluation saw; None before any."""
+    if not evaluator.latest:
+        return None  # stopped before the shards first answered
+    if supervisor.all_running():
+        try:
+            return evaluator.observe()
+        except TimeoutError as exc:
+            log.warning("the run is saved as the last evaluation saw it: %s", exc)
+    return evaluator.last_observation()
 
 
 def _summary(cfg: ServerConfig, lr: float, obs: dict, front: Front, supervisor: ShardSupervisor,

@@ -116,6 +116,10 @@ class ShardSupervisor:
                         "(%d restart(s) left)", i, how, settings.port, self.restarts_left)
             self._await_port(i)
 
+    def all_running(self) -> bool:
+        """No shard has crashed (since ``check`` last restarted those that had)."""
+        return not self.group.failed()
+
     def stop_all(self, grace: float, all_left: bool = False) -> None:
         """Stop every shard within ``grace`` seconds; ``all_left``: no worker is still to
         come (each one the front welcomed said goodbye), so the shards need not linger."""

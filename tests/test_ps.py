@@ -60,6 +60,25 @@ def test_sync_applies_the_mean_of_a_round_by_default(server, cli_env):
     assert load_checkpoint(srv.out / "checkpoint.pt")["model"]["w"].item() == -125 * 8
 
 
+def test_ctrl_c_saves_the_run_as_the_shards_hold_it(server, cli_env):
+    """Ctrl-C long after the server's last evaluation: its summary and checkpoint.pt are
+    what the shards hold when it stops (main: those of the evaluation at its start,
+    samples 0 and w = 0, and summary.json without updates or staleness)."""
+    task = ["--task", "tasks_for_tests:dense_counter", "--samples", 2000]
+    srv = server(*task, "--workers", 2, "--no-exit-when-done", "--eval-every", 1000)
+    for code, out, err in finish([worker(cli_env, srv.address, r, 2, *task, "--epochs", 1)
+                                  for r in range(2)]):
+        assert code == 0 and "125 pushes" in out, err
+    srv.proc.send_signal(signal.SIGINT)
+    code, _, err = srv.wait()
+    assert code == 130, err
+    summary = read_json(srv.out / "summary.json")
+    assert (summary["status"], summary["stopped_by"]) == ("interrupted", "interrupted")
+    assert (summary["samples"], summary["updates"]) == (2000, 250), summary
+    assert len(summary["workers_joined"]) == 2 and summary["shards"] == 1
+    assert load_checkpoint(srv.out / "checkpoint.pt")["model"]["w"].item() == -2000
+
+
 def test_malformed_input_is_refused_and_the_server_keeps_serving(server, cli_env):
     srv = server("--task", "mnist1d-cnn", "--shards", 1)
     from asyncsgd.core.tasks import load_task
