@@ -192,10 +192,19 @@ class _Loop:
         self.device = torch.device(cfg.device)
         self.pacer = Pacer(pacing, rank, cfg.seed,
                            torch.cuda.synchronize if self.device.type == "cuda" else None)
-        self.flat_params = torch.zeros(layout.total)
-        self.flat_grads = torch.zeros(layout.total)
+        # The flat buffers the client pushes from and pulls into. On a GPU the model's
+        # parameters and gradients are views of one flat buffer each there, and these are
+        # pinned: a step moves each across with one copy at the bus's full speed (see
+        # experiments/gpu_copies.py) instead of one pageable copy per tensor.
+        on_gpu = self.device.type == "cuda"
+        self.flat_params = torch.zeros(layout.total, pin_memory=on_gpu)
+        self.flat_grads = torch.zeros(layout.total, pin_memory=on_gpu)
         model.to(self.device)
-        if self.device.type == "cpu":
+        self.gpu_params = torch.zeros(layout.total, device=self.device) if on_gpu else None
+        self.gpu_grads = torch.zeros(layout.total, device=self.device) if on_gpu else None
+        if on_gpu:
+            layout.bind(model, self.gpu_params, self.gpu_grads)
+        else:
             layout.bind(model, self.flat_params, self.flat_grads)
         self.accum = torch.zeros(layout.total) if cfg.push_every > 1 else None
         self.local_lr = cfg.local_lr or task.lr
@@ -240,10 +249,10 @@ class _Loop:
         inputs, targets = self.task.train.rows(index)
         inputs = tuple(t.to(self.device) for t in inputs)
         loss = self.task.loss_fn(self.model(*inputs), targets.to(self.device))
-        self.flat_grads.zero_()
+        (self.flat_grads if self.gpu_grads is None else self.gpu_grads).zero_()
         loss.backward()
-        if self.device.type != "cpu":
-            _gather_grads(self.model, self.layout, self.flat_grads)
+        if self.gpu_grads is not None:
+            self.flat_grads.copy_(self.gpu_grads)  # waits for backward, as loss.item() would
         self.pacer.end()  # a straggler waits here: its gradient reaches the server late
         self.steps += 1
         self.samples += len(targets)
@@ -299,13 +308,10 @@ class _Loop:
             self.anchor.copy_(self.flat_params)
 
     def _load(self) -> None:
-        """On a GPU the model keeps its own parameters: copy the pulled values over."""
-        if self.device.type == "cpu":
-            return  # the parameters are views of flat_params already
-        with torch.no_grad():
-            for spec, p in zip(self.layout.specs, self.model.parameters()):
-                p.copy_(self.flat_params[spec.offset:spec.offset + spec.numel].view(spec.shape),
-                        non_blocking=True)
+        """On a GPU the model's parameters are views of ``gpu_params``: the pulled values
+        go there (on the CPU they are views of flat_params already)."""
+        if self.gpu_params is not None:
+            self.gpu_params.copy_(self.flat_params)
 
     def _finish(self) -> WorkerResult:
         if self.unpushed:  # local steps since the last push (--push-every): don't lose them
@@ -333,16 +339,3 @@ def inner_optimizer(kind: str, flat_params: torch.Tensor, flat_grads: torch.Tens
     return SGD([flat], lr=lr, momentum=0.9 if kind == "momentum" else 0.0,
                weight_decay=weight_decay)
 
-
-def _gather_grads(model, layout: Layout, flat_grads: torch.Tensor) -> None:
-    """The GPU model's gradients into the (zeroed) flat CPU buffer. A sparse gradient
-    (``sparse-logreg``'s EmbeddingBag) has no reshape: only its rows cross to the CPU and
-    are added there."""
-    for spec, p in zip(layout.specs, model.parameters()):
-        if p.grad is not None:
-            view = flat_grads[spec.offset:spec.offset + spec.numel]
-            if p.grad.is_sparse:
-                view.view(spec.shape).add_(p.grad.cpu())
-            else:
-                view.copy_(p.grad.reshape(-1))
-            p.grad = None
