@@ -437,8 +437,9 @@ class ServerConfig(RunConfig):
         type=click.IntRange(min=0))
     busy_poll_us: int = knob(
         BUSY_POLL_US, "Each shard polls for its next message for up to this many "
-        "microseconds before sleeping, while messages come that often and no other thread "
-        "wants its core (a woken process waited ~25 us for a core here). 0: always sleep.",
+        "microseconds before sleeping, while messages come that often, are no larger than "
+        "256 KiB and no other thread wants its core (a woken process waited ~25 us for a "
+        "core here). 0: always sleep.",
         type=click.IntRange(0, MAX_BUSY_POLL_US))
 
     mode = "ps"
@@ -519,9 +520,9 @@ class WorkerConfig:
                             type=click.FloatRange(min=0.05))
     busy_poll_us: int = knob(
         BUSY_POLL_US, "With a one-shard server, wait for a shard's reply by polling for up to "
-        "this many microseconds before sleeping, while replies come that fast and no other "
-        "thread wants the core: a 20 KB push+pull took 0.215 ms instead of 0.228 ms here. 0: "
-        "always sleep.",
+        "this many microseconds before sleeping, while replies come that fast, are no "
+        "larger than 256 KiB and no other thread wants the core: a 20 KB push+pull took "
+        "0.215 ms instead of 0.228 ms here. 0: always sleep.",
         type=click.IntRange(0, MAX_BUSY_POLL_US))
     server_timeout: float = knob(
         60.0, "Give up with an error after the server has been unreachable this long.",
@@ -591,8 +592,9 @@ _JOB_HELP = {  # settings both roles take, where the server's own help would mis
                         "started, server and workers alike."),
     "busy_poll_us": dict(default=BUSY_POLL_US, help="Shards poll for their next message, "
                          "and workers of a one-shard server for their replies, for up to this "
-                         "many microseconds before sleeping, while messages come that often "
-                         "and no other thread wants the core. 0: always sleep."),
+                         "many microseconds before sleeping, while messages come that often, "
+                         "are no larger than 256 KiB and no other thread wants the core. 0: "
+                         "always sleep."),
 }
 
 

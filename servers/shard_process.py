@@ -228,10 +228,11 @@ def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
     then waiting up to RCVTIMEO: zmq.Again when none came) and answer it."""
     idle = time.perf_counter()
     busy.wait(sock)
+    msg = None
     try:
         peer, msg = recv_from(sock, areas.grads_of)
     finally:
-        busy.waited(time.perf_counter() - idle)
+        busy.waited(time.perf_counter() - idle, msg.nbytes if isinstance(msg, Message) else 0)
     if isinstance(msg, ProtocolError):
         replies = state.refuse(peer, msg.code, str(msg), msg)
     elif not sessions.admits(msg):

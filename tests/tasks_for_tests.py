@@ -87,6 +87,12 @@ def wide_counter(samples=None, width=1 << 22):
     return _rows_task("wide-counter", functools.partial(Scalars, width), samples or 2000)
 
 
+def mib_counter(samples=None):
+    """wide_counter of 1 MiB: one frame a message, a round trip well within a busy-poll
+    budget of 10 ms."""
+    return wide_counter(samples, width=1 << 18)
+
+
 def dense_pair(samples=None):
     return _rows_task("dense-pair", functools.partial(Scalars, 2), samples or 2000)
 

@@ -10,7 +10,7 @@ from asyncsgd.config import BUSY_POLL_US
 from asyncsgd.wire.busy_poll import CONTENDED_SECONDS, MAX_SKIPS, SMOOTHING, BusyPoll
 from asyncsgd.wire.layout import Layout
 from asyncsgd.workers.client import PSClient
-from tasks_for_tests import index_counter
+from tasks_for_tests import index_counter, mib_counter
 
 
 @pytest.fixture
@@ -121,6 +121,25 @@ def test_off_or_slow_replies_never_poll(pair):
     assert slow.polls == 0
 
 
+def test_after_a_large_message_the_next_wait_sleeps(pair):
+    """Polling pays for small messages only (busy_poll.py: at 500 KB and 1 MB a polling
+    shard made a round trip slower): a message over max_bytes turns it off for the next
+    wait, a small one back on."""
+    a, b = pair
+
+    def never():
+        raise AssertionError("yielded: polled for a message that was not there")
+
+    poll = BusyPoll(10.0, yield_core=never, max_bytes=1000)
+    a.send(b"reply")
+    poll.waited(0.0001, 1001)
+    poll.wait(b)
+    assert poll.polls == 0
+    poll.waited(0.0001, 1000)
+    poll.wait(b)
+    assert (poll.polls, poll.hits) == (1, 1)
+
+
 def test_the_estimate_follows_the_waits_and_turns_polling_back_on(pair):
     _, b = pair
     poll = BusyPoll(0.001, yield_core=lambda: None, contended_seconds=60.0)
@@ -160,3 +179,26 @@ def test_a_real_server_and_client_poll_by_default_and_not_when_told(server):
     assert polls["polls"] >= 1 and polls["sleeps"] == 0
     shard, = srv.stats()["shard_stats"]
     assert shard["busy_polls"] >= 1
+
+
+def test_a_real_server_and_client_do_not_poll_for_large_messages(server):
+    """A 1 MiB model and a budget of 10 ms, far above every wait (main: the client polled
+    in 5 of 20 round trips): after the first large message neither side polls again
+    (each may have polled before it, for the start's small pull), and the parameters
+    stay exact."""
+    budget = 10_000
+    srv = server("--task", "tasks_for_tests:mib_counter", "--samples", 100, "--shards", 1,
+                 "--eval-every", 1000, "--no-exit-when-done", "--busy-poll-us", budget)
+    layout = Layout.of(mib_counter(100).build_model())
+    params, total = torch.zeros(layout.total), torch.zeros(layout.total)
+    with PSClient(srv.address, "large", layout.signature(), rank=0, world=1,
+                  server_timeout=20, transport="tcp", busy_poll_us=budget) as client:
+        for step in range(20):
+            grad = torch.full((layout.total,), float(step % 3 - 1))
+            client.push_pull(grad, params)
+            total += grad
+            assert torch.equal(params, -total), f"step {step}: not exact"
+        polls = client.busy_poll.polls
+    assert polls <= 1, polls
+    shard, = srv.stats()["shard_stats"]
+    assert shard["busy_polls"] <= 2, shard["busy_polls"]  # against ~20 for a small model

@@ -472,19 +472,21 @@ class PSClient:
         sock, sent = self.shards[i], time.perf_counter()
         until = time.monotonic() + self.heartbeat  # stray replies do not extend the wait
         self.busy_poll.wait(sock)  # 10 ms at most (--busy-poll-us), before recv's heartbeat
+        nbytes = 0  # the largest message it got: polling pays for small ones only
         try:
             while outstanding and time.monotonic() < until:
                 try:
                     reply = self._in(sock, self._slots[i])
                 except zmq.Again:
                     return False
+                nbytes = max(nbytes, reply.nbytes)
                 if reply.shard in (-1, i):
                     self._handle(i, reply, outstanding, params)
                 if self._readmitting:
                     break
             return not outstanding
         finally:  # (the reply's handling, its copy, counts in: a little over the bare wait)
-            self.busy_poll.waited(time.perf_counter() - sent)
+            self.busy_poll.waited(time.perf_counter() - sent, nbytes)
 
     def _reopen(self, i: int, outstanding: dict) -> None:
         """A fresh socket to shard ``i``'s current address; its outstanding requests re-sent."""

@@ -14,8 +14,15 @@ Polling costs a core, so it is kept to where it pays and takes little from
 other work:
 
 * only while recent messages came within the budget (``max_seconds``): a
-  1 MB round trip (~1 ms), or a worker among four sharing two cores, waits
-  longer and sleeps as before;
+  worker among four sharing two cores waits longer and sleeps as before;
+* only while the latest message was small (``max_bytes``, 256 KiB): a large
+  one keeps both processes' libzmq I/O threads copying it for most of the
+  wait, and a poller takes the core they need. A shard that polled made a
+  one-trainer round trip faster at 20, 100 and 250 KB (0.270 against 0.348 ms,
+  0.407 / 0.453, 0.451 / 0.545) but slower at 500 KB and 1 MB (0.657 against
+  0.601 ms, 0.814 / 0.744), where its waits were still within the budget
+  (2026-11-27, AMD EPYC with 2 vCPUs, one ps-server polling and one not,
+  interleaved, medians of 6 runs of 2 s each);
 * each poll offers the core to any other thread that wants it
   (``sched_yield``); a yield that took long (another thread ran: the core is
   wanted) ends the polling, and the caller sleeps in ``recv`` as before;
@@ -45,6 +52,7 @@ from typing import Callable
 import zmq
 
 CONTENDED_SECONDS = 100e-6  # a yield this long handed the core to another process
+MAX_POLLED_BYTES = 256 * 1024  # after a larger message the next wait sleeps (see above)
 SMOOTHING = 0.25  # weight of the newest wait in the running estimate
 MAX_SKIPS = 64  # waits slept through after contended polls in a row, at most
 
@@ -54,16 +62,19 @@ class BusyPoll:
 
     ``wait(sock)`` returns when a message is ready, or when polling stops
     paying; the caller then receives as usual (at once, or sleeping in recv).
-    ``max_seconds`` 0 never polls. ``yield_core`` (``os.sched_yield``) and
-    ``contended_seconds`` (how long a yield that handed the core away takes):
-    parameters, so that tests can stand in a free or a contended core.
+    ``max_seconds`` 0 never polls; nor does a wait after a message larger than
+    ``max_bytes``. ``yield_core`` (``os.sched_yield``) and ``contended_seconds``
+    (how long a yield that handed the core away takes): parameters, so that
+    tests can stand in a free or a contended core.
     """
 
     def __init__(self, max_seconds: float, yield_core: Callable[[], None] = os.sched_yield,
-                 contended_seconds: float = CONTENDED_SECONDS):
+                 contended_seconds: float = CONTENDED_SECONDS,
+                 max_bytes: int = MAX_POLLED_BYTES):
         if max_seconds < 0:
             raise ValueError(f"busy-poll budget must be >= 0 s, got {max_seconds!r}")
-        self.max_seconds = max_seconds
+        self.max_seconds, self.max_bytes = max_seconds, max_bytes
+        self.large = False  # whether the latest message was larger than max_bytes
         self.yield_core, self.contended_seconds = yield_core, contended_seconds
         self.expected = 0.0  # running estimate of the wait for a message, seconds
         self.polls = self.hits = self.contended = 0  # waits polled, answered, cut short
@@ -73,7 +84,7 @@ class BusyPoll:
     def wait(self, sock: zmq.Socket) -> None:
         """Poll ``sock`` until a message is ready, the budget is spent, or the core is
         wanted elsewhere; returns at once when polling is off or not paying now."""
-        if not self.max_seconds or self.expected > self.max_seconds:
+        if not self.max_seconds or self.large or self.expected > self.max_seconds:
             return
         if self.skip:
             self.skip -= 1
@@ -96,6 +107,8 @@ class BusyPoll:
         if yielded:  # polling paid, on a core nobody else wanted
             self.penalty = 0
 
-    def waited(self, seconds: float) -> None:
-        """Note how long the latest wait for a message lasted (polled or slept)."""
+    def waited(self, seconds: float, nbytes: int = 0) -> None:
+        """Note how long the latest wait for a message lasted (polled or slept), and the
+        size of the message it got (its frames' bytes: 0 when none came)."""
         self.expected += SMOOTHING * (seconds - self.expected)
+        self.large = nbytes > self.max_bytes
