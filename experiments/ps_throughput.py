@@ -33,8 +33,8 @@ measures:
   area, and a cell where one fell back to frames is marked); both with
   asyncsgd's defaults, so shards, and trainers of a one-shard server,
   busy-poll for up to 400 us before sleeping in recv while messages come that
-  fast (``--busy-poll-us``, ``asyncsgd.wire.busy_poll``; each trainer counts
-  its polls and hits);
+  fast and are no larger than 256 KiB (``--busy-poll-us``,
+  ``asyncsgd.wire.busy_poll``; each trainer counts its polls and hits);
 * an RPC parameter server on torch.distributed.rpc (``experiments/rpc_ps.py``,
   as in pytorch/examples ``distributed/rpc``), TensorPipe's default (shared
   memory and cross-memory attach on one host) and TensorPipe over TCP only;
@@ -585,7 +585,8 @@ def report(rows: list, methods: list, header: str) -> str:
              "of all trainers · GB/s (push + pull). Floor and raw pyzmq: one trainer. "
              "asyncsgd runs with its defaults, so its shards, and its trainers of a one-shard "
              "server, poll for a message for up to 400 µs before sleeping while messages come "
-             "that fast (`--busy-poll-us`; the JSON counts the trainers' polls); the floor, "
+             "that fast and are no larger than 256 KiB (`--busy-poll-us`; the JSON counts the "
+             "trainers' polls); the floor, "
              "raw pyzmq and the RPC PS sleep in recv.", "",
              "| model | trainers | " + " | ".join(METHODS[m] for m in cols)
              + " | floor | raw pyzmq, 4 MiB frames |",
