@@ -108,11 +108,11 @@ def main() -> int:
                              "ms_per_step": round(fig["ms"], 3), "gbps": round(fig["gbps"], 2)})
                 print(f"{size:>6} x {tensors:>3} tensors  {way:<22} {fig['ms']:8.3f} ms a step "
                       f"{fig['gbps']:6.2f} GB/s", flush=True)
+    command = " ".join(["python experiments/gpu_copies.py", *sys.argv[1:]])
     table = [f"GPU worker's copies per step (gradient off the GPU, parameters onto it): "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
              f"{time.strftime('%Y-%m-%d %H:%M')}; median of {args.repeats} interleaved runs "
-             f"of {args.steps} steps. `python experiments/gpu_copies.py "
-             f"{' '.join(sys.argv[1:])}`".rstrip() + "\n",
+             f"of {args.steps} steps. `{command}`\n",
              "| model | tensors | per tensor, pageable | flat, pinned | speed-up |",
              "|---|---:|---:|---:|---:|"]
     for i in range(0, len(rows), 2):
