@@ -256,3 +256,23 @@ def test_training_reaches_its_target_through_a_shard_crash(server, cli_env):
     record_figure("shard SIGKILL + restart (mnist1d-cnn)", lost_updates=summary["lost_updates"],
                   best_accuracy=summary["best_metric"],
                   time_to_target_s=summary.get("time_to_target"))
+
+
+def test_a_shard_dead_for_good_fails_the_run_saved_as_last_seen(server, cli_env):
+    """--shard-restarts 0: a shard SIGKILLed ends the run as failed. The server cannot ask
+    the dead shard, says so, and saves the run as its last evaluation saw it: summary.json
+    keeps the PS fields (main: none of them on a failed run) and checkpoint.pt that
+    evaluation's parameters, here every one of the 250 updates."""
+    task = ["--task", "tasks_for_tests:dense_counter", "--samples", 2000]
+    srv = server(*task, "--workers", 1, "--shard-restarts", 0, "--no-exit-when-done")
+    (code, out, err), = finish([worker(cli_env, srv.address, 0, 1, *task, "--epochs", 1)])
+    assert code == 0 and "250 pushes" in out, err
+    wait_for(lambda: srv.stats()["updates"] == 250, 60, "an evaluation that saw every update")
+    os.kill(srv.stats()["shard_stats"][0]["pid"], signal.SIGKILL)
+    code, _, err = srv.wait()
+    assert code == 1, err
+    assert "a shard is down: the run is saved as the last evaluation saw it" in err, err
+    summary = read_json(srv.out / "summary.json")
+    assert (summary["status"], summary["stopped_by"]) == ("failed", "error")
+    assert (summary["updates"], summary["samples"], summary["shard_restarts"]) == (250, 2000, 0)
+    assert load_checkpoint(srv.out / "checkpoint.pt")["model"]["w"].item() == -2000
