@@ -112,11 +112,9 @@ sys.path.insert(0, str(HERE))
 from ps_floor import measure_floor  # noqa: E402
 from raw_zmq import measure_raw  # noqa: E402
 from results import RESULTS, save_results  # noqa: E402
-from rpc_ps import (RESULT_GRACE_S, START_MARGIN_S, START_METHODS, START_TIMEOUT_S,  # noqa: E402
-                    Owned, aggregate, die_with_parent, free_port, measure_rpc, start_context,
-                    timed_round_trips)
-
-SIZES = {"20KB": 20_000, "1MB": 1_000_000, "10MB": 10_000_000, "40MiB": 40 * 2 ** 20}
+from rpc_ps import (RESULT_GRACE_S, SIZES, START_MARGIN_S, START_METHODS,  # noqa: E402
+                    START_TIMEOUT_S, Owned, aggregate, die_with_parent, free_port, measure_rpc,
+                    start_context, timed_round_trips)
 FRAME = 4 * 2 ** 20
 METHODS = {  # key: column title
     "asyncsgd_tcp": "asyncsgd, TCP",
