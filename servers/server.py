@@ -156,14 +156,14 @@ def _final_observation(evaluator: Evaluator, supervisor: ShardSupervisor) -> Opt
     evaluation); where a shard is down, what the last evaluation saw; None before any."""
     if not evaluator.latest:
         return None  # stopped before the shards first answered
-    if not supervisor.all_running():
-        log.warning("a shard is down: the run is saved as the last evaluation saw it")
-        return evaluator.last_observation()
-    try:
-        return evaluator.observe()
-    except TimeoutError as exc:
-        log.warning("the run is saved as the last evaluation saw it: %s", exc)
-        return evaluator.last_observation()
+    why = "a shard is down"
+    if supervisor.all_running():
+        try:
+            return evaluator.observe()
+        except TimeoutError as exc:
+            why = str(exc)
+    log.warning("%s: the run is saved as the last evaluation saw it", why)
+    return evaluator.last_observation()
 
 
 def _summary(cfg: ServerConfig, lr: float, obs: dict, front: Front, supervisor: ShardSupervisor,

@@ -200,9 +200,10 @@ class _Loop:
         self.flat_params = torch.zeros(layout.total, pin_memory=on_gpu)
         self.flat_grads = torch.zeros(layout.total, pin_memory=on_gpu)
         model.to(self.device)
-        self.gpu_params = torch.zeros(layout.total, device=self.device) if on_gpu else None
-        self.gpu_grads = torch.zeros(layout.total, device=self.device) if on_gpu else None
+        self.gpu_params = self.gpu_grads = None
         if on_gpu:
+            self.gpu_params = torch.zeros(layout.total, device=self.device)
+            self.gpu_grads = torch.zeros(layout.total, device=self.device)
             layout.bind(model, self.gpu_params, self.gpu_grads)
         else:
             layout.bind(model, self.flat_params, self.flat_grads)
