@@ -1,4 +1,3 @@
-"""The parameter server's wire: the protocol (spec in PROTOCOL.md beside it), the
-ZeroMQ transport at the edge, CURVE security (and the ZMTP greeting that names a
-server's mechanism), the flat parameter layout and its signature, and the ``ps-stats``
-client."""
+"""The parameter server's wire: protocol (spec in PROTOCOL.md), ZeroMQ transport, CURVE
+security, the flat parameter layout, and the ``ps-stats`` client.
+"""

@@ -1,26 +1,8 @@
-"""Compressed pushes and pulls (PROTOCOL.md, Compressed pushes).
+"""Compressed pushes and pulls: cast (bf16, fp16), int8 with per-chunk scales, or top-k.
 
-A worker chooses, per run, how its gradients travel (``--push-dtype``, ``--compress``)
-and how the parameters come back (``--pull-dtype``); the shard keeps float32 whatever
-they are, and records what each worker chose in its stats.
-
-- ``bf16`` / ``fp16``: the values cast on the wire (2 bytes a value instead of 4).
-- ``int8``: chunks of ``INT8_CHUNK`` values, each sent as one float32 scale (its largest
-  magnitude / 127) and one rounded int8 per value: 1.016 bytes a value.
-- ``topk:RATIO``: the ``RATIO`` share of values largest in magnitude (at least one per
-  frame) as int32 indices and float32 values: 8 bytes a kept value, 0.08 a value at
-  RATIO 0.01.
-
-int8 and top-k keep *error feedback* on the worker (Seide et al. 2014; Stich et al.
-2018): what a push left out (the gradient plus the previous residual, minus what was
-sent) is added to the next gradient, so nothing is dropped, only delayed: the pushes'
-expanded values plus the last residual sum to the gradients' sum. (A push the server
-never applies, a sync push acknowledged ``stale`` after its round ended without it, is
-dropped with what it carried, as any gradient of such a push is.)
-
-``expand`` is the receiving side: it checks a packed segment against the receiver's slice
-before it allocates anything, and gives float32 values (which the shard then checks for
-NaN and Inf as any push).
+The formats are PROTOCOL.md's "Compressed pushes"; this is what senders do with them
+(``Compressor``, error feedback included) and how a receiver checks and expands them
+(``expand``) before the shard, which keeps float32, applies them.
 """
 
 from __future__ import annotations
@@ -41,6 +23,10 @@ class Compressor:
     """A worker's encoder of pushes: each shard's slice of the gradient as the segments to
     send, keeping that shard's error-feedback residual between pushes.
 
+    int8 and top-k keep *error feedback* (Seide et al. 2014; Stich et al. 2018): what a
+    push left out (the gradient plus the previous residual, minus what was sent) is added
+    to the next gradient, so nothing is dropped, only delayed. (A push the server never
+    applies, a sync push acknowledged ``stale``, is dropped with what it carried.)
     ``segments`` is called once per push (a retry re-sends the same message), so the
     residual advances exactly once per push."""
 

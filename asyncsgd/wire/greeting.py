@@ -1,17 +1,8 @@
 """Which security mechanism a ZeroMQ server speaks, read from its ZMTP greeting.
 
-A client whose mechanism differs from the server's learns it from libzmq only when the
-server's greeting reaches it before the server hangs up. The two race: on an idle machine
-about half the connections of a plain client to a CURVE server see only the socket closed,
-and under load (a CI run, 2 cores) all 10 of a ps-stats's tries did. So on the first
-hang-up the client reads the greeting itself, over a plain TCP connection.
-
-ZMTP 3 (ZeroMQ RFC 23, as libzmq's zmtp_engine does it): each side sends its 10-byte
-signature; once it has the other's, its major version; once it has the other's major
-version, the rest of its 64-byte greeting (minor version, the mechanism's name in 20
-NUL-padded bytes, as-server, filler). This sends signature and major version only, so the
-server sends its whole greeting and then waits for the rest of ours: it never gets to
-compare mechanisms, and counts one failed handshake when this closes.
+libzmq tells a client that its mechanism differs only if the server's greeting beats the
+server's hang-up, a race often lost under load; so on the first hang-up the client reads
+the greeting itself, over a plain TCP connection (``server_mechanism``).
 """
 
 from __future__ import annotations
@@ -27,7 +18,7 @@ MAJOR_VERSION = 3
 GREETING_BYTES = 64
 MECHANISM = slice(12, 32)
 KNOWN = ("NULL", "PLAIN", "CURVE", "GSSAPI")
-GREETING_SECONDS = 2.0  # a live server sends it in ~10 ms on 127.0.0.1, even under load
+GREETING_SECONDS = 2.0  # far above what a live server takes, even under load
 GREETING_TRIES = 3  # a client asks at each of its first hang-ups until one answers
 
 
@@ -58,7 +49,13 @@ class HangUps:
 def server_mechanism(endpoint: str, timeout: float) -> Optional[str]:
     """The mechanism (``NULL``, ``PLAIN``, ``CURVE``, ``GSSAPI``) the ZMTP 3 server at
     ``endpoint`` (``tcp://HOST:PORT``) announces; None when no such greeting comes within
-    ``timeout`` seconds (nothing listening, not ZeroMQ, an older ZMTP, or too slow)."""
+    ``timeout`` seconds (nothing listening, not ZeroMQ, an older ZMTP, or too slow).
+
+    ZMTP 3 (ZeroMQ RFC 23): each side sends its 10-byte signature, then its major
+    version, then the rest of its 64-byte greeting (minor version, the mechanism's name
+    in 20 NUL-padded bytes, as-server, filler). This sends signature and major version
+    only, so the server sends its whole greeting and waits for the rest of ours: it never
+    compares mechanisms, and counts one failed handshake when this closes."""
     host, port = parse_endpoint(endpoint, "--server")
     deadline = time.monotonic() + timeout
     # libzmq without ZMQ_IPV6 (as asyncsgd's sockets are) connects over IPv4 only, unless

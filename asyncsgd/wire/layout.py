@@ -1,17 +1,5 @@
-"""How a model's parameters are laid out for the parameter server.
-
-All parameters are concatenated, in ``named_parameters()`` order, into one
-flat float32 vector; shard ``i`` of ``S`` owns a contiguous, equal-sized range
-of it, so shards are balanced by bytes and a large tensor may be split across
-shards. The *signature* (names, shapes, dtypes and their digest) is what a
-worker and the server compare at the handshake: a worker running another
-model is refused instead of silently corrupting the parameters. (The same model
-on other data is the data signature's to catch: ``asyncsgd.core.signature``.)
-
-A worker binds its local model to two flat buffers: every parameter becomes a
-view of ``flat_params`` and every gradient a view of ``flat_grads``. A pull
-then copies received bytes straight into the model, and a push sends slices of
-``flat_grads`` without gathering anything.
+"""How a model's parameters are laid out for the parameter server: one flat float32 vector,
+cut into contiguous shard slices, and the signature worker and server compare.
 """
 
 from __future__ import annotations
@@ -35,6 +23,14 @@ class ParamSpec:
 
 
 class Layout:
+    """A model's parameters as one flat float32 vector, in ``named_parameters()`` order.
+
+    Shard ``i`` of ``S`` owns a contiguous, equal-sized range of it, so shards are
+    balanced by bytes and a large tensor may be split across shards. A worker ``bind``s
+    its model to two flat buffers, so a pull copies received bytes straight into the
+    model and a push sends slices of ``flat_grads`` without gathering anything.
+    """
+
     def __init__(self, specs: list):
         self.specs = specs
         self.total = sum(s.numel for s in specs)
@@ -53,6 +49,9 @@ class Layout:
         return cls(specs)
 
     def signature(self) -> dict:
+        """Names, shapes, dtypes and their digest: a worker with another model is refused
+        at the handshake instead of corrupting the parameters (other data on the same
+        model is ``core.signature``'s to catch)."""
         body = {"names": [s.name for s in self.specs],
                 "shapes": [list(s.shape) for s in self.specs],
                 "dtypes": ["float32"] * len(self.specs)}

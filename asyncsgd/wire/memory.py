@@ -1,12 +1,9 @@
 """Keep large freed buffers in the process instead of returning them to the OS.
 
-glibc serves large allocations (libzmq's 4 MiB message buffers, tensors) with
-fresh mmaps and trims freed heap back to the kernel. On this kind of VM the
-host reclaims freed pages and touching new ones runs at ~0.8 GB/s instead of
-~6 GB/s, so every message paid for page faults: a 40 MiB push+pull took
-115 ms instead of 60 ms. Raising the mmap and trim thresholds makes glibc
-reuse the same heap memory message after message. (Equivalent to the
-MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ environment variables.)
+glibc serves large allocations (libzmq's message buffers, tensors) with fresh mmaps and trims
+freed heap; where the host reclaims freed pages every message then pays for page faults, so
+raising the mmap and trim thresholds (as MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_
+would) reuses the same memory. Figures: experiments/README.md, "Freed memory".
 """
 
 from __future__ import annotations

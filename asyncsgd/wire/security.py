@@ -2,20 +2,9 @@
 
     asyncsgd keygen keys --clients 2
     asyncsgd ps-server --curve-secret keys/server.key_secret --allowed-clients keys/allowed_clients
-    asyncsgd worker --curve-server-key keys/server.key \\
-                    --curve-secret keys/clients/worker-0.key_secret
 
-Keys are pyzmq ``zmq.auth`` certificates (z85 text). The server's ROUTERs (the
-front and every shard) are CURVE servers; a ZAP handler (ZeroMQ RFC 27), run
-by a ``Gatekeeper`` thread in each serving process, admits exactly the public
-keys in ``--allowed-clients`` (and the server's own, for its evaluator). The
-sockets set ZAP_ENFORCE_DOMAIN, so if that handler were ever gone libzmq would
-refuse every client rather than let them all in. The same thread reads the
-sockets' monitor events and counts refused handshakes (unknown key, wrong
-server key, no key, garbage) for the server's stats.
-
-libzmq before 4.3.3 has CURVE vulnerabilities (CVE-2020-15166 and others), so
-``require_curve`` refuses to start on an older one.
+A ``Gatekeeper`` thread in each serving process admits exactly the public keys in
+``--allowed-clients`` (ZeroMQ RFC 27) and counts refused handshakes for the server's stats.
 """
 
 from __future__ import annotations
@@ -70,6 +59,7 @@ def curve_problem(version: Optional[tuple] = None, has_curve: Optional[bool] = N
 
 
 def require_curve() -> None:
+    # libzmq before 4.3.3 has CURVE vulnerabilities (CVE-2020-15166 and others)
     problem = curve_problem()
     if problem:
         raise SecurityError(f"CURVE authentication is unavailable: {problem}")
@@ -235,6 +225,12 @@ def exposed_warning(host: str, keys: Optional[ServerKeys]) -> str:
 
 class Gatekeeper:
     """A thread that admits CURVE clients (ZAP) and counts handshakes on watched sockets.
+
+    It admits the keys in ``--allowed-clients`` and the server's own (for its
+    evaluator). The sockets set ZAP_ENFORCE_DOMAIN, so if this handler were ever gone
+    libzmq would refuse every client rather than let them all in. The same thread reads
+    the sockets' monitor events and counts refused handshakes (unknown key, wrong server
+    key, no key, garbage).
 
     Create it before binding any socket of ``ctx`` (libzmq asks the ZAP handler
     bound at connection time); ``watch`` a socket after binding it; ``close``

@@ -1,28 +1,9 @@
-"""The same-host path: tensors in shared memory, the message headers over the socket.
+"""The same-host path: a push's gradient and a reply's parameters in a shared memory area, only
+the headers over the socket.
 
-On one host a push or a PARAMS reply need not cross a socket at all. A shard
-makes, for each worker on its host that asks (an ``attach``), one *area*: an
-anonymous memory file (memfd) holding a small tag, the worker's gradient slot
-and its parameter slot, each as large as the shard's slice. The worker maps
-the same file through ``/proc/<shard pid>/fd/<fd>``, which only the shard's
-own user (or root) may open. From then on a push's header goes over the
-shard's socket as before but names the area (``x``) instead of carrying tensor
-frames: the worker writes its gradient into the gradient slot, the shard reads
-(checks, applies) it there, and writes the parameters of a PARAMS reply into
-the parameter slot, from which the worker copies them. Every other rule of the
-protocol holds unchanged: same messages, sequence numbers, admission, checks.
-
-Measured here (``/tmp`` bench of this design against zmq, 1 trainer, 10 MB of
-float32): 2.8-3.2 ms per push+pull round trip, against 11-14 ms over TCP
-frames and 7.7-10.7 ms over ``ipc://`` frames; 20 KB: 0.13 ms against 0.27 ms.
-
-Safety: the file is sealed against shrinking and growing (``F_SEAL_SHRINK``,
-``F_SEAL_GROW``, ``F_SEAL_SEAL``), so a peer cannot truncate it under the shard
-(a SIGBUS); its size is fixed by the shard. A worker checks the size and the
-random tag before trusting a mapping (a stale fd number, or a /proc of another
-pid namespace, shows another file). Areas are bounded per shard (``Areas``),
-each belongs to one (worker id, incarnation), and a worker attaches only with
-the session token its welcome holds.
+Saves a socket's copies where worker and shard share a host; the rules (sealed memfd areas,
+checks, one per worker incarnation) are PROTOCOL.md's "Same host", the figures
+experiments/README.md's "Same-host areas".
 """
 
 from __future__ import annotations

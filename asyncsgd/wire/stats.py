@@ -1,23 +1,7 @@
 """Ask a running parameter server for its counters (``asyncsgd ps-stats``).
 
-ZeroMQ never reports a failed handshake to the sender: a request to a server whose
-CURVE setting differs from ours just waits in the socket until the timeout. So
-``fetch_stats`` watches its socket's monitor and says which of these it was.
-Measured with libzmq 4.3.5 (pyzmq 27.3) against real ps-servers on 127.0.0.1, 15
-tries of each:
-
-- no keys, CURVE server: HANDSHAKE_FAILED_PROTOCOL with the mechanism-mismatch
-  code on the first or second connection (7 of 15 first saw the socket closed,
-  FAILED_NO_DETAIL); libzmq then stops reconnecting. Keys, plain server: the same
-  mismatch within three connections. Under load the closures can win every time (a CI
-  run: 10 of 10), so at the first ones ``greeting.server_mechanism`` reads the server's
-  mechanism from its ZMTP greeting and a mismatch is told at once.
-- a client key the server does not admit: HANDSHAKE_FAILED_AUTH (status 400), once.
-- the wrong server public key: only FAILED_NO_DETAIL (the server hangs up, EPIPE),
-  a reconnect every 0.12-0.2 s, never a mismatch: ``PROBE_FAILURES`` (10) of them
-  took 1.2 s, so this error comes well before the default 5 s timeout.
-- a closed port: CLOSED and CONNECT_RETRIED every ~0.2 s, never CONNECTED.
-- a TCP listener that is not ZeroMQ: CONNECTED, then nothing.
+ZeroMQ never tells a sender that its handshake failed (the request just waits), so
+``fetch_stats`` watches its socket's monitor and says what went wrong (``_Handshake``).
 """
 
 from __future__ import annotations
@@ -100,7 +84,20 @@ def _await_reply(sock: zmq.Socket, monitor: zmq.Socket, handshake: "_Handshake")
 
 
 class _Handshake:
-    """What the monitor told about the connection, and the error it amounts to."""
+    """What the monitor told about the connection, and the error it amounts to.
+
+    How libzmq shows each failure (experiments/README.md, "Failed handshakes"):
+
+    - no keys, CURVE server (or keys, plain server): a mechanism mismatch within a few
+      connections, after the socket was closed first; under load the closures can win
+      every time, so at the first ones ``greeting.server_mechanism`` reads the server's
+      mechanism from its ZMTP greeting and a mismatch is told at once;
+    - a client key the server does not admit: HANDSHAKE_FAILED_AUTH, once;
+    - the wrong server public key: only hang-ups (FAILED_NO_DETAIL), never a
+      mismatch, so ``PROBE_FAILURES`` of them end the wait well before the timeout;
+    - a closed port: CLOSED and CONNECT_RETRIED, never CONNECTED;
+    - a TCP listener that is not ZeroMQ: CONNECTED, then nothing.
+    """
 
     def __init__(self, server: str, timeout: float, keys: bool):
         self.server, self.timeout, self.keys = server, timeout, keys
@@ -125,7 +122,7 @@ class _Handshake:
             # a mismatch libzmq showed only as a hang-up? the server's greeting says
             if self.hang_ups.hung_up() == misfit(self.keys):
                 raise SecurityError(self._mismatch())
-            if self.hang_ups.count >= PROBE_FAILURES:  # 1.2 s of reconnects, measured
+            if self.hang_ups.count >= PROBE_FAILURES:  # see experiments/README.md
                 raise SecurityError(self._hung_up())
 
     def _mismatch(self) -> str:

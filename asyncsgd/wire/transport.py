@@ -1,18 +1,8 @@
-"""ZeroMQ sockets at the edge: configured once; they pack and unpack messages, never read them.
+"""ZeroMQ sockets at the edge: configured once, they pack and unpack messages and never read
+them; nothing above this module handles frames.
 
-A send encodes a ``Message`` into frames; a receive decodes frames back into
-one (``recv`` on a DEALER raises ``ProtocolError`` for bytes that break the
-protocol, ``recv_from`` on a ROUTER returns the error with the peer that sent
-it, so that it can be answered). Nothing above this module handles frames.
-
-Every socket gets finite limits: LINGER 0 (closing never hangs), a maximum
-inbound frame size (a peer sending more is disconnected, see ZMQ_MAXMSGSIZE;
-``frame_limit`` sizes it from the model),
-TCP keepalive, and on ROUTERs ROUTER_MANDATORY, so a reply to a vanished peer
-becomes an error we count instead of a silent drop. High-water marks keep
-their defaults: a small HWM on a ROUTER silently dropped replies under load
-here. ``curve`` (``asyncsgd.security`` keys)
-turns on CURVE authentication and encryption.
+Every socket gets finite limits (LINGER 0, a maximum frame size, TCP keepalive, and
+ROUTER_MANDATORY so a reply to a vanished peer is an error we count, not a silent drop).
 """
 
 from __future__ import annotations
@@ -34,12 +24,12 @@ log = logging.getLogger(__name__)
 MAX_FRAME = FRAME_BYTES + MAX_HEADER_BYTES
 COPY_BELOW = 64 * 1024  # pyzmq: zero-copy costs more than a memcpy for small frames
 # Flags as plain ints, frames sent and received one by one: pyzmq's send_multipart
-# combines enum flags per frame and type-checks every part, 14.3 us for a 3-frame
-# message here against 5.0 us this way; recv_multipart costs 2 us more than the loop.
+# combines enum flags per frame and type-checks every part, and recv_multipart costs
+# more than the loop (experiments/README.md, "Frames and sends").
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 _LAST = int(zmq.NOBLOCK)
 # pyzmq's Socket.send is a Python wrapper (routing_id/group handling) around the Cython
-# send: calling that directly saves ~0.3 us a frame, 6 frames a 20 KB round trip.
+# send: calling that directly saves a little on each of a round trip's frames.
 _send_frame = zmq.backend.Socket.send
 
 
@@ -55,6 +45,8 @@ def frame_limit(elements: int) -> int:
 
 
 def _common(sock: zmq.Socket, curve: Any, max_frame: int) -> None:
+    # High-water marks keep their defaults: a small HWM on a ROUTER silently dropped
+    # replies under load.
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
@@ -97,8 +89,8 @@ def _send_parts(sock: zmq.Socket, parts: Sequence, copy: bool) -> bool:
 
     ``copy=False`` sends the frames of COPY_BELOW bytes or more uncopied; smaller ones
     (a peer's id, a header) are copied all the same: an uncopied frame costs pyzmq a
-    Frame object (4.3 us here, against 0.3 us) and, once libzmq lets go of it, a
-    wake-up of pyzmq's garbage-collector thread."""
+    Frame object and, once libzmq lets go of it, a wake-up of pyzmq's garbage-collector
+    thread (experiments/README.md, "Frames and sends")."""
     try:
         # libzmq takes a multipart message whole or not at all: the high-water mark and
         # ROUTER_MANDATORY refuse its first frame, never a later one.
@@ -125,9 +117,8 @@ def shared_frames(segments: list) -> list:
     Every send of such a Frame shares it with libzmq (a reference count) and reads the
     buffer as it is then; an uncopied send of the bytes themselves costs pyzmq a Frame
     object and a garbage-collector entry each time, and, once libzmq lets go, a wake-up
-    of pyzmq's garbage-collector thread: 1 MB sent and received in a loop, 1.2-1.7 us
-    against 8.5-10 us; a 1 MB push+pull round trip, interleaved with the floor (0.91 ms),
-    1.002 ms against 1.039 ms, 2026-11-27. For a buffer its owner leaves unchanged until
+    of pyzmq's garbage-collector thread (experiments/README.md, "Frames and sends"). For
+    a buffer its owner leaves unchanged until
     every send of it has been answered (a worker's gradients, until the ACK), as for
     ``copy=False``.
     """
@@ -160,10 +151,7 @@ class Reading:
     under libzmq otherwise), so once no such object is left alive, nothing
     reads them. pyzmq's own ``MessageTracker`` tells the same thing at the same
     moment, but its ``threading.Event`` per frame cost a 1 MB reply's shard more
-    CPU: a zero-copy send and its receive took 27 us with a tracker against
-    19 us this way, in a loop; a 1 MB push+pull round trip, interleaved with the
-    floor, 0.961 ms against 1.001 ms, and 1.000 against 1.035 (the floor 0.90,
-    0.89 ms), 2026-11-27.
+    CPU (experiments/README.md, "Frames and sends").
     """
 
     __slots__ = ("_refs",)
@@ -215,7 +203,7 @@ def recv_from(sock: zmq.Socket, areas: Optional[Callable] = None) -> tuple:
     """``(peer, message)`` from a ROUTER; ``message`` is the ``ProtocolError`` instead when
     the bytes break the protocol, so the peer can still be answered. ``areas(link,
     worker, incarnation, peer)``: the slot of a same-host area, as for ``recv``."""
-    peer = sock.recv(0)  # the identity, as bytes: 0.65 us less than a Frame and .bytes
+    peer = sock.recv(0)  # the identity, as bytes: cheaper than a Frame and .bytes
     frames = _recv_frames(sock)  # (a ROUTER always has a frame after the identity)
     try:
         return peer, decode(frames, areas, peer)
