@@ -1,2 +1,3 @@
-"""What is trained: the task abstraction every mode uses, its data and its models, and
-the pace each rank is held to (stragglers staged on purpose)."""
+"""What is trained: the task every mode uses, its data and models, and the pace each rank is
+held to.
+"""

@@ -1,9 +1,7 @@
 """Data sources: MNIST-1D generated offline, synthetic sparse data, local IDX files.
 
-Nothing here downloads anything. MNIST-1D comes from the ``mnist1d`` package's
-own generator (its ``get_dataset`` would download by default, so we call
-``make_dataset`` directly) and is cached as ``.npz`` (never pickle) because
-generating 5,000 samples takes over a second.
+Nothing here downloads anything, so every host builds the same data offline; generated sets
+are cached as ``.npz`` (never pickle).
 """
 
 from __future__ import annotations
@@ -48,7 +46,10 @@ def _load_npz(path: Path) -> Optional[dict]:
 
 
 def mnist1d(samples: int = 5000, cache_dir: Optional[str] = None) -> dict:
-    """MNIST-1D arrays ``x, y, x_test, y_test`` (80/20 split), generated once and cached."""
+    """MNIST-1D arrays ``x, y, x_test, y_test`` (80/20 split), generated once and cached.
+
+    Made with the ``mnist1d`` package's ``make_dataset`` (its ``get_dataset`` would
+    download by default); cached because generating 5,000 samples takes over a second."""
     if samples < 10:
         raise DataError(f"mnist1d needs at least 10 samples (got {samples}); use --samples 5000")
     path = cache_root(cache_dir) / f"mnist1d-v{CACHE_FORMAT}-n{samples}-s{MNIST1D_DATASET_SEED}.npz"

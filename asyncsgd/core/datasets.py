@@ -1,31 +1,7 @@
 """Training data from a map-style ``torch.utils.data.Dataset``, behind the ``Split`` interface.
 
-A task's ``train`` or ``test`` may be a ``Dataset`` instead of in-memory tensors:
-``Task`` wraps it in a ``DatasetSplit``, which every mode uses exactly as it uses a
-``Split`` (``len``, ``rows(index)``, ``share_memory_()``). So the data a process
-reads are still decided in one place, ``core.tasks``: process ``rank`` of ``N``
-reads the rows ``partition_indices(n, N, rank, seed)`` in the order
-``epoch_order(...)`` — that pair is the rank-partitioning sampler, the same for
-tensors and Datasets in Hogwild, single, DDP and parameter-server workers, and
-reproducible from the seed. ``rows`` fetches ``dataset[i]`` for each index
-(the Dataset applies its own transforms there, fresh at every read, so random
-augmentations stay random) and collates them with ``default_collate``, exactly as
-a ``DataLoader`` builds a batch.
-
-An item is a tuple ``(input, ..., target)``: the last element is the target, the
-others are the model's inputs (``model(*inputs)``), as with ``Split.inputs``.
-
-No ``num_workers`` loader processes: every training process already is one of N
-processes sharing the cores, each given ``cores // N`` threads (Hogwild's run
-token, the parameter server's thread budget), and W loader processes each
-would run N x (1 + W) processes on those cores, the oversubscription the modes
-avoid. Loading ahead would also need each mode to hand its batch order over in
-advance, where today every mode asks for one batch at a time. A Dataset whose
-reads are slow is better pre-decoded into tensors (a ``Split``).
-
-The Dataset travels to spawned processes by pickling, as with a ``DataLoader``'s
-workers: define its class (and its transforms) at module level. Tensors it holds
-are moved into shared memory on the way instead of being copied.
+A task's ``train`` or ``test`` may be a Dataset instead of tensors; ``DatasetSplit`` reads and
+collates it batch by batch, so every mode partitions and orders its rows as it does tensors.
 """
 
 from __future__ import annotations
@@ -38,7 +14,19 @@ from ..errors import TaskError
 
 class DatasetSplit:
     """One split of a data set read from a map-style ``Dataset`` of ``(input, ..., target)``
-    items; ``rows(index)`` collates them as a ``DataLoader`` would."""
+    items; ``rows(index)`` collates them as a ``DataLoader`` would.
+
+    Used exactly as a ``Split`` (``len``, ``rows``, ``share_memory_()``), so which rows a
+    process reads is still decided in ``core.tasks`` (``partition_indices``,
+    ``epoch_order``), alike for tensors and Datasets in every mode. The last element of an
+    item is the target, the others the model's inputs. ``rows`` reads ``dataset[i]``
+    afresh each time, so random augmentations stay random.
+
+    No ``num_workers`` loader processes: each training process already is one of N
+    sharing the cores, and W loaders each would oversubscribe them N x (1 + W) times. A
+    Dataset whose reads are slow is better pre-decoded into tensors (a ``Split``). The
+    Dataset travels to spawned processes by pickling, as to a ``DataLoader``'s workers:
+    define its class and transforms at module level."""
 
     def __init__(self, dataset: Dataset, which: str = "split"):
         self.dataset, self.which = dataset, which

@@ -1,11 +1,7 @@
 """Files written whole or not at all: checkpoints, run files, cached data sets.
 
-``atomic_write`` writes into a temporary file beside the target, flushes and
-fsyncs it, then renames it over the target, so a crash or a kill mid-write
-leaves the previous file intact (and, after the fsync, a power cut cannot
-leave the new name pointing at unwritten blocks). The temporary file's name
-carries the writer's pid: the next write to the same target removes those of
-writers that died mid-write, so killed writers leave nothing behind for long.
+``atomic_write`` writes a temporary file beside the target, fsyncs it and renames it over the
+target, so a crash or a kill mid-write leaves the previous file intact.
 """
 
 from __future__ import annotations
@@ -31,7 +27,11 @@ def _sweep_dead_writers(path: Path) -> None:
 
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Call ``write(fh)`` on a temporary file and make it ``path`` once complete and synced."""
+    """Call ``write(fh)`` on a temporary file and make it ``path`` once complete and synced.
+
+    The fsync before the rename means a power cut cannot leave the new name pointing at
+    unwritten blocks; the temporary file's name carries the writer's pid, so the next
+    write removes those of writers that died mid-write."""
     path = Path(path)
     _sweep_dead_writers(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.{os.getpid()}.",

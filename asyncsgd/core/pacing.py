@@ -1,19 +1,10 @@
 """Stragglers on purpose: ``--slowdown`` and ``--delay``, the same in every mode.
 
-    asyncsgd ddp --procs 4 --slowdown 1:4             # rank 1 takes 4x its step time
-    asyncsgd worker --rank 2 --world 4 --delay exp:20ms       # + Exp(mean 20 ms) per step
+    asyncsgd ddp --procs 4 --slowdown 1:4                      # rank 1 takes 4x its step time
     asyncsgd hogwild --procs 4 --slowdown 1:4,3:2 --delay const:5ms@0,1
 
-Asynchronous training wins when some workers are slower than others; on one
-quiet machine every process runs at the same speed, so the conditions where
-it pays (Chen et al. 2016; Dutta et al. 2018) have to be staged. A slowed
-rank computes its step, then waits (FACTOR - 1) x the time that computation
-took, plus a delay drawn from its own seeded stream, before its gradient
-is applied, pushed or all-reduced: its gradients arrive as late as a slower
-machine's would, and what it waits on purpose is counted apart from what it
-computes (``Pacer.waited``, ``Pacer.computed``), so reports can say which is
-which. (Hogwild with more processes than cores passes run tokens: a slowed
-rank waits holding its token, as a slow machine's core stays busy with it.)
+Asynchronous training wins when some workers are slower than others (Chen et al. 2016; Dutta
+et al. 2018); on one quiet machine that has to be staged.
 """
 
 from __future__ import annotations
@@ -166,7 +157,14 @@ def other_seconds(computed: float, waited: float, span: float) -> float:
 
 class Pacer:
     """One rank's pace: ``begin()`` before its step's computation, ``end()`` once its
-    gradient is computed; ``end`` waits what the rank is slowed by and returns it."""
+    gradient is computed; ``end`` waits what the rank is slowed by and returns it.
+
+    A slowed rank waits (FACTOR - 1) x the time its computation took, plus a delay drawn
+    from its own seeded stream, before its gradient is applied, pushed or all-reduced, so
+    it arrives as late as a slower machine's would. What it waits on purpose is counted
+    apart from what it computes (``waited``, ``computed``), so reports can say which is
+    which. (Hogwild with run tokens: a slowed rank waits holding its token, as a slow
+    machine's core stays busy.)"""
 
     def __init__(self, pacing: Pacing, rank: int, seed: int,
                  synchronize: Optional[Callable[[], None]] = None):

@@ -1,17 +1,5 @@
-"""How a task scores a model on its test set: the metric every report, plot, progress line
-and ``--target`` uses.
-
-A ``Metric`` is a name, a direction and a way to compute it. Built in:
-
-    ACCURACY     fraction of argmax predictions equal to the label (higher is better)
-    PERPLEXITY   exp(mean per-token cross-entropy) of a language model (lower is better)
-    MSE          mean squared error of a regression (lower is better)
-    LOSS         the task's own mean test loss, named test_loss (lower is better)
-
-Your own: ``Metric("f1", higher_is_better=True, per_batch=my_sum_fn)`` where
-``my_sum_fn(outputs, targets)`` returns the batch's *sum* over samples (the mean over
-the test set is taken for you), or ``from_loss=fn`` to compute it from the mean test
-loss. Keep the functions module-level so tasks can be sent to spawned processes.
+"""How a task scores a model on its test set: the ``Metric`` every report, plot, progress line
+and ``--target`` uses (built in: ACCURACY, PERPLEXITY, MSE, LOSS, or your own).
 """
 
 from __future__ import annotations
@@ -29,7 +17,13 @@ RESERVED = ("event", "t", "samples", "wall", "worker", "loss")
 
 @dataclass(frozen=True)
 class Metric:
-    """A test-set score: ``name`` keys it in metrics.jsonl and labels it in reports."""
+    """A test-set score: ``name`` keys it in metrics.jsonl and labels it in reports.
+
+    Your own: ``Metric("f1", higher_is_better=True, per_batch=my_sum_fn)``, where
+    ``my_sum_fn(outputs, targets)`` returns the batch's *sum* over samples (the mean over
+    the test set is taken for you), or ``from_loss=fn`` of the mean test loss. Keep the
+    functions module-level so tasks can be sent to spawned processes.
+    """
 
     name: str
     higher_is_better: bool

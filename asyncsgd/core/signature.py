@@ -1,26 +1,10 @@
-"""The data signature: what a parameter-server worker and its server compare to know that
-the worker trains on the server's data.
+"""The data signature: what a parameter-server worker and its server compare to know that the
+worker trains on the server's data.
 
-The model signature (``wire.layout``) proves the worker's model fits the server's
-parameters; it says nothing about the data. A worker started with another
-``--samples``, ``--seed``, ``--data-dir`` or task trains the same model on other
-rows, and the run is quietly wrong (its test set is the server's, its training
-data not). So the ``hello`` also carries this map, and the front refuses a
-worker whose map differs (PROTOCOL.md, Handshake):
-
-- ``task``: the task's canonical name, every option spelled out (``core.tasks.task_identity``);
-- ``train``, ``test``: the sample counts of the two splits;
-- ``seed``: the seed the task's function got, or None when it takes none;
-- ``partition``: how the worker cuts the training rows between workers (the
-  scheme of ``partition_indices`` and its seed);
-- ``digest``: a cheap fingerprint of the data themselves: each split's sample shapes
-  and dtypes and its integer labels (``Split.fingerprint``), or the Dataset's class
-  (``DatasetSplit.fingerprint``). Not a hash of every input: that would cost
-  seconds on large data, and float inputs generated on two hosts may differ in
-  their last bit.
-
-The map comes from the network on the server, so ``data_mismatch`` checks every
-field's type and never raises.
+The model signature (``wire.layout``) says nothing about data: a worker with another
+``--samples``, ``--seed`` or task would train quietly on other rows, so the front refuses a
+worker whose map differs (PROTOCOL.md, Handshake). The map comes from the network, so
+``data_mismatch`` checks every field's type and never raises.
 """
 
 from __future__ import annotations
@@ -43,7 +27,14 @@ _SHOWN = 80  # characters of a worker's value quoted in an error
 def data_signature(task: Task, name: str, seed: int,
                    partition_seed: int = PS_PARTITION_SEED) -> dict:
     """The data signature of ``task``, built as ``name`` with ``seed``, whose training rows
-    are partitioned with ``partition_seed``."""
+    are partitioned with ``partition_seed``.
+
+    ``task``: the canonical name, every option spelled out; ``train``, ``test``: the
+    splits' sample counts; ``seed``: the seed the task's function got (None when it takes
+    none); ``partition``: how workers cut the training rows; ``digest``: a cheap
+    fingerprint of the data (each split's sample shapes, dtypes and integer labels, or the
+    Dataset's class). Not a hash of every input: that would cost seconds on large data,
+    and float inputs generated on two hosts may differ in their last bit."""
     canonical, data_seed = task_identity(name, seed)
     digest = hashlib.sha256(
         f"{task.train.fingerprint()}\n{task.test.fingerprint()}".encode()).hexdigest()[:16]

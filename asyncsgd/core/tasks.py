@@ -1,23 +1,7 @@
 """The task abstraction every training mode uses, and the built-in tasks.
 
-A task is a model factory, train and test data, a loss and a metric (``core.scoring``:
-accuracy, perplexity, MSE or your own), which every report, plot and ``--target`` use.
-Data are tensors: ``Split.inputs`` is a tuple of tensors whose first dimension
-indexes samples (the model is called as ``model(*inputs)``) and
-``Split.targets`` holds the labels. Modes index rows, so any data that fits
-in memory works, dense or sparse. Or a map-style ``torch.utils.data.Dataset`` of
-``(input, ..., target)`` items, read and collated batch by batch (``core.datasets``).
-
-Your own task: write a module-level function returning a ``Task`` and pass
-``--task package.module:function``. The function may take any of the keyword
-arguments ``samples``, ``data_dir``, ``cache_dir``, ``seed``. Keep the model
-factory and loss module-level (or ``functools.partial`` of such) so the task
-can be sent to spawned worker processes.
-
-Options of a task go after its name: ``--task mnist1d-mlp:width=2048`` (a wider
-model for communication-bound sweeps), ``--task lm:layers=8``; ``asyncsgd tasks``
-lists them. The options are part of the task's name, so every mode and every
-process of a run builds the same task.
+A task is a model factory, train and test data (tensors in a ``Split``, or a map-style
+Dataset), a loss and a metric; one object so every mode and process trains the same thing.
 """
 
 from __future__ import annotations
@@ -43,7 +27,11 @@ from .scoring import ACCURACY, PERPLEXITY, Metric
 
 @dataclass
 class Split:
-    """One split of a data set: input tensors and target tensor, row-aligned."""
+    """One split of a data set: input tensors and target tensor, row-aligned.
+
+    ``inputs`` is a tuple of tensors whose first dimension indexes samples (the model is
+    called as ``model(*inputs)``); modes index rows, so any data that fits in memory
+    works, dense or sparse."""
 
     inputs: tuple
     targets: torch.Tensor
@@ -331,7 +319,14 @@ def _resolve_factory(name: str) -> Callable:
 
 def load_task(name: str, *, samples: Optional[int] = None, data_dir: Optional[str] = None,
               cache_dir: Optional[str] = None, seed: int = 0) -> Task:
-    """Resolve ``name`` (built-in or ``module:function``) and build the task."""
+    """Resolve ``name`` (built-in or ``module:function``) and build the task.
+
+    Your own task: a module-level function returning a ``Task``, passed as ``--task
+    package.module:function``; it may take any of ``samples``, ``data_dir``,
+    ``cache_dir``, ``seed``. Keep its model factory and loss module-level (or
+    ``functools.partial`` of such) so the task can be sent to spawned processes. Options
+    follow the name (``mnist1d-mlp:width=2048``) and are part of it, so every process of
+    a run builds the same task."""
     base, options = split_options(name)
     factory = _resolve_factory(base)
     if options:

@@ -1,17 +1,5 @@
-"""A generated corpus for the language-model task: nothing downloaded, the same bytes on
-every machine, and a known floor for the test perplexity.
-
-The "language" is a seeded word-level Markov chain: a vocabulary of made-up words (2 to
-4 syllables, with a few punctuation words), each followed by one of a handful of
-successors with Zipf-like probabilities. A byte-level model has to learn the spelling of
-every word and which words follow which. Because a word's bytes are fixed by the word and
-words are separated by spaces, the entropy rate of the byte stream is exactly
-
-    H = sum_i pi_i * H(next word | word i)  /  sum_i pi_i * (len(word i) + 1)   nats/byte
-
-(pi: the chain's stationary distribution), so exp(H) is the lowest perplexity any model
-can reach on long contexts (``Corpus.floor_perplexity``; windows that begin mid-word sit
-a little above it).
+"""A generated corpus for the language-model task: nothing downloaded, the same bytes on every
+machine, and a known floor for the test perplexity (``Corpus.floor_perplexity``).
 """
 
 from __future__ import annotations
@@ -29,9 +17,11 @@ _VOWELS = "aeiou"
 class Corpus:
     """The language of ``seed``: ``words`` made-up words, each with ``successors`` next words.
 
-    100 words: the default LM broke through the letter-frequency plateau (perplexity ~8)
-    after ~6,000 sequences and reached 2.0 after ~14,000; with 400 words it was still at
-    7.9 after 12,000."""
+    A seeded word-level Markov chain: words of 2 to 4 syllables (and a few punctuation
+    words), each followed by one of its successors with Zipf-like probabilities, so a
+    byte-level model must learn spelling and which words follow which. 100 words, so the
+    default LM gets past the letter-frequency plateau early in a short run
+    (experiments/README.md, "The LM corpus")."""
 
     def __init__(self, seed: int = 1234, words: int = 100, successors: int = 5):
         rng = np.random.default_rng(seed)
@@ -68,7 +58,11 @@ class Corpus:
 
     @property
     def floor_perplexity(self) -> float:
-        """exp(entropy rate per byte): no model's long-context perplexity is lower."""
+        """exp(entropy rate per byte): no model's long-context perplexity is lower.
+
+        A word's bytes are fixed by the word and words are separated by spaces, so
+        H = sum_i pi_i H(next word | word i) / sum_i pi_i (len(word i) + 1) nats a byte
+        (pi: the stationary distribution); windows that begin mid-word sit a little above."""
         pi = self._stationary()
         per_word = -(self.probs * np.log(self.probs)).sum(1)
         lengths = np.array([len(w) + 1 for w in self.words])
