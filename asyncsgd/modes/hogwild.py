@@ -185,10 +185,9 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
     control = torch.zeros(1, dtype=torch.int64).share_memory_()
     counters[:, EPOCHS] = torch.tensor([unpack(int(p))[0] for p in state.positions])
     losses = torch.zeros(procs, SPAN + 1, dtype=torch.float64).share_memory_()
-    # multiprocessing's Lock: a futex, 0.07 us a step uncontended against a pipe
-    # semaphore's 0.8-1.3 us (--lock --procs 4 with one: 0.97x the samples/s, interleaved
-    # A/B), though its name stays in /dev/shm should a SIGKILL take the whole process
-    # group, resource tracker included
+    # multiprocessing's Lock, a futex, is far cheaper a step than a pipe semaphore
+    # (experiments/README.md, "Locks and semaphores"), though its name stays in /dev/shm
+    # should a SIGKILL take the whole process group, resource tracker included
     lock = context(cfg.start_method, preload=[__name__]).Lock() if cfg.lock else None
     ring_sems = _ring_semaphores(cfg, procs, threads)
     group = WorkerGroup(_worker, procs, name="worker", start_method=cfg.start_method, args=[

@@ -1,2 +1,3 @@
-"""What every run keeps and owns: its directory, metrics, checkpoints, the recorder
-that writes them, progress, signals, and the child processes it starts."""
+"""What every run keeps and owns: its directory, metrics, checkpoints, progress, signals, and
+the child processes it starts.
+"""

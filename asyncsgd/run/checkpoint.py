@@ -1,16 +1,8 @@
-"""Checkpoints: written atomically, loaded without ever running pickled code.
+"""Checkpoints: written atomically, loaded without ever running pickled code
+(``weights_only=True``), so a crash mid-save or a hostile file cannot hurt a run.
 
-A checkpoint is a dict of tensors and plain values saved by ``torch.save``.
-It is written atomically (``core.files.atomic_write``: a temporary file,
-fsynced, renamed over the old one), so a crash during a save leaves the
-previous checkpoint intact. It is loaded with ``weights_only=True``, which
-refuses any pickle that would construct arbitrary objects (e.g. call
-``os.system``).
-
-Version 2 (``VERSION``) adds ``state``: what a resumed run needs besides the weights
-to continue as if it had never stopped (the update rule's buffers, each process's
-place in its data and its random generators; ``modes.resume`` writes and reads it).
-Version 1 held the model only; it still loads, and ``OLDEST`` names it.
+Version 2 (``VERSION``) adds ``state``, what a resumed run needs besides the weights
+(``modes.resume``); version 1 (``OLDEST``) held the model only and still loads.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
-"""What child processes tell their parent (a traceback, an error a user can fix), one pipe
-per child.
+"""What child processes tell their parent (a traceback, an error a user can fix), one pipe per
+child.
 
-Pipes, not a ``multiprocessing`` queue: a queue's two locks are named POSIX
-semaphores (``/dev/shm/sem.mp-*``) that only multiprocessing's resource
-tracker removes when the parent does not, and a SIGKILL of the whole process
-group (a test's, a launcher's: ``kill -9 -PGID``, Slurm's end of a job step)
-kills the tracker with it: tests/test_ps_restart.py left 14 of them behind a
-run. A pipe is two file descriptors the kernel closes with their last holder.
-One pipe per child also needs no lock, so a child killed while reporting holds
-up no other. Each report carries the time it was sent (``time.monotonic``, one
-clock for every process on Linux), so the parent can tell which child failed
-first.
+Pipes, not a ``multiprocessing`` queue: a queue's locks are named POSIX semaphores that a
+SIGKILL of the process group leaves behind in /dev/shm, while the kernel closes a pipe with
+its last holder; one pipe per child needs no lock, so a child killed mid-report holds up
+no other.
 """
 
 from __future__ import annotations
@@ -41,7 +35,10 @@ def send_report(writer: Connection, payload: Any) -> None:
 
 
 class ChildReports:
-    """The parent's ends of one report pipe per child rank."""
+    """The parent's ends of one report pipe per child rank.
+
+    Each report carries the time it was sent (``time.monotonic``, one clock for every
+    process on Linux), so the parent can tell which child failed first."""
 
     def __init__(self, ranks: int):
         self._readers: list = [None] * ranks

@@ -1,33 +1,8 @@
-"""Several "hosts" on one machine: network namespaces on a switch, links optionally shaped.
+"""Several "hosts" on one machine: network namespaces on a switch, links optionally shaped, so
+distributed runs and narrow links can be staged without a cluster.
 
-Each host is a Linux network namespace with one interface, ``eth0``, that has the
-address ``{subnet}.{i+1}/24``. The hosts are joined by veth pairs to a bridge that
-lives in a namespace of its own (the "switch"), so nothing here ever touches the
-interfaces, addresses or routes of the root namespace, and two ``Hosts`` (even at
-the same time, even with the same subnet) cannot see each other.
-
-    from asyncsgd.run.hosts import Hosts
-    from asyncsgd.run.link import Link
-
-    with Hosts(["a", "b", "c"], link=Link.parse("100mbit")) as hosts:
-        hosts.address("a")                   # '10.213.7.1'
-        server = hosts.popen("a", [sys.executable, "-c", "..."], stdout=subprocess.PIPE)
-        hosts.run("b", ["ip", "-o", "addr"], capture_output=True, text=True)
-        hosts.command("c", ["asyncsgd", "worker"])   # ['/usr/sbin/ip', 'netns', 'exec', ...]
-        hosts.traffic()                      # {'a': {'sent': bytes, 'received': bytes, ...}}
-
-With a ``link``, each host's link is shaped both ways, as a NIC and its switch
-port would be: a tbf qdisc (``run.link``) on the host's eth0 limits what it
-sends, another on the switch's end of its veth limits what it receives. Traffic
-between processes of one host (loopback) is not shaped.
-
-Needs ``ip`` and ``tc`` from iproute2 and the right to create network namespaces
-(root, or CAP_SYS_ADMIN + CAP_NET_ADMIN): ``run.namespaces.require_namespaces``
-says so in one line. Everything created is removed on ``__exit__`` (also after a
-setup that failed half-way), at interpreter exit for contexts never exited, and
-namespaces left behind by processes that died are swept the next time a
-``Hosts`` is entered. ``standing=True`` hosts (``asyncsgd hosts up``) are named
-``asgd-<name>`` and outlive the process that made them (``run.standing_hosts``).
+Needs iproute2's ``ip`` and ``tc`` and root (or CAP_SYS_ADMIN + CAP_NET_ADMIN);
+``run.namespaces.require_namespaces`` says so in one line.
 """
 
 from __future__ import annotations
@@ -71,7 +46,21 @@ def _check_names(names: list, subnet: str, standing: bool) -> None:
 
 
 class Hosts:
-    """Context manager: one network namespace per name, all on one switch."""
+    """Context manager: one network namespace per name, all on one switch.
+
+        with Hosts(["a", "b"], link=Link.parse("100mbit")) as hosts:
+            server = hosts.popen("a", [sys.executable, "-c", "..."])
+            hosts.command("b", ["asyncsgd", "worker"])   # ['/usr/sbin/ip', 'netns', ...]
+            hosts.traffic()                  # {'a': {'sent': bytes, 'received': bytes, ...}}
+
+    Host ``i`` has ``eth0`` at ``{subnet}.{i+1}/24``, joined by a veth pair to a bridge
+    in a namespace of its own, so the root namespace is never touched and two ``Hosts``
+    cannot see each other. With a ``link``, a tbf qdisc on eth0 limits what a host
+    sends and one on the switch's end what it receives; loopback is not shaped.
+    Everything is removed on ``__exit__`` (also after a failed setup), at interpreter
+    exit, or by the next ``Hosts`` for namespaces of dead processes; ``standing=True``
+    hosts (``asyncsgd hosts up``) are named ``asgd-<name>`` and outlive their maker.
+    """
 
     def __init__(self, names: Sequence[str], subnet: str = "10.213.7",
                  link: Optional[Link] = None, standing: bool = False):

@@ -1,24 +1,5 @@
-"""A command's lifetime: when it started, and how it ends once its work is saved.
-
-``--max-seconds`` is the time a user waits for the command, start-up included:
-``asyncsgd hogwild --procs 8 --max-seconds 15`` beside 6 busy processes on two
-cores spent 5.3 s importing torch and loading its task before its Recorder
-existed, and ended 25 s after it was started. ``start_command_clock`` (called
-first thing by the CLI) takes the process's start from the kernel, so the
-budget holds that start-up; ``WorkerGroup`` hands the clock to its children,
-so a DDP rank measures the same budget as its parent. A run started from
-Python (``hogwild.train(cfg)``) counts its budget from its Recorder. The run's
-clock, metrics.jsonl's ``t``, starts at the same moment
-(``recorder.clock_origin``), so its start-up and times to a target hold what
-the budget holds.
-
-``exit_now`` ends a process whose work is saved without the interpreter's
-teardown of torch's modules: 1.3-2.4 s of CPU on the same loaded machine
-(``python -c "import torch"`` took 6.4 s to exit, 4.2 s with ``exit_now``),
-paid by every Hogwild worker and rank before the parent could report.
-
-``pid_alive`` says whether a process still runs (a zombie does not), for those that
-wait on processes they did not start.
+"""A command's lifetime: when it started, so that ``--max-seconds`` and the run's clock hold the
+start-up a user waits through, and how it ends once its work is saved.
 """
 
 from __future__ import annotations
@@ -47,7 +28,11 @@ def process_started_at() -> float:
 
 def start_command_clock(at: Optional[float] = None) -> None:
     """Budgets in this process count from ``at`` (``time.monotonic()``; default: the
-    process's start)."""
+    process's start, as the kernel recorded it).
+
+    Called first thing by the CLI, so ``--max-seconds`` holds the start-up a user waits
+    through (importing torch, loading the task); ``WorkerGroup`` hands the clock to its
+    children. A run started from Python counts from its Recorder instead."""
     global _command_started
     _command_started = process_started_at() if at is None else at
 
@@ -59,7 +44,9 @@ def command_started_at() -> Optional[float]:
 
 def exit_now(code: int) -> None:
     """End this process with ``code`` after the exit handlers (multiprocessing's
-    finalizers, logging's flush) but without tearing down every module."""
+    finalizers, logging's flush) but without tearing down every module: torch's teardown
+    costs seconds of CPU on a loaded machine, paid by every Hogwild worker and rank before
+    the parent could report (experiments/README.md, "Start-up and exit")."""
     try:
         atexit._run_exitfuncs()
     finally:

@@ -1,28 +1,7 @@
-"""A shaped link: ``--link 100mbit``, and the token-bucket qdisc that makes it.
+"""A shaped link: ``--link 100mbit``, and the token-bucket qdisc (tbf) that makes it on both
+ends of a host's veth pair, so what it sends and what it receives are each limited.
 
-    link = Link.parse("100mbit")     # Link(bits_per_second=100_000_000, text='100mbit')
-    link.tbf()                       # ["tbf", "rate", "100000000bit", "burst", "16384", ...]
-
-Every host's link (``run.hosts``) gets a ``tbf`` qdisc on both ends of its
-veth pair, so what it sends and what it receives are each limited to the rate.
-tbf counts whole Ethernet frames, so TCP's payload gets 1448/1514 = 95.6% of
-the rate (measured: 95.6 Mbit/s at 100mbit, 956 at 1gbit, 19.1 at 20mbit).
-
-Why these parameters (measured here, two namespaces, one TCP stream, 2.5 s):
-
-- ``burst``: the bucket, in bytes. One frame (1600) left 100mbit at 68-88
-  Mbit/s of payload: each frame then waits for its own timer tick. 1 ms of the
-  rate (12.5 KB at 100mbit) with latency 10ms reached the full 95.6; so does
-  64 KiB. Hence 1 ms of the rate, at least 16 KiB, which is also what a real
-  NIC sends back to back.
-- ``latency``: how long a frame may wait in the queue before it is dropped
-  (the queue's depth: 125 KB at 100mbit). 1 ms (12.5 KB) held 100mbit to
-  91.7 Mbit/s with that burst, 68 with a one-frame burst; 10 ms and 50 ms
-  both gave the full rate, so 10 ms, the smaller (a deeper queue only adds
-  delay when several senders share a link).
-
-The kernel needs the ``tbf`` qdisc (``sch_tbf``); ``netem`` (delay, loss) is
-not used, as many kernels lack it.
+Only ``sch_tbf`` is needed; ``netem`` (delay, loss) is not used, as many kernels lack it.
 """
 
 from __future__ import annotations
@@ -36,6 +15,9 @@ from ..errors import ConfigError
 UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 MIN_BPS = 100e3  # below this a frame takes > 0.1 s: not a link anyone trains over
 MAX_BPS = 100e9
+# tbf's bucket: 1 ms of the rate, at least 16 KiB (what a real NIC sends back to back); a
+# one-frame bucket makes each frame wait for its own timer tick. Its queue: 10 ms, the
+# smallest that gave the full rate (experiments/README.md, "Link shaping").
 BURST_SECONDS = 1e-3
 MIN_BURST = 16 * 1024
 LATENCY = "10ms"
@@ -60,7 +42,8 @@ def parse_rate(text: str, flag: str = "--link") -> float:
 
 @dataclass(frozen=True)
 class Link:
-    """One host's link: the same rate each way."""
+    """One host's link: the same rate each way. tbf counts whole Ethernet frames, so TCP's
+    payload gets 1448/1514 = 95.6% of the rate."""
 
     bits_per_second: float
     text: str

@@ -1,32 +1,5 @@
-"""metrics.jsonl events and the summary computed from them.
-
-Every event is one JSON object with at least:
-
-    event    "start" | "resume" | "train" | "eval" | "stop"
-    t        seconds since the run's command started, start-up included (continues
-             across --resume: a resumed session adds its own, start-up included)
-    samples  training samples processed by all workers so far
-    wall     Unix time it was written
-
-The clock (``recorder.clock_origin``) starts when the process of the command that runs
-the run started, as the kernel recorded it: the interpreter, importing torch and
-loading the task count, as they do in the time a user waits. A mode of several
-processes counts from its first: DDP's and Hogwild's parent, the parameter server
-(``asyncsgd compare`` launches it before its workers, whose start-up then counts too,
-since no samples are processed before they push). So the ``start`` event's ``t`` is
-what start-up took before the run's bookkeeping began, the first event with samples
-(``first_progress``) the whole start-up, and times to a target count from the
-launch. The ``start`` (and ``resume``) event says where its clock started in
-``clock``: ``"command"`` (above) or ``"call"``, a run started from Python, counted
-from the call that built its Recorder (or, for DDP, spawned its ranks). Runs written
-before ``clock`` existed counted from their Recorder.
-
-``train`` events add ``worker``, ``loss`` (mean over the steps since that
-worker's previous event), ``steps`` and ``epoch``; ``eval`` events add
-``loss`` and the task's metric on the test set, keyed by its name (``accuracy``,
-``perplexity``, ...; config.json's ``task.metric`` says which, and whether higher
-is better). Modes may add fields of their own (e.g. staleness); readers ignore
-what they don't know.
+"""metrics.jsonl: the events a run writes (``MetricsLog`` gives their fields) and the summary and
+curves computed from them, one format for every mode.
 """
 
 from __future__ import annotations
@@ -45,6 +18,19 @@ log = logging.getLogger(__name__)
 
 class MetricsLog:
     """Appends events to metrics.jsonl (flushed per event) and, optionally, TensorBoard.
+
+    Every event is one JSON object with at least ``event`` ("start", "resume", "train",
+    "eval", "stop"), ``t`` (seconds since the run's command started, start-up included,
+    continued across ``--resume``), ``samples`` (by all workers so far) and ``wall``
+    (Unix time). The clock (``recorder.clock_origin``) starts when the kernel started the
+    command's process (of a mode of several processes, its first: DDP's and Hogwild's
+    parent, the parameter server), so times to a target count from the launch; the
+    ``start`` event's ``clock`` says ``"command"``, or ``"call"`` for a run started from
+    Python, counted from the call that built its Recorder (runs written before ``clock``
+    existed counted from their Recorder). ``train`` events add ``worker``, ``loss`` (mean
+    since that worker's previous event), ``steps`` and ``epoch``; ``eval`` events add
+    ``loss`` and the task's metric keyed by its name (config.json's ``task.metric``).
+    Modes may add fields of their own; readers ignore what they don't know.
 
     TensorBoard steps are integers. ``train/loss/worker<k>``, ``test/<metric>`` and
     ``test/loss`` are logged against training samples (all workers together), the

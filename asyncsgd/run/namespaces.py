@@ -1,13 +1,8 @@
-"""Network namespaces through iproute2: create, list, empty, delete, and may we at all.
+"""Network namespaces through iproute2: create, list, empty, delete, and whether we may at all.
 
-    ok, why = can_make_namespaces()     # (False, reason) when not root, no `ip`, ...
-    require_namespaces("--link", "leave --link out")   # ConfigError: one clear line
-
-``run.hosts`` builds hosts on a switch from these. Every namespace this
-package makes is named ``asgd-...``: ``asgd-<pid>-<n>-...`` for those a
-process owns (removed when it ends; if it was SIGKILLed, by the next one
-that makes hosts: ``sweep_stale``), ``asgd-<name>`` for the ones ``asyncsgd
-hosts up`` leaves standing until ``asyncsgd hosts down``.
+Every namespace made here is named ``asgd-...``: ``asgd-<pid>-<n>-...`` for those a process
+owns (a SIGKILLed owner's are swept by the next: ``sweep_stale``), ``asgd-<name>`` for the
+ones ``asyncsgd hosts up`` leaves standing.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """A semaphore between processes made of a pipe: each byte in it is one unit.
 
-``multiprocessing``'s Semaphore and Lock are named POSIX semaphores
-(``/dev/shm/sem.mp-*``): when the processes that hold one are SIGKILLed
-together with multiprocessing's resource tracker (a SIGKILL of the whole
-process group: ``kill -9 -PGID``, the end of a Slurm job step), nothing
-removes the name; a Hogwild run killed so left one per worker behind (its
-run tokens). A pipe is two file descriptors the kernel closes with their last
-holder. It travels to a child in the arguments of ``Process`` (spawn and
-forkserver pass the descriptors along).
-
-A blocking one-byte read takes exactly one byte, and the kernel wakes one
-waiting reader per byte. ``acquire`` with a timeout polls first: it is for a
-semaphore that only one process takes from (a run-token ring's), where no
-other reader can take the byte that ended the wait. An uncontended acquire +
-release costs ~0.8-1.3 us here (two system calls) against 0.07 us for
-multiprocessing's Lock (a futex): fine for run tokens, passed every 250 ms;
-a lock taken every step pays it each time (Hogwild's ``--lock --procs 4`` ran
-at 0.97x the samples/s with it in an interleaved A/B), so ``--lock`` keeps
-multiprocessing's.
+``multiprocessing``'s semaphores are named POSIX semaphores that stay in /dev/shm when their
+holders are SIGKILLed with the resource tracker (``kill -9 -PGID``, a Slurm step's end); the
+kernel closes a pipe with its last holder.
 """
 
 from __future__ import annotations
@@ -30,6 +15,12 @@ _UNIT = b"\x01"
 
 
 class PipeSemaphore:
+    """Units are bytes in a pipe: a blocking one-byte read takes exactly one, and the
+    kernel wakes one waiting reader per byte. It travels to a child in the arguments of
+    ``Process`` (spawn and forkserver pass the descriptors along). An acquire costs two
+    system calls, far more than a futex: fine for run tokens passed every 250 ms, not for
+    a lock taken every step (experiments/README.md, "Locks and semaphores")."""
+
     def __init__(self, value: int = 0):
         self._reader, self._writer = multiprocessing.Pipe(duplex=False)
         for _ in range(value):

@@ -1,23 +1,5 @@
-"""Owned child processes: spawned, watched, joined with timeouts, never orphaned.
-
-``WorkerGroup`` starts N processes with the *spawn* method (fork would copy
-the parent's threads and CUDA state). Each child
-
-- ignores SIGINT: on Ctrl-C the terminal signals the whole process group, and
-  the parent, not every child on its own, decides how to stop;
-- ends itself when the training parent dies (``PR_SET_PDEATHSIG`` and a pidfd
-  watcher thread), so a parent killed with SIGKILL leaves no orphans;
-- logs at the parent's level and in its format, so ``-v`` shows children's
-  lines too;
-- sends its traceback to the parent (through a pipe of its own, ``child_reports``)
-  before exiting non-zero when it raises.
-
-``threads_per_process`` says how many torch threads each of N processes on
-this host may run: without that limit they thrash.
-
-The parent polls the group: the first failure becomes a ``WorkerError``
-naming the worker and carrying its traceback. ``stop`` ends every child within
-a bounded time: a grace period to exit cleanly, then SIGTERM, then SIGKILL.
+"""Owned child processes: spawned (never forked from the threaded parent), watched, joined with
+timeouts, never orphaned, each given its share of the cores (``threads_per_process``).
 """
 
 from __future__ import annotations
@@ -221,7 +203,15 @@ def context(start_method: str, preload: Sequence[str] = ()):
 
 
 class WorkerGroup:
-    """N spawned processes running ``target(rank, *args)``."""
+    """N spawned processes running ``target(rank, *args)``.
+
+    Each child ignores SIGINT (on Ctrl-C the parent decides how to stop), ends itself
+    when the parent dies (``PR_SET_PDEATHSIG`` and a pidfd watcher), logs at the parent's
+    level and format, and sends its traceback through a pipe of its own
+    (``child_reports``) before exiting non-zero. The parent polls the group: the first
+    failure becomes a ``WorkerError`` naming the worker; ``stop`` ends every child in
+    bounded time (a grace period, then SIGTERM, then SIGKILL).
+    """
 
     def __init__(self, target: Callable, procs: int, args: Sequence[tuple], name: str = "worker",
                  start_method: str = "spawn", ignore_sigterm: bool = False):

@@ -1,17 +1,9 @@
 """Progress on long work: a live bar on a terminal, plain log lines otherwise.
 
-Both show the time so far, samples done, samples/s, an ETA and the latest evaluation:
-
     [hogwild]  41% |########............| 00:06 25,000/60,000 samples | ... | ETA 00:08
-    [hogwild] 00:06 25,000/60,000 samples | 4,000 samples/s | ETA 00:08 | test accuracy ...
 
-The ETA is when the work ends by its budget: the time budget (``seconds``: what is
-left of it) or the samples to do (``total``: what is left of them at the current
-samples/s), whichever comes first; the bar fills by the same, whichever budget is
-nearer its end. (Written here rather than with tqdm or rich: their ETA is the total
-over the rate only, with no time budget; their elapsed time is their own object's,
-not the run's clock from the command's start; and neither writes plain periodic lines
-for files and CI.)
+Not tqdm or rich: their ETA ignores a time budget, their clock is their own object's rather
+than the run's, and neither writes plain periodic lines for files and CI.
 """
 
 from __future__ import annotations
@@ -50,6 +42,7 @@ class Progress:
     picks ``bar`` when the stream is a terminal. ``total``: the samples at which the
     work ends (epochs x samples per epoch), ``seconds``: its time budget, counted on the
     clock ``update`` is given from ``since`` (a resumed run's clock starts past 0).
+    The ETA is when the nearer of the two budgets ends; the bar fills by the same.
     """
 
     def __init__(self, label: str, total: Optional[int], style: str = "auto",

@@ -1,10 +1,5 @@
-"""The bookkeeping side of a run, shared by every training mode.
-
-A ``Recorder`` owns the run directory: it creates it (or reopens it for
-``--resume`` and restores the model from its checkpoint), keeps the training
-clock, writes metrics events, evaluates on the test set when due, saves
-checkpoints periodically and at the end, drives the progress display and
-writes summary.json. Modes only run the training and report what happened.
+"""The bookkeeping side of a run, shared by every training mode: the ``Recorder`` owns the run
+directory, clock, metrics, evaluations, checkpoints and progress, so modes only train.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Whether a task can be sent to spawned processes, checked before a run directory exists.
 
-Hogwild's workers and DDP's ranks are spawned (``process_group.context``: never
-forked), so the task (its ``model_fn``, ``loss_fn`` and data) travels to them by
-pickle. A lambda or a function defined inside another function cannot: found
-only when the first child starts, it was a 47-line traceback and a run
-directory half written, which blocked the same ``--out`` and could not be
-resumed. ``check_sendable`` pickles the task into nothing first, skipping its
-tensors (torch sends those through shared memory, not the pickle stream: the
-check costs no copy of the data).
+A lambda or nested function in a task was found only when the first child started: a long
+traceback and a half-written run directory. ``check_sendable`` pickles the task into nothing
+first, skipping its tensors (torch sends those through shared memory), so it copies no data.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""The settings a run gets from the Python API (and so from the CLI): a settings dataclass
-with keyword settings over it, checked as the options are, and with ``resume`` the saved
-run's settings under those given.
+"""The settings a run gets from the Python API (and so the CLI): a settings dataclass with
+keyword settings over it, checked; with ``resume``, the saved run's settings under those
+given.
 
-Kept apart from ``asyncsgd.api`` so that ``asyncsgd.ps`` (a worker's start) need not import
-every mode: ``asyncsgd.api`` costs ~110 ms of imports beside a worker's own (measured with
-``python -X importtime``, three runs, 2 cores).
+Apart from ``asyncsgd.api`` so that a worker's start need not import every mode
+(experiments/README.md, "Start-up and exit").
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""How a run turns Ctrl-C and SIGTERM into a stop.
-
-A training parent stops alike on both: ``sigterm_as_interrupt`` makes SIGTERM
-raise KeyboardInterrupt, which every mode's ``Outcome.watch`` records as an
-interrupted run before it saves. A DDP rank must not leave a collective half
-done, so ``signals_as_flag`` only sets a flag that the ranks agree on at their
-next check.
+"""How a run turns Ctrl-C and SIGTERM into a stop: a training parent raises KeyboardInterrupt on
+both (``sigterm_as_interrupt``); a DDP rank only sets a flag (``signals_as_flag``) that the
+ranks agree on, so no collective is left half done.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """``asyncsgd hosts up|down|list``: shaped hosts that stay up, for runs started by hand.
 
-    hosts = up(["server", "w0", "w1"], "100mbit")   # namespaces asgd-server, asgd-w0, ...
-    print("\\n".join(guide(hosts)))                # addresses and the commands to run in them
-    down()                                          # ['asgd-server', ..., 'asgd-switch']
-
-They are ``run.hosts.Hosts`` made with ``standing=True``: named ``asgd-<name>``
-(the switch ``asgd-switch``), never swept, removed only by ``down`` (which
-first kills whatever still runs in them). One set stands at a time.
+They are ``run.hosts.Hosts`` with ``standing=True``: named ``asgd-<name>``, never swept,
+removed only by ``down``. One set stands at a time.
 """
 
 from __future__ import annotations
