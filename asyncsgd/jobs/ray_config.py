@@ -1,8 +1,5 @@
-"""Settings of ``asyncsgd ray-job`` (``asyncsgd.ray``): ``JobConfig``'s, built the same way.
-
-Its own settings first (what Ray places and restarts: worker actors, their resources and
-restarts, the cluster), then every ``JobConfig`` setting but the torchrun-only ones, with
-help where ps-job's would mislead. ``click_options(RayJobConfig)`` gives the CLI options.
+"""Settings of ``asyncsgd ray-job``: Ray's own (worker actors, their resources and restarts, the
+cluster), then ``JobConfig``'s but the torchrun-only ones.
 """
 
 from __future__ import annotations

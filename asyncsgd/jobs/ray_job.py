@@ -1,38 +1,14 @@
-"""``asyncsgd ray-job`` (``asyncsgd.ray``): a whole parameter-server job on Ray.
+"""``asyncsgd ray-job`` (``asyncsgd.ray``): a whole parameter-server job on Ray, with Ray placing
+and restarting the workers.
 
     asyncsgd ray-job --task mnist1d-cnn --workers 2 --target 0.85       # a Ray of its own
-    asyncsgd ray-job --address HEAD:6379 --workers 8 --cpus-per-worker 2 --shards 2
 
-This process is the job's *driver*. It starts (or joins) Ray, then three kinds of actors:
-
-- *The server*: one actor running ``serve`` as ``ps-server`` does, its shards its own child
-  processes. Not one actor per shard: a shard that crashes is restarted by the server's
-  supervisor on its port from its checkpoint, and the server announces the shards' ports to
-  workers and evaluates by pulling from them; shard actors restarted by Ray would need a
-  second supervisor and a server told of their restarts. As children they also die with
-  the server (``PR_SET_PDEATHSIG``), whatever kills its actor. The actor is pinned to the
-  driver's node (``NodeAffinitySchedulingStrategy``, not soft): the run directory is written
-  where the driver runs, and the driver can stop it with SIGTERM. It reserves no Ray CPUs;
-  ``--threads`` shares that node's cores between its shards and the workers Ray put there.
-  Ray does not restart it: a dead server ends the job, and ``--resume`` continues its run.
-- *Workers*: one actor each, with ``--cpus-per-worker`` and ``--gpus-per-worker`` as its
-  ``num_cpus`` and ``num_gpus``, and ``--max-restarts`` as its ``max_restarts`` and
-  ``max_task_retries``: when a worker's process dies, Ray starts it again and runs its
-  training call again, a new incarnation of the same worker (the shards keep pushes
-  exactly-once). A worker dead for good ends the job.
-- *A ledger*: a small actor on the driver's node holding the server's address (the server
-  publishes it once it listens; the driver then starts the workers with it) and each
-  worker's starts (so the driver counts restarts) and the shard versions it saw at its
-  last exit, which its next incarnation reports: a shard restored from an older checkpoint
-  then counts the updates it lost. A worker SIGKILLed never exits and leaves none; the
-  workers that outlived it still report theirs.
-
-Ray runs a sync actor's calls in the process's main thread, so ``serve`` turns SIGTERM into
-a stop there as ``ps-server`` does; the actors ignore SIGINT (Ctrl-C is the driver's). The
-driver owns everything: when the job ends, on a failure, Ctrl-C or SIGTERM, it stops the
-server with SIGTERM (the server tells the live workers to end, and saves its run), kills
-the worker actors, then every actor left, waits for their processes on its node to be
-gone (the shards die with the server), and shuts down a Ray it started.
+This process is the driver and owns every actor: one server actor (``serve`` as
+``ps-server`` runs it, pinned to the driver's node where the run directory is written, its
+shards its own children, so its supervisor restarts them; never restarted by Ray), one
+worker actor each (``--max-restarts``: Ray starts a dead one again as a new incarnation),
+and a ledger actor holding the server's address and each worker's starts and last shard
+versions, from which a restored shard counts the updates it lost.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The two roles of a parameter-server job and each one's settings, from one ``JobConfig``.
 
-Rank 0 serves (its front, and its shards as processes of its own, as ``ps-server`` does);
-every other rank is a worker whose partition follows from its rank among the workers. Rank
-0 rather than the first process of every node: the shards of one server must share its
-host (they are its child processes and it restarts them), so a second serving node would
-have nothing to serve.
+Rank 0 serves and every other rank works: a server's shards are its child processes on its
+host, so a second serving node would have nothing to serve.
 """
 
 from __future__ import annotations

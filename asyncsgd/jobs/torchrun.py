@@ -1,25 +1,10 @@
 """``asyncsgd ps-job`` under torchrun: one command starts the server and every worker.
 
     torchrun --nnodes 1 --nproc-per-node 4 -m asyncsgd ps-job --task mnist1d-cnn
-    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        --max-restarts 2 -m asyncsgd ps-job --task mnist1d-cnn --target 0.85
 
-Rank 0 serves (``roles`` says why), every other rank is a worker. What rides on torchrun:
-
-- *The address.* The server binds a free port and writes ``tcp://HOST:PORT`` into torchrun's
-  rendezvous store (the agent's TCPStore at $MASTER_ADDR:$MASTER_PORT, under the job's run
-  id); workers wait for it there. No file, no address copied by hand.
-- *Restarts.* When any process fails, torchrun (``--max-restarts``) stops every process of
-  the job, SIGTERM first, and starts them all again at its next rendezvous round. Stopped,
-  the server saves its shards and its run; started again, it finds in the store that the
-  job's server ran before and resumes that run directory, so no update is lost. Workers
-  start again as new incarnations of the same worker ids (exactly-once holds). A worker
-  reads an address only once the server behind it answers: after a restart the store may
-  still hold the previous server's.
-- *Lost updates.* A server killed outright (SIGKILL, a lost node) resumes from its last
-  checkpoint. Each worker leaves in the store the shard versions it saw last, and its next
-  incarnation reports them, so the restored shards count the acknowledged updates they
-  lost (``lost_updates``), as they do for workers that outlive a server restart.
+Rank 0 serves (``roles`` says why), every other rank works. torchrun's rendezvous store
+carries the server's address and what a restart needs (``JobStore``); torchrun restarts the
+whole job on a failure (``--max-restarts``), and the server resumes its run.
 """
 
 from __future__ import annotations
@@ -89,7 +74,14 @@ class Launch:
 
 class JobStore:
     """The job's keys in torchrun's rendezvous store: the server's address, its run
-    directory and how often it started."""
+    directory and how often it started.
+
+    The agent's TCPStore (at $MASTER_ADDR:$MASTER_PORT, under the job's run id), so no
+    address is copied by hand. A server started again finds that it ran before and
+    resumes its run directory; a worker reads an address only once the server behind it
+    answers (after a restart the store may still hold the previous server's). Each worker
+    leaves the shard versions it saw last, and its next incarnation reports them, so
+    shards restored from a checkpoint count the acknowledged updates they lost."""
 
     def __init__(self, launch: Launch, timeout: float):
         import torch.distributed as dist

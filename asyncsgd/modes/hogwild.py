@@ -3,24 +3,8 @@
     asyncsgd hogwild --task mnist1d-cnn --procs 8
     asyncsgd hogwild --task sparse-logreg --procs 2 --lock     # locked baseline
 
-or from Python: ``asyncsgd.modes.hogwild.train(HogwildConfig(procs=8))``.
-
-How it works (after pytorch/examples' mnist_hogwild, with its gaps closed):
-
-1. The parent builds the task and the model, and moves both into shared
-   memory (``share_memory()``) *before* spawning, so every process sees the
-   same parameter storage.
-2. Each worker sets its torch thread count (cores // procs: without this N
-   processes each start one thread per core and the machine thrashes), seeds
-   with seed + rank, and trains on its own disjoint partition of the training
-   data, reshuffled every epoch. (The PyTorch example gives every process the
-   whole data set.) Its optimizer and gradients are its own; only the
-   parameters are shared, and ``step()`` writes them in place, unlocked,
-   unless ``--lock`` takes one shared lock around every update.
-3. The parent evaluates the shared model on the test set every
-   ``--eval-every`` seconds while the workers keep going, records metrics,
-   checkpoints, and stops everyone on --max-seconds, --target, an
-   error, Ctrl-C or SIGTERM.
+After pytorch/examples' mnist_hogwild, with its gaps closed: disjoint data per worker, a
+thread budget per process, run tokens past the cores, and an owned, stoppable run.
 """
 
 from __future__ import annotations
@@ -153,7 +137,15 @@ def _check_config(cfg: HogwildConfig, model: torch.nn.Module) -> None:
 
 def train(cfg: HogwildConfig, task: Optional[Task] = None,
           argv: Optional[list] = None) -> RunResult:
-    """Run Hogwild as configured; returns the run directory and its summary."""
+    """Run Hogwild as configured; returns the run directory and its summary.
+
+    The model is moved into shared memory before the workers are spawned, so all of them
+    update the same storage; each worker runs cores // procs torch threads, seeds with
+    seed + rank and trains on its own disjoint partition, reshuffled every epoch (the
+    PyTorch example gives every process the whole data set). Only the parameters are
+    shared; ``--lock`` takes one shared lock around every update. This process evaluates
+    the shared model every ``--eval-every`` seconds while the workers go on, and stops
+    them all on a stop condition, an error, Ctrl-C or SIGTERM."""
     procs = cfg.procs or available_cores()
     if procs < 1:
         raise ConfigError(f"--procs must be at least 1 (got {procs})")

@@ -1,16 +1,5 @@
-"""Hogwild's training state in shared memory, so the parent checkpoints it (``modes.resume``).
-
-Each worker's optimizer is its own, so the parent cannot read it from the model: a
-worker's momentum buffers live in shared tensors the parent allocated (zeros: a first
-``b = m * b + g`` then gives ``b = g``, as a fresh buffer would), its place in its data is
-one int64 it stores after every step (``epoch << 32 | rows done``: one aligned store, so
-the parent never reads an epoch with another epoch's row), and its torch generator (and
-its GPU's, on CUDA) is copied into a shared row when it stops; a resumed worker clears its
-row once it has loaded it, so a later checkpoint never pairs an old generator with a new
-position (a worker killed without stopping then resumes with a generator seeded anew). A
-periodic checkpoint is as racy as the parameters it saves (workers keep stepping); the
-final one, after every worker stopped, is exact. A worker that never started keeps the
-state it was resumed with.
+"""Hogwild's training state in shared memory, so the parent can checkpoint what each worker's
+own optimizer, data position and generators hold (``modes.resume``).
 """
 
 from __future__ import annotations
@@ -43,7 +32,14 @@ class HogwildState:
     Positions and the generators' saved flags are two columns (``POSITION``,
     ``RNG_SAVED``) of the workers' shared int64 counters, which every worker gets anyway:
     each shared tensor more costs every spawned worker a round trip to the parent for its
-    file descriptor (8 workers started 1.1 s later with three more)."""
+    file descriptor (experiments/README.md, "Start-up and exit").
+
+    A worker's momentum buffers start as zeros (a first ``b = m * b + g`` gives ``b = g``,
+    as a fresh buffer would); its position is ``epoch << 32 | rows done``, one aligned
+    store, so the parent never reads an epoch with another epoch's row; its generators are
+    copied into a shared row when it stops, and a resumed worker clears that row once
+    loaded, so no later checkpoint pairs an old generator with a new position. A periodic
+    checkpoint is as racy as the parameters it saves; the final one is exact."""
 
     def __init__(self, procs: int, params: list, momentum: float, start_epoch: int,
                  counters: torch.Tensor, device: torch.device = torch.device("cpu")):

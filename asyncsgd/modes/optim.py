@@ -1,17 +1,8 @@
-"""A small SGD for training processes.
+"""A small SGD (and Adam, AdamW, Delayed) for training processes, with state for full checkpoints.
 
-Why not ``torch.optim.SGD``: constructing the first torch optimizer imports
-``torch._dynamo``, 1.6 s of CPU per process here. Eight Hogwild processes on
-two cores would spend 13 s of start-up on it. This one does the same
-arithmetic (PyTorch's SGD with momentum and L2 weight decay, dampening 0)
-and handles sparse gradients so that an update touches only the rows a batch used.
-``Adam`` is the parameter server's adam rule in the same shape (``AdamW`` with decoupled
-weight decay: a worker's --inner-optimizer), and ``Delayed`` applies
-any of them S steps late (``single --simulate-staleness``).
-
-Each has ``state_dict``/``load_state_dict`` (momentum buffers, adam's moments and
-step count, the queue of gradients in flight) for full checkpoints: without them
-a resumed momentum or adam run would not be the run it continues.
+Not ``torch.optim``: its first optimizer imports ``torch._dynamo``, seconds of CPU per process
+(experiments/README.md, "Start-up and exit"). The arithmetic is PyTorch's, and sparse
+gradients update only the rows a batch used.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Mixed precision for the synchronous modes (``single``, ``ddp``): ``--amp off|bf16|fp16``.
 
-    asyncsgd single --device cuda --amp bf16
-    asyncsgd ddp --device cuda --procs 4 --amp fp16     # autocast + GradScaler
-
-The forward pass and the loss run under ``torch.autocast``; parameters,
-gradients and the optimizer stay float32. fp16's narrow range needs a
-gradient scaler: the loss is multiplied before ``backward`` and the gradients
-divided back before the step, which is skipped when they overflowed (the
-scale then shrinks). Under DDP the scaler sees the all-reduced gradients, so
-every rank skips the same steps. bf16 has float32's range and needs no scaler.
+The forward pass and loss run under ``torch.autocast``, everything else stays float32; fp16
+adds a gradient scaler (under DDP it sees the all-reduced gradients, so every rank skips the
+same steps), bf16 has float32's range and needs none.
 """
 
 from __future__ import annotations

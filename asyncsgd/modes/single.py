@@ -1,19 +1,7 @@
 """``asyncsgd single``: plain SGD in one process, the baseline every speed-up is measured against.
 
-    asyncsgd single --task mnist1d-cnn --epochs 20
-    asyncsgd single --task mnist1d-cnn --batch-size 64     # = ddp --procs 2 --batch-size 32
-    asyncsgd single --device cuda --amp bf16
-    asyncsgd single --resume runs/20261122-101500-single --epochs 40
-
-or from Python: ``asyncsgd.modes.single.train(SingleConfig(epochs=20))``.
-
-The same task, data order, SGD (``modes.optim.SGD``), run directory and
-stop conditions as every other mode, in one process with a torch thread per
-core not busy with other work (``--threads`` to choose). It is the one-rank
-case of the loop every DDP rank runs (``modes.syncloop``), so single and
-ddp differ only in the all-reduce: DDP with N processes and ``--batch-size
-B`` averages N gradients of B samples, the same update as single with
-``--batch-size N*B`` (and the same lr).
+It is the one-rank case of the loop every DDP rank runs (``modes.syncloop``), so single with
+``--batch-size N*B`` makes the same update as ``ddp --procs N --batch-size B``.
 """
 
 from __future__ import annotations

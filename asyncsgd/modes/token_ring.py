@@ -1,21 +1,9 @@
 """Run tokens: more training processes than cores without scheduler thrash.
 
-Eight CPU-bound Python processes on two cores make the kernel switch among
-four per core every few milliseconds; each switch starts a process with cold
-caches and TLB, and aggregate throughput falls (here ~20% below two
-processes). A ``TokenRing`` keeps ``cores`` run tokens circulating among the
-processes in a fixed ring: a process trains only while it holds a token and
-passes it to the next process after a quantum (250 ms), so at most one process
-runs per core and switches are rare. Every process still updates the shared
-parameters lock-free; only *when* it computes changes. The ring is fair by
-construction: each token visits every process in turn.
-
-A process holds its own semaphore and its successor's only (a pipe each, two
-file descriptors: a worker handed every process's would stop forkserver at
-~120 processes, which passes a child at most 252). A process that finishes
-its epochs stays in the ring to forward every token that reaches it, until
-every process is done. Every wait is bounded and watches the stop flag, so a
-stop never hangs.
+Several CPU-bound processes per core make the kernel switch among them every few milliseconds,
+each switch with cold caches, and throughput falls; the ring lets one process per core run at
+a time, while all still update the shared parameters lock-free. Figures: experiments/README.md,
+"Hogwild throughput".
 """
 
 from __future__ import annotations
@@ -29,7 +17,15 @@ WAIT_SLICE = 0.05
 
 
 class TokenRing:
-    """One process's side of the ring; built in the worker from shared objects."""
+    """One process's side of the ring; built in the worker from shared objects.
+
+    ``cores`` tokens circulate in a fixed ring: a process trains only while it holds one
+    and passes it on after a quantum, so at most one process runs per core, and each token
+    visits every process in turn. A process holds only its own semaphore and its
+    successor's (a worker handed every process's would stop forkserver at ~120
+    processes, which passes a child at most 252 descriptors). A process done with its
+    epochs forwards every token it gets until all are done; every wait is bounded and
+    watches the stop flag."""
 
     def __init__(self, rank: int, own: Any, successor: Any, done: np.ndarray, stop: np.ndarray,
                  quantum: float):
