@@ -1,18 +1,8 @@
 """asyncsgd: asynchronous SGD on PyTorch (Hogwild!, parameter server, comparisons).
 
-The Python API mirrors the commands: ``asyncsgd.hogwild``, ``single``, ``ddp``,
-``compare`` (``asyncsgd.api``), ``asyncsgd.ps.serve`` and ``asyncsgd.ps.work`` (the
-parameter server), and ``asyncsgd.load_run`` to read a run and load its model.
-
-The names below are re-exported lazily, so ``asyncsgd --help`` and option
-errors answer at once instead of first importing torch.
-
-Where things live: ``core`` (tasks, data, models), ``wire`` (the parameter
-server's protocol, transport and security), ``run`` (run directory, metrics,
-checkpoints, owned processes), ``modes`` (Hogwild, single, DDP), ``analysis``
-(compare, reports, plots); the parameter server itself is ``asyncsgd.servers``
-and ``asyncsgd.workers`` (in the repository, ``servers/`` and ``workers/`` beside
-this folder: setup.cfg maps them here, so nothing generic lands in site-packages).
+The Python API mirrors the commands (``asyncsgd.hogwild``, ``asyncsgd.ps.serve``,
+``asyncsgd.load_run``, ...); the names below are re-exported lazily, so ``asyncsgd --help``
+answers at once instead of first importing torch.
 """
 
 import importlib

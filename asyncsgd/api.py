@@ -1,24 +1,13 @@
-"""The Python API: one function per command, each what the command runs.
+"""The Python API: one function per command, each what the command runs (``cli.py`` only parses
+options and calls these).
 
     import asyncsgd
 
-    if __name__ == "__main__":
+    if __name__ == "__main__":   # children import the calling script again: guard the run
         result = asyncsgd.hogwild(task="mnist1d-cnn", procs=4, epochs=30)
-        print(result.summary["final_metric"], result.run_dir)
-        model = asyncsgd.load_run(result.run_dir).model()
 
-Hogwild, DDP and the parameter server start processes with forkserver or spawn, which
-import the calling script again in each child: without the ``__main__`` guard every
-child would start a run of its own, and Python stops it with "An attempt has been made to
-start a new process before the current process has finished its bootstrapping phase".
-
-Each function takes its command's settings dataclass (``HogwildConfig`` for ``hogwild``
-...), or that dataclass's fields as keyword arguments, or both (the keywords override the
-dataclass's fields). Every value is checked as the command checks its option, and each
-function returns what the command prints: ``cli.py`` only parses options and calls these
-(``asyncsgd.ps`` has the parameter server's two). With ``resume``, a run continues with
-its saved settings, overridden by those given here (the keywords, and a dataclass's fields
-that differ from their defaults), as flags given beside ``--resume`` override them.
+Each takes its command's settings dataclass, or its fields as keywords, or both (keywords
+win), checked as the options are; with ``resume``, the saved settings under those given.
 """
 
 from __future__ import annotations

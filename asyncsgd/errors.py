@@ -1,9 +1,5 @@
-"""Domain exceptions.
-
-Everything a user can get wrong (flags, config, data, checkpoints) raises an
-``AsyncSGDError`` subclass whose message says what is wrong and how to fix it.
-The CLI prints that message as one line and exits non-zero, without a
-traceback. Any other exception is a bug in asyncsgd and keeps its traceback.
+"""Domain exceptions: everything a user can get wrong raises an ``AsyncSGDError`` whose message
+says what and how to fix it; the CLI prints it as one line, without a traceback.
 """
 
 

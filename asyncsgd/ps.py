@@ -1,27 +1,10 @@
 """The parameter server from Python: ``serve`` is ``asyncsgd ps-server``, ``work`` is
-``asyncsgd worker``.
+``asyncsgd worker``; settings as ``asyncsgd.api`` takes them.
 
-    import multiprocessing
+    result = asyncsgd.ps.serve(bind="tcp://127.0.0.1:5555", workers=2)  # until both are done
 
-    import asyncsgd
-
-    if __name__ == "__main__":
-        address = "tcp://127.0.0.1:5555"
-        spawn = multiprocessing.get_context("spawn")
-        workers = [spawn.Process(target=asyncsgd.ps.work,
-                                 kwargs=dict(server=address, rank=r, world=2))
-                   for r in range(2)]
-        for w in workers:
-            w.start()
-        result = asyncsgd.ps.serve(bind=address, workers=2)   # until both workers are done
-        for w in workers:
-            w.join()
-
-``serve`` blocks until a stop condition (by default: every worker that joined has
-left), as the command does; it may run in a thread of its own. A worker retries until
-its server answers (``server_timeout``), so either may start first. Both take their
-settings as ``asyncsgd.api`` describes: a ``ServerConfig`` / ``WorkerConfig``, or its
-fields as keyword arguments, or both.
+``serve`` blocks until a stop condition (by default every worker that joined has left) and
+may run in a thread; a worker retries until its server answers, so either may start first.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""The comparison plots, as small PNGs (matplotlib, no display needed).
+"""The comparison plots, as small PNGs: one colour a mode, the task's own metric, the conditions
+under each title.
 
-    from asyncsgd.analysis.plots import draw_all
-    draw_all([("hogwild", [run_a, run_b]), ("ps-async", [run_c])], Path("out"),
-             Goal(run_a.metric, 0.9), conditions="mnist1d-cnn, 4 processes")
-
-Each mode gets one colour; its repeats are drawn as separate lines of that
-colour. Every figure carries the conditions (task, processes, stragglers, link)
-under its title, and the task's own metric (accuracy, perplexity, ...). Curves
-come from metrics.jsonl through ``metrics.eval_curve`` and ``loss_curve`` (the
-training loss of all workers at each report, see there why not quite
-``metrics.train_curve``); throughput is ``metrics.steady_throughput``. What each
-figure draws is ``figure_data``'s, so it can be checked without reading pixels.
-Figures are built with the object API (no pyplot), so nothing depends on a
-display or on global pyplot state.
+Built with matplotlib's object API (no pyplot, no display); what each figure draws is
+``figure_data``'s, so it can be checked without reading pixels.
 """
 
 from __future__ import annotations
@@ -170,7 +160,10 @@ def figure_data(groups: list, goal: Goal) -> dict:
 def draw_all(groups: list, out_dir: Path, goal: Goal, conditions: str = "") -> list:
     """Write the four PNGs of ``PLOTS`` for ``groups`` = [(label, [Run, ...])], the task's
     metric in ``goal`` (and its target, drawn when given), and ``BYTES_PLOT`` when a run
-    counted its traffic; returns [(file name, caption)] of those written."""
+    counted its traffic; returns [(file name, caption)] of those written.
+
+    Each mode gets one colour, its repeats separate lines of it; every figure carries the
+    ``conditions`` (task, processes, stragglers, link) under its title."""
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = [(label, runs) for label, runs in groups if runs]
     metric, target = goal.metric, goal.target

@@ -1,10 +1,7 @@
-"""The short summary ``asyncsgd ps-stats`` prints of a server's STATS reply.
+"""The short summary ``asyncsgd ps-stats`` prints of a server's STATS reply: a dozen lines (who
+is connected, updates, staleness, trouble) instead of its long JSON (``--json`` keeps that).
 
-The reply (``servers/front.py``) is ~300 lines of JSON, most of it 64-bucket
-staleness histograms; a person wants a dozen lines: who is connected, how many
-updates, how stale, and whether anything went wrong. ``--json`` keeps the whole
-reply for scripts. Pure functions of the reply's dict: missing keys (an older
-server, or a shard's own reply) shorten the summary instead of failing.
+Pure functions of the reply's dict: missing keys shorten the summary instead of failing.
 """
 
 from __future__ import annotations

@@ -1,20 +1,5 @@
-"""A report directory: the plots, report.md and results.json of a set of runs.
-
-    publish(out, "my runs", intro_lines, attempts, Goal.of(attempts, 0.9), header={...})
-
-``asyncsgd compare`` publishes the runs it made; ``asyncsgd plot`` those of any
-run directories (``report_runs``), compare directories included. The table
-and report come from ``report``, the figures from ``plots`` (matplotlib loads
-only when they are drawn).
-
-``plot`` was not there when its runs ran, so it checks what ``compare`` makes
-sure of by construction: each run is given once (a run twice would fold into
-"2/2 runs ± 0.00"), the runs are of one task (speed-ups across tasks compare
-unlike work: refused unless --allow-mixed, which gives each task its own rows,
-speed-ups and verdict), and the settings that change what a sample costs or
-how long a run had are alike (warned about where they are not). A run's status
-is what its own files say (``Run.outcome``): one that failed at start is no
-result.
+"""A report directory: the plots, report.md and results.json of a set of runs, made by
+``asyncsgd compare`` for its runs and by ``asyncsgd plot`` for any run directories.
 """
 
 from __future__ import annotations
@@ -80,7 +65,13 @@ def _legend(row) -> str:
 def report_runs(paths: list, out: Path, target: Optional[float],
                 allow_mixed: bool = False) -> Plotted:
     """``asyncsgd plot``: the plots and report.md of any run directories (or compare
-    directories, whose runs keep their modes and repeats) into ``out``."""
+    directories, whose runs keep their modes and repeats) into ``out``.
+
+    ``plot`` was not there when its runs ran, so it checks what ``compare`` makes sure of
+    by construction: each run given once, one task (unless ``allow_mixed``: each task then
+    gets its own rows, speed-ups and verdict), and alike settings where they change what
+    a sample costs or how long a run had (warned about). A run's status is what its own
+    files say: one that failed at start is no result."""
     _given_once(paths)
     sourced = [(path, a) for path in paths for a in _attempts_of(Path(path))]
     _runs_once(sourced)
