@@ -1,2 +1,1 @@
-"""The parameter server: its front, shard processes, their rules and update rules (built on
-the asyncsgd core; ``server.serve`` starts one)."""
+"""The parameter server: its front, shard processes and rules (``server.serve`` starts one)."""

@@ -1,19 +1,5 @@
-"""Which pushes of one worker incarnation a shard has applied: exactly once, bounded.
-
-The rule (PROTOCOL.md, "Exactly once"): a shard keeps the sequence numbers of
-the last ``size`` pushes it concluded (applied, or acknowledged as stale) and a
-*floor*, the largest number it has forgotten. Then, for a push numbered ``s``:
-
-* ``s`` in the window: a duplicate (answered ``applied: false, duplicate``);
-* ``s`` above the floor and not in the window: never concluded, so fresh;
-* ``s`` at or below the floor and not in the window: the shard cannot tell, so it
-  refuses it with ``out-of-window`` instead of guessing (a worker's retries are
-  of its one outstanding push per shard, far inside the window).
-
-Forgetting the smallest number first keeps the invariant this rests on: every
-concluded number above the floor is in the window. A fresh push numbered far
-below the highest one is applied (the old rule, "more than ``size`` below the
-highest is a duplicate", dropped such pushes while acknowledging them).
+"""Which pushes of one worker incarnation a shard has applied: exactly once, in bounded memory
+(PROTOCOL.md, "Exactly once"; ``SeqWindow``).
 """
 
 from __future__ import annotations
@@ -24,6 +10,18 @@ FRESH, DUPLICATE, OUT_OF_WINDOW = "fresh", "duplicate", "out-of-window"
 
 
 class SeqWindow:
+    """The sequence numbers of the last ``size`` pushes concluded (applied, or acknowledged
+    as stale) and a *floor*, the largest number forgotten. A push numbered ``s`` is:
+
+    * in the window: a duplicate;
+    * above the floor and not in the window: never concluded, so fresh;
+    * at or below the floor and not in the window: unknown, refused ``out-of-window``
+      rather than guessed (a worker's retries are of its one outstanding push per shard,
+      far inside the window).
+
+    Forgetting the smallest number first keeps the invariant this rests on: every
+    concluded number above the floor is in the window."""
+
     def __init__(self, size: int, floor: int = -1, seqs=()):
         self.size = size
         self.floor = floor

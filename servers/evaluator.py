@@ -1,11 +1,6 @@
-"""The server's evaluator: reads every shard like a worker would, joining no barrier.
-
-Every ``--eval-every`` seconds the front's process pulls the parameters from
-each shard (``observer`` pulls: never held, never counted as a worker), loads
-them into its copy of the model for the recorder to evaluate, and asks every
-shard for its counters: updates, staleness histogram, the training loss the
-workers reported with their pushes. Those counters also answer ``stats`` at the
-front and tell it when every worker has gone.
+"""The server's evaluator: every ``--eval-every`` seconds it pulls each shard's parameters as
+an observer (never held, never counted as a worker) and reads its counters, for the
+recorder, ``stats`` and knowing when every worker has gone.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""The front: the address workers connect to first.
-
-It checks a worker's model and data signatures in the handshake (``wire.layout``,
-``core.signature``: the same model, trained on the same data) and welcomes it with
-where the shards listen, which slice each owns and the session token the
-shards ask for (``sessions.py``); it answers heartbeats,
-``bye`` and ``stats`` (its own counters with the shards' latest, as the
-evaluator last read them), and keeps the roster of workers that joined and
-left. It runs in the server's main process, between evaluations. The
-``Gatekeeper`` of that process (CURVE's ZAP handler, when keys are on) watches
-the front's socket.
+"""The front: the address workers connect to first. It checks a worker's model and data
+signatures, welcomes it with the shards' addresses, slices and session token, and answers
+heartbeats, ``bye`` and ``stats``.
 """
 
 from __future__ import annotations

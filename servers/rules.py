@@ -1,43 +1,8 @@
-"""Update rules of a parameter-server shard, as plain objects.
+"""Update rules of a parameter-server shard (SGD, momentum, Adagrad, Adam, DiLoCo's outer
+Nesterov), as plain objects: no sockets, no processes, no ``torch.optim``.
 
-A shard owns a flat 1-D float32 tensor ``params`` (its slice of the model's
-flattened parameters). A worker's gradient push arrives as a list of
-segments ``(offset, grad)``: ``grad`` is a 1-D float32 tensor covering
-``params[offset: offset + len(grad)]``. Segments of one push are disjoint and
-usually tile the whole slice, but a push may cover only part of it.
-
-Design:
-
-* No sockets, no processes, no torch.optim. The server loop owns the
-  networking and hands each decoded push to ``UpdateRule.step``; keeping the
-  arithmetic here makes it testable against ``torch.optim`` in isolation, and
-  avoids ``torch.optim``'s ``torch._dynamo`` import (seconds of CPU per
-  process on a small machine, see ``asyncsgd/modes/optim.py``).
-* Each rule reproduces the arithmetic of the matching ``torch.optim``
-  single-tensor implementation op for op (same in-place ops, same scalar
-  expressions), so results agree with PyTorch to the last bit, not just
-  approximately. Plain SGD without weight decay is exactly
-  ``p.sub_(g, alpha=lr * lr_scale)``: with lr = 1 and integer-valued
-  gradients the result is exact, which the project's oracle tests rely on.
-* Optimizer state (momentum buffer, Adagrad sum, Adam moments) is allocated
-  once, full size, at construction. A segment updates the matching slice of
-  params and state through views, with in-place ops; the only temporaries
-  are segment-sized. Uncovered elements of a partial push, and their state,
-  are left untouched.
-* One push is one optimizer step: ``steps`` (Adam's bias-correction ``t``)
-  increments once per push however many segments it has. A consequence for
-  partial pushes under Adam: an element's moments only decay when a push
-  covers it, but bias correction uses the shard-wide ``t`` (this is the
-  shard-level analogue of torch's per-parameter step; with full-coverage
-  pushes, the usual case, it is exactly torch.optim.Adam).
-* Every push is validated completely before any element changes, so a
-  malformed push raises ``ValueError`` (the server turns it into an error
-  reply) and leaves params and state exactly as they were.
-* Received gradients may be read-only views of network buffers: no rule ever
-  writes to ``grad``; weight decay builds a segment-sized ``g + wd * p``.
-* ``state_dict`` holds only tensors, ints, floats and strings (loads with
-  ``torch.load(weights_only=True)``); ``load_state_dict`` copies into the
-  preallocated buffers, after checking name, size and shapes.
+Kept apart from the networking so the arithmetic can be tested against ``torch.optim`` alone,
+and without ``torch.optim``'s slow ``torch._dynamo`` import (see ``asyncsgd/modes/optim.py``).
 """
 
 from __future__ import annotations
@@ -82,6 +47,17 @@ class UpdateRule(abc.ABC):
     Subclasses set ``name``, ``DEFAULTS`` (their hyperparameters and default
     values), ``STATE`` (names of their full-size float32 state tensors) and
     implement ``_check_hyper`` and ``_apply``.
+
+    A push is a list of disjoint segments ``(offset, grad)`` of the shard's flat slice,
+    usually tiling it. Each rule repeats the matching ``torch.optim`` single-tensor
+    arithmetic op for op, so results agree to the last bit (with lr 1 and integer
+    gradients plain SGD is exact, which the oracle tests rely on). State is allocated
+    once, full size; a segment updates its slice of params and state through views, and
+    uncovered elements are left untouched. One push is one step: Adam's ``t`` counts
+    pushes, so under partial pushes an element's moments decay only when covered. Every
+    push is validated whole before any element changes (``ValueError``, nothing
+    written); ``grad`` may be a read-only network buffer and is never written.
+    ``state_dict`` holds only tensors and plain values (loads with ``weights_only``).
     """
 
     name: str = "base"

@@ -1,17 +1,9 @@
 """``asyncsgd ps-server``: a sharded parameter server.
 
-    asyncsgd ps-server --task mnist1d-cnn --bind tcp://0.0.0.0:5555    # --shards auto: 1 here
-    asyncsgd worker --server tcp://HOST:5555 --task mnist1d-cnn --rank 0 --world 2
+    asyncsgd ps-server --task mnist1d-cnn --bind tcp://0.0.0.0:5555
 
-The parent process is the *front* (``front.py``): workers connect to
-``--bind`` and get, in the handshake, the ports of the shard processes and
-their slices of the flat parameter vector (after the model and data signatures
-were checked). Workers then push and pull to every shard directly, in parallel.
-The shards (``shard_process.py``, each a ``ShardState`` of ``shard.py``) are
-started and restarted by a ``ShardSupervisor``; between requests the parent
-evaluates the current parameters every ``--eval-every`` seconds
-(``evaluator.py``: it pulls like a worker but joins no barrier) and writes the
-same run directory as every mode.
+The parent process is the front (``front.py``) and evaluator (``evaluator.py``); the shards
+(``shard_process.py``) are processes of its own, which workers push to and pull from directly.
 """
 
 from __future__ import annotations

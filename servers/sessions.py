@@ -1,18 +1,7 @@
-"""Admission: the session tokens the front hands out and the shards check.
+"""Admission: the session tokens the front hands out and the shards check, so a peer that
+skipped the handshake changes nothing (PROTOCOL.md, Admission).
 
-A worker reaches the shards only after the front checked its model signature
-(PROTOCOL.md, Admission). The front's ``welcome`` carries a token, the HMAC of
-the worker's (id, incarnation) under a key that only this server's processes
-know; the worker puts it in every request to a shard. A shard checks it
-without asking anyone (the key was handed to it at start, and again at every
-restart by the supervisor), so a peer that skipped the handshake, or speaks
-for another id or incarnation than the one it was welcomed as, changes
-nothing and joins no barrier. A server started again has a new key: old
-tokens are refused and the workers say hello again.
-
-Admission is not authentication: anyone who can reach the front with the
-right model signature is welcomed. Keep the server on a private network, or
-turn on CURVE (``--curve-secret``) to admit only known keys.
+Admission is not authentication: keep the server on a private network, or turn on CURVE.
 """
 
 from __future__ import annotations
@@ -32,7 +21,12 @@ VERIFIED = 1024  # (worker, incarnation, token) checks remembered: an HMAC costs
 
 
 class Sessions:
-    """Tokens for (worker id, incarnation) under one server start's key."""
+    """Tokens for (worker id, incarnation) under one server start's key.
+
+    A token is the HMAC of the worker's (id, incarnation) under a key only this server's
+    processes know, so a shard checks it without asking anyone (the supervisor hands the
+    key to every shard start). A server started again has a new key: old tokens are
+    refused and the workers say hello again."""
 
     def __init__(self, key: bytes):
         self.key = key

@@ -1,15 +1,5 @@
-"""The shard process: a ROUTER socket around a ``ShardState``.
-
-The loop receives messages (one that breaks the protocol gets an ERROR reply
-and changes nothing), lets the state object decide, and sends its replies:
-parameters straight from the shard's buffer, part by part, each part's
-pending update applied just before it goes (``zero_copy.ZeroCopyStore``). It
-never crashes on input: anything the state raises is logged and answered as
-an error. It checkpoints its slice and optimizer state atomically as it starts
-serving, every ``checkpoint_every`` seconds and when it stops (before the drain
-that tells workers), with the port it listens on: a shard of a resumed server
-listens there again when the port is free, so running workers find it where it
-was.
+"""The shard process: a ROUTER socket around a ``ShardState``, which decides; this loop only
+receives, sends the replies (parameters straight from the shard's buffer) and checkpoints.
 """
 
 from __future__ import annotations
@@ -77,7 +67,13 @@ def checkpoint_path(directory: str, index: int) -> Path:
 
 def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor, ready,
                stop: torch.Tensor) -> None:
-    """Process target: serve shard ``rank`` until ``stop[0]`` is set."""
+    """Process target: serve shard ``rank`` until ``stop[0]`` is set.
+
+    Input never crashes it: a message that breaks the protocol, or anything the state
+    raises, is answered as an error and changes nothing. It checkpoints its slice and
+    optimizer state atomically as it starts serving, every ``checkpoint_every`` seconds
+    and when it stops (before the drain that tells workers), with its port: a resumed
+    shard listens there again when the port is free, so workers find it where it was."""
     torch.set_num_threads(settings.threads)
     keep_freed_memory()
     state = ShardState(settings.config, initial, store=ZeroCopyStore, settle_later=True)
@@ -113,9 +109,9 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
     try:
         # The loop waits in recv itself (up to RCVTIMEO), not in zmq_poll: every zmq_poll,
         # and every "anything more?" check after a message, reads the socket's command
-        # mailbox with a poll(2) of its own: strace counted 10 poll calls a 20 KB round
-        # trip in this process, against 2-3 in a blocking recv. The clock and the stop
-        # flag (a numpy view: 0.1 us a check against 1.1) are read after every message.
+        # mailbox with a poll(2) of its own (experiments/README.md, "Frames and sends").
+        # The clock and the stop flag (a numpy view, cheaper than a tensor's) are read
+        # after every message.
         sock.setsockopt(zmq.RCVTIMEO, int(TICK_SECONDS * 1000))
         stopped = stop.numpy()
         busy = BusyPoll(settings.busy_poll_us / 1e6)

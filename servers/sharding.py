@@ -1,18 +1,8 @@
 """How many shard processes a parameter server runs: ``--shards N``, or ``auto``.
 
-Every shard adds a request (and a reply) to each worker's step, and pays back
-only when its slice is large enough for the work it takes off the others:
-applying the update and moving the bytes, in parallel on another core. Measured
-with ``experiments/ps_throughput.py`` on 2 cores, one trainer, round trips/s of
-2 shards against 1: 0.59x at 20 KB, 0.87x at 1 MB, 1.06x (TCP) and 1.10x (same
-host) at 10 MB, 1.12x and 1.37x at 40 MiB; with 4 trainers the cores were busy
-already and 2 shards gave 0.96-1.06x at 10 MB and 40 MiB.
-
-So ``auto`` gives a shard to every ``SHARD_PAYS_BYTES`` of float32 parameters,
-but no more shards than the cores the expected workers leave (cores //
-workers, at least 1): one shard for every model under 10 MB, and for any model
-once the workers keep every core busy. A resumed run keeps the shard count its
-checkpoints were written with, whatever this host's cores say now.
+Every shard adds a request and a reply to each worker's step, and pays back only when its
+slice is large enough to take real work off the others on another core (experiments/README.md,
+"Shards"); a resumed run keeps the shard count its checkpoints were written with.
 """
 
 from __future__ import annotations
@@ -31,7 +21,9 @@ SHARD_PAYS_BYTES = 5 * 10 ** 6  # float32 bytes a shard needs before splitting p
 
 def auto_shards(params: int, workers: int, cores: int) -> int:
     """The ``auto`` shard count for ``params`` float32 parameters, ``workers`` expected
-    workers and ``cores`` cores on the server's host."""
+    workers and ``cores`` cores on the server's host: a shard every ``SHARD_PAYS_BYTES``,
+    but no more than the cores the workers leave (once they keep every core busy, a
+    second shard no longer pays)."""
     return max(1, min(4 * params // SHARD_PAYS_BYTES, cores // max(1, workers)))
 
 
@@ -59,9 +51,8 @@ def shard_count(spec: Union[int, str], params: int, workers: int, cores: int,
         if 4 * params < SHARD_PAYS_BYTES * spec and spec > 1:
             log.warning(
                 "--shards %d for a model of %.2g MB: every shard adds a request per step, "
-                "and below ~%d MB a shard the extra shards cost more than they saved here "
-                "(2 shards: 0.59x the round trips of 1 at 20 KB, 0.87x at 1 MB, 1.06x at "
-                "10 MB; experiments/ps_throughput.py); --shards auto chooses %d",
+                "and below ~%d MB a shard the extra shards cost more than they saved "
+                "(experiments/README.md, 'Shards'); --shards auto chooses %d",
                 spec, 4 * params / 1e6, SHARD_PAYS_BYTES // 10 ** 6,
                 auto_shards(params, workers, cores))
         return spec

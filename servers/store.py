@@ -1,12 +1,5 @@
-"""A shard's parameters and the update rule that writes them, as a plain object.
-
-``ShardState`` decides *whether* and *how* a push is applied (dedupe,
-staleness, barriers); the store holds *what* is updated: the shard's flat
-slice of the parameters, its optimizer (``rules``) and the views a PARAMS
-reply sends. ``ParamStore`` applies every update at once, which is all a test
-or an in-process caller needs. The shard process uses
-``zero_copy.ZeroCopyStore``, which also keeps updates off buffers that replies
-are still being sent from and may apply an update while its reply goes out.
+"""A shard's parameters and the update rule that writes them, as a plain object: ``ShardState``
+decides whether and how a push is applied, the store holds what is updated.
 """
 
 from __future__ import annotations
@@ -21,7 +14,9 @@ from .rules import UpdateRule
 
 
 class ParamStore:
-    """The parameters (``buffer``) and their update rule; updates apply at once."""
+    """The parameters (``buffer``) and their update rule; updates apply at once, which is
+    all a test or an in-process caller needs (the shard process uses
+    ``zero_copy.ZeroCopyStore``)."""
 
     def __init__(self, params: torch.Tensor, rule: UpdateRule):
         self.buffer = params  # the current parameter buffer (a subclass may move to another)

@@ -1,20 +1,6 @@
-"""Pushes that arrive in parts, collected per worker and checked part by part.
-
-A push of more than one frame comes as ``parts`` messages (PROTOCOL.md,
-"Parts"), so a shard checks part j (ranges, NaN and Inf) while part j + 1 is
-still on the wire, instead of reading the whole gradient once the last byte
-is in. Nothing is applied before every part has arrived and passed: a push is
-still applied whole or not at all. The parts' tensors stay views of the
-received frames (no copy).
-
-Bounds, so that a peer that starts pushes and never finishes them pins little:
-the parts of one push hold at most the shard's slice of values (they must not
-overlap; a packed part is refused past that before it is expanded), one open push
-per worker (a new part 0 replaces an unfinished one, as a worker
-re-sending after a reconnect does), at most ``max_open`` open pushes (the
-oldest goes first), and ``expire`` drops those older than a timeout. After a
-part fails, the remaining parts of that push are dropped without a reply, so
-its worker gets one error for it.
+"""Pushes that arrive in parts (PROTOCOL.md, "Parts"), collected per worker and checked part by
+part, so a shard checks part j while part j + 1 is still on the wire; a push is still applied
+whole or not at all.
 """
 
 from __future__ import annotations
@@ -43,6 +29,15 @@ class _Open:
 
 
 class PushStreams:
+    """The open pushes in parts, per worker, each part checked as it arrives.
+
+    Bounded so that a peer that starts pushes and never finishes pins little: one push's
+    parts hold at most the shard's slice of values (a packed part is refused past that
+    before it is expanded), one open push per worker (a new part 0 replaces it, as a
+    worker re-sending after a reconnect does), at most ``max_open`` in all (the oldest
+    goes first), and ``expire`` drops those older than a timeout. After a part fails, the
+    rest of that push is dropped unanswered, so its worker gets one error for it."""
+
     def __init__(self, check_part: Callable[[Message], Optional[tuple]], max_values: int,
                  max_open: int = 64):
         self.check_part = check_part  # (code, detail) when a part must be refused

@@ -1,11 +1,5 @@
-"""The shard processes of a server: started, awaited, and restarted when they crash.
-
-A shard that dies (SIGKILL, out of memory, a bug) is started again on the same
-port with ``resume``: it reloads its last atomic checkpoint (shard-I.pt in the
-run directory) and goes on serving. Workers notice the silence, say "server
-unavailable, retrying", reconnect on their own and re-send what was
-unacknowledged; the shard counts the updates the crash lost (see
-``ShardState._count_lost``). After ``restarts`` restarts a crash ends the run.
+"""The shard processes of a server: started, awaited, and restarted on their port from their
+last checkpoint when they crash, so workers reconnect and re-send on their own.
 """
 
 from __future__ import annotations

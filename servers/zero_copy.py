@@ -1,29 +1,9 @@
 """Parameters sent without copying: copy-on-write, and updates applied as replies go out.
 
-A shard answers a pull with views of its parameter tensor, and libzmq's I/O
-thread reads them while it writes them to the socket, after ``send`` has
-returned. Copying every reply first costs a full pass over memory (7 ms for
-40 MiB here, a sixth of a round trip); sending in place is free but an update
-applied while the bytes are still going out would tear the reply.
-
-``InFlight`` keeps the ``Reading`` of every zero-copy reply (from
-``send_tracked``: whether libzmq still reads it) with the tensor it reads.
-Before the shard writes its parameters it calls ``writable``: when no send
-still reads them (the common case: a worker pushes again only after it has
-received its reply) they are written in place; otherwise the shard moves to
-a spare buffer holding a copy, and the old one is recycled once its sends are
-done. At most ``max_buffers`` buffers exist; beyond that ``zero_copy`` says no
-and replies are copied as they are sent, so a peer that stops reading can pin
-only a bounded amount of memory.
-
-``ZeroCopyStore`` is the shard process's ``ParamStore``: an update of
-parameters a send still reads writes its result to a spare buffer, reading
-the old one (one pass, no copy first); other writes go through
-``InFlight.writable``. An update whose reply is the next reader (an async
-push that asks for the parameters back) is not applied at once but part by
-part, each part just before the shard process sends the reply's part that
-covers it, so updating part j + 1 overlaps sending part j. Every other read
-or write first applies what is pending.
+libzmq's I/O thread reads a reply's views of the parameters after ``send`` has returned;
+copying every reply first costs a full pass over memory, and writing in place meanwhile would
+tear it, so writes move aside while a send still reads (figures: experiments/README.md,
+"Zero-copy replies").
 """
 
 from __future__ import annotations
@@ -43,6 +23,15 @@ log = logging.getLogger(__name__)
 
 
 class InFlight:
+    """The ``Reading`` of every zero-copy reply (``send_tracked``) with the tensor it reads.
+
+    Before the shard writes its parameters it asks ``writable``: when no send still reads
+    them (the common case: a worker pushes again only after its reply came) they are
+    written in place; otherwise the shard moves to a spare buffer holding a copy, and the
+    old one is recycled once its sends are done. Past ``max_buffers`` buffers,
+    ``zero_copy`` says no and replies are copied as they are sent, so a peer that stops
+    reading pins only a bounded amount of memory."""
+
     def __init__(self, max_buffers: int = 3):
         self.max_buffers = max_buffers
         self.sends: list = []  # (tensor, Reading) of replies still being sent
@@ -100,7 +89,13 @@ class InFlight:
 
 
 class ZeroCopyStore(ParamStore):
-    """A ``ParamStore`` whose replies are sent from the parameter buffer itself."""
+    """A ``ParamStore`` whose replies are sent from the parameter buffer itself.
+
+    An update of parameters a send still reads writes its result to a spare buffer,
+    reading the old one (one pass, no copy first). An update whose reply is the next
+    reader (an async push that asks for the parameters back) is applied part by part,
+    each just before the reply's part that covers it goes out, so updating part j + 1
+    overlaps sending part j. Every other read or write first applies what is pending."""
 
     def __init__(self, params: torch.Tensor, rule: UpdateRule, max_buffers: int = 3):
         super().__init__(params, rule)
@@ -114,12 +109,11 @@ class ZeroCopyStore(ParamStore):
         self.apply_pending()
         # A reply still reads the parameters (another worker's, with several pushing at
         # once): the update reads them and writes another buffer, in one pass. Copying
-        # them first and updating the copy was a second pass over memory: with 4 trainers
-        # at 40 MiB, 202 of ~220 pushes moved, and the copy took as many of the shard's
-        # CPU samples (perf: 14 %) as the update itself (15 %).
+        # them first and updating the copy was a second pass over memory, as costly as the
+        # update itself (experiments/README.md, "Zero-copy replies").
         moves = bool(self.inflight.sends) and self.inflight.reads(self.buffer)
         # Deferred, each part is applied just before its part of the reply goes out; a
-        # push of one part is answered in one part: deferring it gains nothing (~1 us)
+        # push of one part is answered in one part: deferring it gains nothing
         if not moves and not (deferrable and len(segments) > 1):
             self.rule.apply(self.buffer, segments, lr_scale=lr_scale)
             return

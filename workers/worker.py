@@ -1,13 +1,10 @@
 """``asyncsgd worker``: pulls parameters, computes gradients on its partition, pushes them.
 
     asyncsgd worker --server tcp://HOST:5555 --task mnist1d-cnn --rank 0 --world 2
-    srun asyncsgd worker --server tcp://HOST:5555        # rank/world from Slurm
-    torchrun --nproc-per-node 2 -m asyncsgd worker ...   # or from RANK/WORLD_SIZE
 
-The local model's parameters and gradients are views of two flat buffers
-(``asyncsgd.wire.layout``): a pull writes received bytes straight into the model, a
-push sends slices of the gradient buffer without gathering anything, and no
-step allocates a parameter-sized tensor.
+The model's parameters and gradients are views of two flat buffers (``wire.layout``), so a
+pull writes straight into the model and a push gathers nothing: no step allocates a
+parameter-sized tensor.
 """
 
 from __future__ import annotations
