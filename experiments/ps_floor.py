@@ -21,10 +21,8 @@ what any speed target can ask of asyncsgd on a machine. It sends with
 pyzmq's ``copy=False``, a new Frame for every uncopied frame; asyncsgd's
 workers send their gradients as Frames made once (``shared_frames`` in
 ``asyncsgd/wire/transport.py``), which saves pyzmq's bookkeeping and a
-wake-up of its garbage-collector thread per frame. asyncsgd came out ahead
-of it on 2026-11-27: 1.10x at 20 KB (its processes poll, the floor's sleep),
-1.04x at 10 MB and 1.07x at 40 MiB. ``ps_throughput.py`` runs it beside raw
-pyzmq and asyncsgd in the same loop.
+wake-up of its garbage-collector thread per frame. ``ps_throughput.py`` runs it
+beside raw pyzmq and asyncsgd in the same loop (results: experiments/README.md).
 """
 
 from __future__ import annotations

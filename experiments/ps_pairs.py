@@ -3,19 +3,12 @@
     python experiments/ps_pairs.py               # 40 MiB, 1 vs 4 trainers, 12 pairs: ~1.6 min
     python experiments/ps_pairs.py --size 10MB --pairs 6 --transport auto
 
-``ps_throughput.py`` gives each cell the median of 5 runs of 2 s, taken minutes
-apart; where one trainer already keeps the cores busy (40 MiB over TCP on 2
-cores) the 4-trainer / 1-trainer ratio of two such medians falls either side of 1
-with the machine's drift. This measures only that ratio, as close together as it
-can: pairs of runs (few, many; then many, few; ...) against one ``asyncsgd
-ps-server`` (1 shard), the same trainers as ``ps_throughput.py``, and the
-share of the CPU busy during each run (``/proc/stat``, start-up included).
-
-2026-11-27 on 2 vCPUs (AMD EPYC), 40 MiB over TCP, 12 pairs of 3 s, twice (the
-first with an earlier copy of this script): 4/1 median 1.01x, 6 of 12 pairs at
-or above 1 (0.89-1.48x, the rates drifting between 16 and 31/s); then 0.97x, 3
-of 12 (0.89-1.14x; 30.9 and 30.0/s). The CPU was 73-74 % busy with one trainer,
-90 % with four.
+Where one trainer already keeps the cores busy, the 4-trainer / 1-trainer ratio of two
+``ps_throughput.py`` medians taken minutes apart falls either side of 1 with the machine's
+drift; this measures only that ratio, in pairs of runs as close together as it can (few,
+many; then many, few; ...) against one ``asyncsgd ps-server`` (1 shard), with the share of
+the CPU busy during each run (``/proc/stat``). Results: experiments/README.md,
+"Parameter-server round trips".
 """
 
 from __future__ import annotations

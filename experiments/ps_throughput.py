@@ -1,88 +1,18 @@
 r"""Parameter-server push+pull round trips: asyncsgd, an RPC PS, the floor, raw pyzmq.
 
-All in one interleaved run, with 1 to N trainers at once.
-
     python experiments/ps_throughput.py           # 4 sizes x 1,2,4 trainers x 5 repeats: ~17 min
-    python experiments/ps_throughput.py --busy 2  # the same beside 2 spinning processes: ~14.5 min
+    python experiments/ps_throughput.py --busy 2  # the same beside 2 spinning processes
     python experiments/ps_throughput.py --sizes 20KB,1MB --trainers 1,2 --seconds 0.5 \
         --repeats 1 --no-save                     # a quick look: ~35 s
 
-(Run times on this 2-core machine, 2026-11-25, measured. The quick look took
-32-36 s idle, 31 s with --busy 1. One repeat of the default run, 56
-measurements of 2 s, took 2.9 min idle: 2.76 s a measurement on average,
-plus 2.4 s to start each size's ps-server; beside 2 spinning processes 3.1
-min, 2.99 s a measurement; so five repeats take ~13 and ~14.5 min. Beyond its
-timed seconds a measurement costs: asyncsgd ~0.3 s (the 0.2 s start margin,
-then fork, connect and warm-up), the RPC PS 0.3-2.7 s (rendezvous, init_rpc,
-shutdown), the floor and raw pyzmq 1.4-2.5 s (``raw_zmq.time_against_server``
-still spawns their servers). Before the fork server and the kept ps-server it
-was ~35 and ~50 min, almost all of it processes importing torch.)
-
-A round trip is one trainer's step: push the whole gradient, the server
-applies SGD, pull the whole parameter vector. For each model size (20 KB,
-1 MB, 10 MB, 40 MiB of float32) and trainer count T (``--trainers``), it
-measures:
-
-* asyncsgd over TCP and over its same-host path: a real ``asyncsgd
-  ps-server`` (the first of ``--shards``, plain SGD, ``--workers`` max(4, T)) in its own
-  process tree, and T trainer processes, each a ``asyncsgd.workers.client.PSClient``
-  doing ``push_pull`` in a loop, with ``transport="tcp"`` (every trainer
-  checks that all its shards send frames over tcp://; a run where one does
-  not is an error) and ``transport="auto"`` (the same-host fast path; each
-  trainer reports how many of its shards it reaches through a shared-memory
-  area, and a cell where one fell back to frames is marked); both with
-  asyncsgd's defaults, so shards, and trainers of a one-shard server,
-  busy-poll for up to 400 us before sleeping in recv while messages come that
-  fast and are no larger than 256 KiB (``--busy-poll-us``,
-  ``asyncsgd.wire.busy_poll``; each trainer counts its polls and hits);
-* an RPC parameter server on torch.distributed.rpc (``experiments/rpc_ps.py``,
-  as in pytorch/examples ``distributed/rpc``), TensorPipe's default (shared
-  memory and cross-memory attach on one host) and TensorPipe over TCP only;
-* how many shards pay: every further count in ``--shards`` (default 1,2)
-  gets its own ps-server, and asyncsgd over TCP and the same-host path is
-  measured on it with 1 trainer and the largest trainer count, in the same
-  rotation; a table gives its rate against the first count's, and a line the
-  floor ratio at the count ``ps-server``'s default ``--shards auto`` chooses for
-  one worker on this host;
-* with one trainer, the floor (``experiments/ps_floor.py``: raw pyzmq plus
-  only the work no server can skip) and raw pyzmq round trips in 4 MiB frames
-  (``experiments/raw_zmq.py``).
-
-Every trainer runs one torch thread, preallocates its buffers, warms up with
-3 round trips, and all T start at one shared instant; the aggregate rate is
-the round trips all of them complete in the next ``--seconds``, plus the share
-of each one still in flight at the end that fell inside them
-(``rpc_ps.timed_round_trips``), divided by ``--seconds``; the latency the
-median of each trainer's median.
-
-Start-up is kept out of the way, not out of the measurement: one ps-server
-per size serves every asyncsgd measurement of that size (trainer counts,
-both transports, all repeats), each measurement's trainers joining under
-worker ids never used before (``bench<n>-<rank>``, so the shards'
-exactly-once bookkeeping never mixes two measurements) and saying ``bye``
-at the end, which frees their areas. Trainer processes, asyncsgd's and the
-RPC PS's (its PS too: a fresh one per measurement, since an RPC world has a
-fixed size), are forked from one fork server that imported torch,
-torch.distributed.rpc and the trainers' modules once (``--start-method
-forkserver``, the default; ``spawn`` starts each as a fresh interpreter, as
-before). They stay owned as before: start-up and results bounded by
-timeouts, tracebacks sent back and raised here, exit codes checked,
-anything left killed, and each child ends when this process dies (a pidfd
-watcher, as ``asyncsgd.run.process_group`` does for forkserver workers,
-whose direct parent is the fork server). The methods' order rotates from
-repeat to repeat and the medians of ``--repeats`` runs are compared, because
-this machine drifts by 2x within minutes. ``--busy N`` runs N pure-Python
-spinning processes beside the whole run. Progress goes to stderr.
-
-The tables give per size and trainer count: ms per round trip, aggregate
-round trips/s and GB/s (push + pull bytes) of every method, and the ratios
-issue 14's "Done when" asks for, each marked met or NOT met: same-host
-asyncsgd / RPC default and TCP asyncsgd / RPC TCP as rate ratios (>1:
-asyncsgd faster), floor / TCP asyncsgd (ms) with one trainer, and the
-aggregate rate with 4 trainers / with 1.
-
-Writes ``experiments/results/ps_throughput.md`` (``ps_throughput_busyN`` with
---busy), ``.json`` and the figure ``.png``, unless --no-save.
+All in one interleaved run, with 1 to N trainers at once: asyncsgd over TCP and over its
+same-host path against a real ``asyncsgd ps-server`` (one kept per size), an RPC parameter
+server on torch.distributed.rpc (``rpc_ps.py``), the floor (``ps_floor.py``) and raw pyzmq
+(``raw_zmq.py``); every further ``--shards`` count gets its own ps-server. The methods' order
+rotates from repeat to repeat and medians are compared, since this machine drifts. What each
+method is, how trainers are started and timed, and what the tables say: experiments/README.md,
+"Parameter-server round trips". Writes ``experiments/results/ps_throughput.md``
+(``ps_throughput_busyN`` with --busy), ``.json`` and ``.png``, unless --no-save.
 """
 
 from __future__ import annotations
