@@ -1,34 +1,7 @@
 """``asyncsgd ddp``: synchronous data-parallel SGD with DistributedDataParallel.
 
-    asyncsgd ddp --procs 2 --task mnist1d-cnn                 # 2 ranks on this host, gloo
-    asyncsgd ddp --device cuda --amp bf16                     # one rank per GPU, nccl
-    torchrun --nproc-per-node 2 -m asyncsgd ddp --task mnist1d-cnn
-    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
-        --rdzv-endpoint HOST:29500 -m asyncsgd ddp --device cuda    # several hosts
-
-or from Python: ``asyncsgd.modes.ddp.train(DDPConfig(procs=2))``.
-
-Two ways to start:
-
-- **Spawned here** (no RANK/WORLD_SIZE in the environment): this process is
-  the parent. It checks the settings, creates the run directory, loads the
-  task into shared memory, hosts the rendezvous store on a free port of
-  127.0.0.1 (it owns the socket, so no other program can take the port between
-  choosing and binding it), and spawns ``--procs`` ranks as an owned
-  ``WorkerGroup``. Ctrl-C or SIGTERM asks rank 0 to stop every rank at the next
-  check (the run is saved; exit 130); a rank that raises ends the run with its
-  traceback, the others fail fast as their collectives lose the peer (or
-  after --dist-timeout if it hangs), and the parent ends whatever is left.
-- **Under torchrun** (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): this
-  process is one rank and joins the group through ``env://``. Rank 0 writes
-  the run directory; SIGINT and SIGTERM make every rank stop together at the
-  next check.
-
-Each rank trains on its own partition of the data (see ``modes.syncloop``
-for why not DistributedSampler, and how ranks agree to stop) with
-``modes.optim.SGD``; DDP averages the gradients, so N ranks with
-``--batch-size B`` make the update of ``asyncsgd single --batch-size N*B``.
-Rank 0 evaluates on the test set every --eval-every seconds, between steps.
+Spawns ``--procs`` ranks here (this process supervises them), or is one rank under torchrun;
+every rank runs the synchronous loop (``modes.syncloop``) with DDP's hooks (``modes.ddp_hooks``).
 """
 
 from __future__ import annotations
@@ -54,6 +27,7 @@ from ..run.process_group import WorkerGroup, available_cores, threads_per_proces
 from ..run.recorder import Outcome, Recorder, RunResult, check_target
 from ..run.rundir import RunDir
 from ..run.sendable import check_sendable
+from .ddp_hooks import DDPComm, check_hooks
 from .syncloop import check_settings, train_process
 
 log = logging.getLogger(__name__)
@@ -136,13 +110,7 @@ def choose_backend(cfg: DDPConfig, local_procs: int) -> tuple:
 
 
 def _check_model(task: Task, cfg: DDPConfig, backend: str) -> None:
-    if cfg.local_steps > 1 and cfg.comm_hook != "allreduce":
-        raise ConfigError(f"--local-steps {cfg.local_steps} with --comm-hook {cfg.comm_hook}: "
-                          "post-local SGD registers its own hook; choose one")
-    if cfg.comm_hook == "bf16" and backend != "nccl":
-        raise ConfigError(f"--comm-hook bf16: PyTorch's bf16_compress_hook all-reduces with "
-                          f"NCCL only, and this run uses {backend}; use --comm-hook fp16 (or "
-                          "--device cuda with NCCL)")
+    check_hooks(cfg, backend)
     model = task.build_model(cfg.seed)
     if backend == "nccl" and any(getattr(m, "sparse", False) for m in model.modules()):
         raise ConfigError(f"task {task.name} has sparse gradients, which DDP all-reduces only "
@@ -252,16 +220,17 @@ def run_rank(cfg: DDPConfig, task: Task, place: Placement, run: Optional[RunDir]
                              run=run, wrap=wrap, agree=agree, flag_signals=flag_signals,
                              stop_requested=stop_requested, started_at=started_at, argv=argv,
                              name=f"rank {place.rank}",
+                             comm=DDPComm(cfg.comm_hook, cfg.local_steps, cfg.local_warmup,
+                                          place.world),
                              extra={"backend": place.backend, "threads": place.threads,
                                     "device": cfg.device, "comm_hook": cfg.comm_hook,
                                     "local_steps": cfg.local_steps})
     finally:
         dist.destroy_process_group()
         # DDP's wrapper and its reducer sit in reference cycles with the group's work
-        # objects. Left to the interpreter's shutdown, their C++ side aborted the process
-        # ("terminate called without an active exception", SIGABRT) in 4 of 40 two-rank
-        # runs stopped by --max-seconds here, after a run that trained and saved; freed
-        # now, while the interpreter is whole, 0 of 80.
+        # objects; left to the interpreter's shutdown, their C++ side can abort the process
+        # (SIGABRT) after a run that trained and saved (experiments/README.md, "The
+        # synchronous modes"). Freed now, while the interpreter is whole.
         gc.collect()
 
 

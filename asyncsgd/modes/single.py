@@ -1,7 +1,7 @@
 """``asyncsgd single``: plain SGD in one process, the baseline every speed-up is measured against.
 
-It is the one-rank case of the loop every DDP rank runs (``modes.syncloop``), so single with
-``--batch-size N*B`` makes the same update as ``ddp --procs N --batch-size B``.
+It is the one-rank case of the loop every DDP rank runs (``modes.syncloop``), so ddp with N
+ranks and ``--batch-size B`` makes the same update as single with ``--batch-size N*B``.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def train(cfg: SingleConfig, task: Optional[Task] = None, argv: Optional[list] =
         log.warning("--threads %d exceeds this machine's %d core(s): steps slow down; use "
                     "--threads %d or fewer", threads, cores, cores)
     elif threads < cores and not cfg.threads:
-        # On 2 cores with other work running, 2 threads ran 284 samples/s against 13,678
-        # with 1: a thread that waits for a busy core stalls every step.
+        # a thread that waits for a busy core stalls every step (experiments/README.md,
+        # "The synchronous modes")
         log.info("single: %d of %d cores are busy with other work (load average %.1f): "
                  "%d torch thread(s); --threads N to choose", cores - threads, cores,
                  os.getloadavg()[0], threads)
