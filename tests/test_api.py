@@ -1,5 +1,6 @@
-"""The Python API as a user calls it: the README's scripts, every command's function, the
-parameter server from Python, load_run, and the CLI calling exactly these functions."""
+"""The Python API as a user calls it: the scripts of docs/python-api.md, every command's
+function, the parameter server from Python, load_run, and the CLI calling exactly these
+functions."""
 
 import importlib.util
 import json
@@ -31,15 +32,16 @@ def _tiny(tmp_path, cache_dir, name, **kw):
 
 
 def _readme_scripts():
-    """The README's Python scripts: its python blocks that call asyncsgd's API."""
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    """The Python scripts of docs/python-api.md: its python blocks that call asyncsgd's API."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "python-api.md").read_text(),
+                        re.S)
     return [b for b in blocks if re.search(r"asyncsgd\.(hogwild|single|ddp|compare|ps\.)", b)]
 
 
 def test_every_readme_script_has_the_main_guard():
     """Without the guard, a script that starts processes fails with "An attempt has been
     made to start a new process before the current process has finished its bootstrapping
-    phase": every README block that calls the API must have it."""
+    phase": every block of the guide that calls the API must have it."""
     scripts = _readme_scripts()
     assert len(scripts) >= 2
     for script in scripts:
@@ -48,7 +50,7 @@ def test_every_readme_script_has_the_main_guard():
 
 @pytest.mark.parametrize("index", [0, 1])
 def test_readme_scripts_run(tmp_path, cli_env, index):
-    """Each README script, saved as a file and run as one, verbatim except for its budget:
+    """Each script of the guide, saved as a file and run as one, verbatim except for its budget:
     every ``epochs=N`` becomes ``epochs=1``, and the server's address 127.0.0.1:5555 one
     of the free ports here. What it prints is what the run directory holds."""
     script = _readme_scripts()[index]

@@ -317,7 +317,8 @@ def test_push_every_with_dc_asgd_and_staleness_lr_trains(server, cli_env):
 
 @pytest.mark.parametrize("consistency", ["async", "ssp:2", "sync"])
 def test_two_workers_and_two_shards_reach_85_percent_on_mnist1d_cnn(server, cli_env, consistency):
-    """The README's bar: 85% test accuracy within 5 minutes on this machine, in every mode."""
+    """docs/parameter-server.md's bar: 85% test accuracy within 5 minutes on this machine,
+    in every mode."""
     srv = server("--task", "mnist1d-cnn", "--shards", 2, "--workers", 2,
                  "--consistency", consistency, "--target", 0.85, "--max-seconds", 300)
     procs = [worker(cli_env, srv.address, r, 2, "--task", "mnist1d-cnn", "--epochs", 1000)

@@ -1,4 +1,4 @@
-"""``asyncsgd ps-job`` under torchrun, run as the README's cluster blocks say: one host, two
+"""``asyncsgd ps-job`` under torchrun, run as docs/cluster.md's blocks say: one host, two
 hosts (network namespaces) with a c10d rendezvous, and restarts through torchrun's
 ``--max-restarts`` after a worker or the server is SIGKILLed.
 
@@ -26,10 +26,10 @@ JOB_SECONDS = 240  # a job reaches 0.85 in 8-25 s on 2 idle cores; a loaded mach
 
 
 def readme_command(name: str) -> list:
-    """The README's cluster block ``name``, as an argv (the tests run what users copy)."""
-    text = (TESTS.parent / "README.md").read_text()
+    """docs/cluster.md's block ``name``, as an argv (the tests run what users copy)."""
+    text = (TESTS.parent / "docs" / "cluster.md").read_text()
     found = re.search(rf"<!-- cluster:{name} -->\n```bash\n(.+?)\n```", text, re.S)
-    assert found, f"README.md has no cluster block {name}"
+    assert found, f"docs/cluster.md has no cluster block {name}"
     argv = shlex.split(found.group(1))
     assert argv[0] == "torchrun"
     return [str(BIN / "torchrun"), *argv[1:]]
@@ -98,7 +98,7 @@ def check_reached(summary: dict, workers: int) -> None:
 
 
 def test_one_host_job_reaches_the_target(cli_env, tmp_path):
-    """The README's one-host block: 4 processes, rank 0 serves 3 workers, to 85%."""
+    """The guide's one-host block: 4 processes, rank 0 serves 3 workers, to 85%."""
     mark = uuid.uuid4().hex
     out = tmp_path / "run"
     argv = readme_command("torchrun-one-host") + ["--out", out, "--progress", "off"]
@@ -183,7 +183,7 @@ def test_a_killed_server_resumes_from_its_checkpoint_and_counts_what_it_lost(cli
 def on_host(argv: list, address: str, head: bool) -> list:
     """``argv`` telling torchrun this host's address and whether its agent hosts the
     rendezvous store: torchrun takes both from the machine's hostname, which a network
-    namespace does not change (the README says to add these on such hosts)."""
+    namespace does not change (docs/cluster.md says to add these on such hosts)."""
     at = argv.index("-m")
     return (argv[:at] + ["--local-addr", address, "--rdzv-conf", f"is_host={int(head)}"]
             + argv[at:])
@@ -191,7 +191,7 @@ def on_host(argv: list, address: str, head: bool) -> list:
 
 @pytest.mark.slow
 def test_two_hosts_with_a_c10d_rendezvous_survive_a_worker_kill(cli_env, tmp_path):
-    """The README's several-hosts block on two network namespaces, 2 processes each: the
+    """The guide's several-hosts block on two network namespaces, 2 processes each: the
     server on host a, workers on both; a worker on host b is SIGKILLed, both agents restart
     their processes at the next rendezvous round, and the job ends at the target, 0 lost."""
     ok, why = can_make_namespaces()

@@ -42,11 +42,11 @@ JOB = dict(task="mnist1d-cnn", workers=2, target=TARGET, epochs=1000, progress="
 
 
 def readme_command() -> list:
-    """The README's ``cluster:ray`` block as asyncsgd's arguments (the tests run what users
+    """docs/cluster.md's ``cluster:ray`` block as asyncsgd's arguments (the tests run what users
     copy, adding --out)."""
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = (Path(__file__).resolve().parent.parent / "docs" / "cluster.md").read_text()
     found = re.search(r"<!-- cluster:ray -->\n```bash\n(.+?)\n```", text, re.S)
-    assert found, "README.md has no cluster block ray"
+    assert found, "docs/cluster.md has no cluster block ray"
     argv = shlex.split(found.group(1))
     assert argv[:2] == ["asyncsgd", "ray-job"], argv
     return argv[1:]
@@ -313,7 +313,7 @@ def test_an_error_in_an_actor_is_one_clear_line_and_nothing_is_left(cli_env):
 
 @pytest.mark.slow
 def test_the_cli_runs_a_job_on_a_ray_of_its_own(cli_env, tmp_path):
-    """The README's command: a local Ray of its own, the job to the target, the report
+    """The guide's command: a local Ray of its own, the job to the target, the report
     (restarts, lost updates, accuracy, run directory), and no process left."""
     mark, out = uuid.uuid4().hex, tmp_path / "run"
     code, output = _finish(_cli_job(cli_env, mark, readme_command() + ["--out", out,

@@ -123,7 +123,7 @@ def _job_states(job_id: str) -> list:
 
 def sbatch_wait(script: Path, tmp_path: Path, env: dict, *options: str):
     """Submit SCRIPT from the repository root and wait for its end, polling the queue
-    every half second (``sbatch --wait``, the README's way, polls with growing pauses: a
+    every half second (``sbatch --wait``, the guide's way, polls with growing pauses: a
     10 s job took 40 s); returns (the job's exit code, job id, output text). Cancels the
     job if it is still queued or running when this returns or fails."""
     name = f"asyncsgd-test-{uuid.uuid4().hex[:10]}"  # unique: what to cancel afterwards
@@ -175,11 +175,11 @@ def check_run(run_dir: Path, output: str, workers: int) -> dict:
 
 
 def readme_submissions() -> list:
-    """The README's ``cluster:slurm`` block, one (environment, sbatch options, script) per
+    """docs/cluster.md's ``cluster:slurm`` block, one (environment, sbatch options, script) per
     line: the tests submit what users copy."""
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "cluster.md").read_text()
     found = re.search(r"<!-- cluster:slurm -->\n```bash\n(.+?)\n```", text, re.S)
-    assert found, "README.md has no cluster block slurm"
+    assert found, "docs/cluster.md has no cluster block slurm"
     submissions = []
     for line in found.group(1).splitlines():
         argv = shlex.split(line, comments=True)
