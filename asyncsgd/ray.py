@@ -12,7 +12,7 @@ the Ray this process is connected to already) and returns a ``RayJobResult``; ``
 returns the running ``RayJob`` (``job.address``, ``job.incarnations()``, ``job.wait()``).
 """
 
-from .jobs.ray_config import RayJobConfig
+from .config import RayJobConfig
 from .jobs.ray_job import RayJob, RayJobResult, run, start
 
 __all__ = ["RayJob", "RayJobConfig", "RayJobResult", "run", "start"]

@@ -51,6 +51,10 @@ from typing import Callable
 
 import zmq
 
+# Microseconds a worker polls for a reply, and a shard for its next message, before sleeping
+# (--busy-poll-us); what it bought is in the docstring above.
+BUSY_POLL_US = 400
+MAX_BUSY_POLL_US = 10_000  # well below a heartbeat and a shard's 0.1 s tick
 CONTENDED_SECONDS = 100e-6  # a yield this long handed the core to another process
 MAX_POLLED_BYTES = 256 * 1024  # after a larger message the next wait sleeps (see above)
 SMOOTHING = 0.25  # weight of the newest wait in the running estimate
