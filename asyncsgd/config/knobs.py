@@ -18,6 +18,8 @@ _VARIANT_KEYS = {"help", "default", "show", "annotation"}
 
 @dataclass(frozen=True, eq=False)
 class Knob:
+    """One setting: what ``knob`` was given (its arguments say what each part means)."""
+
     name: str
     annotation: Any
     default: Any
@@ -30,7 +32,7 @@ class Knob:
     aliases: tuple = ()
     per_command: dict = field(default_factory=dict)
 
-    def field(self, modes: tuple) -> tuple:
+    def as_field(self, modes: tuple) -> tuple:
         """``(name, annotation, dataclass field)`` as the first of ``modes`` with a variant
         reads it (a command, then the commands its settings come from)."""
         variant = next((self.per_command[m] for m in modes if m in self.per_command), {})
@@ -64,7 +66,7 @@ def knob(name: str, annotation: Any, default: Any, help: str, *, type: Any = Non
 
 
 def settings(name: str, mode: str, doc: str, *parts: Any, extends: Optional[type] = None,
-             left_out: frozenset = frozenset(), module: str = __name__) -> type:
+             left_out: frozenset = frozenset(), module: str) -> type:
     """A settings dataclass of the knobs in ``parts``, in order, as command ``mode`` reads
     them. A part is a knob, a tuple of knobs, or another settings class (its knobs, as that
     command reads those without a variant for ``mode``). ``extends``: the settings class it
@@ -85,7 +87,7 @@ def settings(name: str, mode: str, doc: str, *parts: Any, extends: Optional[type
             taken.add(k.name)
             knobs.append((k, modes))
     made = dataclasses.make_dataclass(
-        name, [k.field(modes) for k, modes in knobs], bases=(extends,) if extends else (),
+        name, [k.as_field(modes) for k, modes in knobs], bases=(extends,) if extends else (),
         namespace={"mode": mode, "__doc__": doc, "knobs": tuple(knobs),
                    "to_dict": _to_dict, "__post_init__": _parse_values})
     made.__module__ = module

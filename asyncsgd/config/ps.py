@@ -1,7 +1,6 @@
 """Settings of the parameter server's two commands: ps-server and worker.
 
-The knobs ps-job and ray-job also take carry those commands' help texts too (``jobs.py``
-composes them)."""
+Their knobs also carry the help that ps-job and ray-job (``jobs.py``) give them."""
 
 from __future__ import annotations
 
