@@ -18,9 +18,8 @@ from typing import Optional
 import click
 
 from .config import (CompareConfig, DDPConfig, HogwildConfig, JobConfig, PlotConfig,
-                     ServerConfig, SingleConfig, WorkerConfig, click_options)
+                     RayJobConfig, ServerConfig, SingleConfig, WorkerConfig, click_options)
 from .errors import AsyncSGDError, ConfigError
-from .jobs.ray_config import RayJobConfig
 from .run.lifetime import exit_now, start_command_clock
 from .run.signals import defer_sigint, restore_sigint, sigint_now
 from .version import __version__

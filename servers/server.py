@@ -29,7 +29,6 @@ from asyncsgd.wire.transport import parse_endpoint
 from .evaluator import Evaluator
 from .front import Front
 from .sessions import Sessions
-from .shard import parse_consistency
 from .sharding import shard_count
 from .supervisor import ShardSupervisor
 
@@ -55,8 +54,7 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
     close every socket, then conclude the run (final evaluation, checkpoint,
     summary.json), also after Ctrl-C or a failure.
     """
-    mode, _ = parse_consistency(cfg.consistency)
-    if cfg.backup_workers and (mode != "sync" or cfg.backup_workers >= cfg.workers):
+    if cfg.backup_workers and (cfg.consistency.kind != "sync" or cfg.backup_workers >= cfg.workers):
         raise ConfigError(
             f"--backup-workers {cfg.backup_workers}: backup workers are those a sync round "
             f"does not wait for, so it needs --consistency sync (got {cfg.consistency}) and "
@@ -165,7 +163,7 @@ def _summary(cfg: ServerConfig, lr: float, obs: dict, front: Front, supervisor: 
         "dc_uncompensated": sum(s.get("dc_uncompensated", 0) for s in evaluator.latest)}
     # sync: pushes that came after their round was applied (a backup worker's, or one that
     # missed a round), acknowledged and not applied; summed over shards, as updates are
-    stale = {} if parse_consistency(cfg.consistency)[0] != "sync" else {
+    stale = {} if cfg.consistency.kind != "sync" else {
         "stale_pushes": sum(s.get("stale", 0) for s in evaluator.latest)}
     return {**dc, **stale, "updates": obs["updates"], "staleness_p50": obs["staleness_p50"],
             "staleness_p99": obs["staleness_p99"], "staleness_hist": obs["staleness_hist"],

@@ -32,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from asyncsgd.config import Consistency
 from asyncsgd.errors import ConfigError
 from asyncsgd.wire.compression import expand, segment_values, wire_dtype
 from asyncsgd.wire.protocol import (ACK, BYE, DTYPE_NAMES, ERROR, HEARTBEAT, PARAMS, PULL, PUSH,
@@ -65,20 +66,6 @@ def params_digest(params: torch.Tensor) -> str:
     return hashlib.sha256(params.detach().contiguous().view(torch.uint8).numpy()).hexdigest()
 
 
-def parse_consistency(text: str) -> tuple:
-    """``async`` → ("async", 0); ``ssp:K`` → ("ssp", K); ``sync`` → ("sync", 0)."""
-    if text in ("async", "sync"):
-        return text, 0
-    if text.startswith("ssp:"):
-        try:
-            bound = int(text[4:])
-        except ValueError:
-            bound = -1
-        if bound >= 0:
-            return "ssp", bound
-    raise ConfigError(f"--consistency {text!r}: use async, ssp:K (K >= 0 clocks) or sync")
-
-
 @dataclass
 class ShardConfig:
     index: int
@@ -87,7 +74,7 @@ class ShardConfig:
     rule: str = "sgd"
     lr: float = 0.1
     hyper: dict = field(default_factory=dict)
-    consistency: str = "async"
+    consistency: Consistency = Consistency("async")  # text is parsed on construction
     expected_workers: int = 1
     heartbeat_timeout: float = 10.0
     staleness_lr: bool = False
@@ -107,6 +94,10 @@ class ShardConfig:
     # sync: a round is applied once all live workers but this many have pushed (Chen et
     # al. 2016's backup workers); the pushes that come after it are stale, never applied.
     backup_workers: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.consistency, Consistency):
+            self.consistency = Consistency(self.consistency)
 
 
 @dataclass
@@ -138,7 +129,7 @@ class ShardState:
             raise ConfigError(f"shard {cfg.index}: {len(params)} initial values for range "
                               f"[{cfg.start}, {cfg.end})")
         self.cfg = cfg
-        self.mode, self.bound = parse_consistency(cfg.consistency)
+        self.mode, self.bound = cfg.consistency.kind, cfg.consistency.bound
         if cfg.sync_reduce not in ("mean", "sum"):
             raise ConfigError(f"sync reduce {cfg.sync_reduce!r}: use mean or sum")
         self.size = len(params)

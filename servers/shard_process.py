@@ -15,9 +15,8 @@ from typing import Optional
 import torch
 import zmq
 
-from asyncsgd.config import BUSY_POLL_US
 from asyncsgd.run.checkpoint import load_checkpoint, save_checkpoint
-from asyncsgd.wire.busy_poll import BusyPoll
+from asyncsgd.wire.busy_poll import BUSY_POLL_US, BusyPoll
 from asyncsgd.wire.memory import keep_freed_memory
 from asyncsgd.wire.protocol import (ATTACH, BYE, PARAMS, STATS, Code, Key, Message,
                                     ProtocolError, error_message, in_parts)

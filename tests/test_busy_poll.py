@@ -6,8 +6,8 @@ import pytest
 import torch
 import zmq
 
-from asyncsgd.config import BUSY_POLL_US
-from asyncsgd.wire.busy_poll import CONTENDED_SECONDS, MAX_SKIPS, SMOOTHING, BusyPoll
+from asyncsgd.wire.busy_poll import (BUSY_POLL_US, CONTENDED_SECONDS, MAX_SKIPS, SMOOTHING,
+                                     BusyPoll)
 from asyncsgd.wire.layout import Layout
 from asyncsgd.workers.client import PSClient
 from tasks_for_tests import index_counter, mib_counter

@@ -8,7 +8,8 @@ import torch
 
 from asyncsgd.wire.protocol import (ACK, BYE, ERROR, HEARTBEAT, PARAMS, PULL, PUSH, STATS, VERSION,
                                     Key, Message, ProtocolError, Segment, decode, encode, split)
-from asyncsgd.servers.shard import ShardConfig, ShardState, parse_consistency
+from asyncsgd.config import parse_consistency
+from asyncsgd.servers.shard import ShardConfig, ShardState
 
 
 def _frames(msg):

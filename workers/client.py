@@ -44,9 +44,8 @@ from typing import Optional
 import torch
 import zmq
 
-from asyncsgd.config import BUSY_POLL_US
 from asyncsgd.errors import AsyncSGDError
-from asyncsgd.wire.busy_poll import BusyPoll
+from asyncsgd.wire.busy_poll import BUSY_POLL_US, BusyPoll
 from asyncsgd.wire.compression import WIRE_DTYPES, Compressor
 from asyncsgd.wire.protocol import (ACK, ATTACH, BYE, ERROR, HEARTBEAT, HELLO, PARAMS, PULL, PUSH,
                                     WELCOME, Code, Key, Message, ParamsIntake, ProtocolError,

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from asyncsgd.config import WorkerConfig, parse_compress
+from asyncsgd.config import WorkerConfig
 from asyncsgd.core.pacing import Pacer, Pacing, pace_note
 from asyncsgd.core.signature import PS_PARTITION_SEED, data_signature
 from asyncsgd.core.tasks import epoch_order, partition_indices, task_of
@@ -122,7 +122,7 @@ def run_worker(cfg: WorkerConfig, seen: Optional[list] = None,
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
     rank, world = rank_and_world(cfg)
-    if parse_compress(cfg.compress)[0] != "none" and cfg.push_dtype != "float32":
+    if cfg.compress.kind != "none" and cfg.push_dtype != "float32":
         raise ConfigError(f"--compress {cfg.compress} and --push-dtype {cfg.push_dtype}: choose "
                           "one (int8 and top-k values have formats of their own)")
     if cfg.transport == "shared" and (cfg.compress != "none" or cfg.push_dtype != "float32"
@@ -147,7 +147,7 @@ def run_worker(cfg: WorkerConfig, seen: Optional[list] = None,
                       rank=rank, world=world, heartbeat=cfg.heartbeat,
                       server_timeout=cfg.server_timeout, curve=keys, transport=cfg.transport,
                       data=data_signature(task, cfg.task, cfg.seed, PS_PARTITION_SEED),
-                      compressor=Compressor(*parse_compress(cfg.compress), cfg.push_dtype),
+                      compressor=Compressor(cfg.compress.kind, cfg.compress.ratio, cfg.push_dtype),
                       pull_dtype=cfg.pull_dtype, busy_poll_us=cfg.busy_poll_us)
     if seen and len(seen) == len(client.versions):
         client.versions = [int(v) for v in seen]

@@ -25,17 +25,16 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .. import errors
-from ..config import ServerConfig, make_config
+from ..config import RayJobConfig, ServerConfig, make_config
 from ..errors import AsyncSGDError, ConfigError
 from ..run.lifetime import command_started_at, pid_alive, start_command_clock
 from ..run.process_group import available_cores
 from ..run.recorder import RunResult
 from ..run.rundir import RunDir
-from ..run.settings import saved_settings
+from ..run.settings import configure
 from ..run.signals import sigterm_as_interrupt
 from ..servers.supervisor import SHARD_READY_SECONDS
 from ..wire.transport import parse_endpoint
-from .ray_config import RayJobConfig
 from .roles import server_settings, worker_settings
 
 log = logging.getLogger(__name__)
@@ -103,15 +102,7 @@ def _settings(config: Optional[RayJobConfig], settings: dict) -> RayJobConfig:
                           "asyncsgd ray-job ...'")
     if not job.resume:
         return job
-    if job.out:
-        raise ConfigError("out (--out) cannot be combined with resume (--resume): a resumed "
-                          "run continues in its own directory")
-    given = set(settings) | ({f.name for f in dataclasses.fields(RayJobConfig)
-                              if getattr(config, f.name) != f.default} if config else set())
-    saved = saved_settings(RunDir.open(job.resume), ServerConfig)
-    lifted = {k: v for k, v in saved.items() if k not in given and k not in _NOT_RESUMED
-              and k in {f.name for f in dataclasses.fields(RayJobConfig)}}
-    return make_config(RayJobConfig, job, lifted)
+    return configure(RayJobConfig, config, settings, saved_as=ServerConfig, anew=_NOT_RESUMED)
 
 
 def _import_ray():

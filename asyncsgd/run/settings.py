@@ -26,10 +26,14 @@ MODES = {"hogwild": (HogwildConfig, "hogwild", "asyncsgd.hogwild"),
          "ps": (ServerConfig, "ps-server", "asyncsgd.ps.serve")}
 
 
-def configure(cls, config: Any, settings: dict):
+def configure(cls, config: Any, settings: dict, saved_as: Any = None,
+              anew: frozenset = frozenset()):
     """``config`` (a ``cls`` or None) with ``settings`` over it, checked; with ``resume``,
     the saved run's settings under the given ones: the keywords, and the dataclass's fields
-    that differ from their defaults (as flags given beside --resume override)."""
+    that differ from their defaults (as flags given beside --resume override).
+    ``saved_as``: the settings class of the resumed run where it is not ``cls`` (a Ray job
+    resumes a ps-server run): only the saved settings ``cls`` has are taken. ``anew``:
+    settings decided anew, never taken from the saved run."""
     cfg = make_config(cls, config, settings)
     if not getattr(cfg, "resume", None):
         return cfg
@@ -38,9 +42,11 @@ def configure(cls, config: Any, settings: dict):
     if "out" in given:
         raise ConfigError("out (--out) cannot be combined with resume (--resume): a resumed "
                           "run continues in its own directory")
-    saved = saved_settings(RunDir.open(cfg.resume), cls)
+    known = {f.name for f in dataclasses.fields(cls)} - set(anew)
+    saved = saved_settings(RunDir.open(cfg.resume), saved_as or cls)
     return make_config(cls, config_from_dict(cls, {
-        **saved, **{k: getattr(cfg, k) for k in given}, "resume": cfg.resume, "out": None}))
+        **{k: v for k, v in saved.items() if k in known},
+        **{k: getattr(cfg, k) for k in given}, "resume": cfg.resume, "out": None}))
 
 
 def saved_settings(run: RunDir, cls) -> dict:

@@ -13,6 +13,10 @@ from typing import Callable
 
 import zmq
 
+# Microseconds a worker polls for a reply, and a shard for its next message, before sleeping
+# (--busy-poll-us); what it bought: experiments/README.md, "Busy polling".
+BUSY_POLL_US = 400
+MAX_BUSY_POLL_US = 10_000  # well below a heartbeat and a shard's 0.1 s tick
 # A yield this long handed the core to another process; shorter ones were mostly our own
 # libzmq I/O thread delivering the message (experiments/README.md, "Busy polling").
 CONTENDED_SECONDS = 100e-6

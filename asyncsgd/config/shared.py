@@ -1,0 +1,244 @@
+"""The settings several commands share: what a run is and when it stops, and how it trains.
+
+Each is declared here once, with what a command says otherwise in its ``per_command``;
+``RUN`` and ``TRAINING`` are the groups every run and every training command take.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import click
+
+from ..core.pacing import parse_delay, parse_slowdown
+from .knobs import knob, settings
+from .values import CheckedText
+
+_PROGRESS = click.Choice(["auto", "bar", "log", "off"])
+
+# What a run trains on.
+TASK = knob(
+    "task", str, "mnist1d-cnn",
+    "Task to train: a built-in name (list them with 'asyncsgd tasks') or "
+    "'package.module:function' returning an asyncsgd.Task.",
+    metavar="NAME|MODULE:FUNC", identity=True, per_command={
+        "worker": "Task; must match the server's model.",
+        "compare": "Task every mode trains: a built-in name (see 'asyncsgd tasks') or "
+                   "'package.module:function' returning an asyncsgd.Task."})
+DATA = (
+    knob("samples", Optional[int], None,
+         "Samples to generate for generated tasks (mnist1d: 80% train, 20% test).",
+         type=click.IntRange(min=10), show="task's default (mnist1d: 5000)", identity=True,
+         per_command={"worker": dict(help="Samples of generated tasks (as on the server).",
+                                     show="task's default")}),
+    knob("data_dir", Optional[str], None,
+         "Directory with MNIST / Fashion-MNIST IDX files (for the mnist-* tasks). "
+         "Nothing is ever downloaded.", metavar="DIR", identity=True, per_command={
+             "worker": "Directory with MNIST IDX files (mnist-* tasks).",
+             "compare": "Directory with MNIST / Fashion-MNIST IDX files (for the mnist-* "
+                        "tasks)."}),
+    knob("cache_dir", Optional[str], None, "Where generated data sets are cached.",
+         metavar="DIR", show="$ASYNCSGD_CACHE or ~/.cache/asyncsgd"),
+)
+
+# When a run stops, evaluates and saves.
+MAX_SECONDS = knob(
+    "max_seconds", Optional[float], None,
+    "Stop this many seconds after the command started (its start-up counts: it is time you "
+    "wait too); from Python, after the run started.",
+    type=click.FloatRange(min=0, min_open=True), show="no limit", per_command={
+        "worker": "Stop this many seconds after the command started (its start-up counts).",
+        "ps-job": "Stop this many seconds after the command started, server and workers "
+                  "alike.",
+        "ray-job": "Stop this many seconds after the command started (Ray's start-up "
+                   "counts), server and workers alike; from Python, after asyncsgd.ray.run "
+                   "was called."})
+TARGET = knob(
+    "target", Optional[float], None,
+    "Stop once the test metric reaches this, in the task's metric and direction ('asyncsgd "
+    "tasks'): accuracy as a fraction (0.9), lm's perplexity (2.0) from above.",
+    type=float, metavar="VALUE", show="none", aliases=("--target-accuracy",), per_command={
+        "compare": dict(
+            help="Test metric whose first crossing the report times, in the task's metric "
+                 "(0.9 for 90% accuracy; a perplexity for lm); runs go on to the end of the "
+                 "budget unless --stop-at-target.",
+            show="the task's own (lm: perplexity 2.0), else none"),
+        "plot": "Draw this test metric (0.9 for 90% accuracy) and time each run's first "
+                "crossing of it."})
+EVAL_EVERY = knob(
+    "eval_every", float, 2.0, "Seconds between evaluations of the model on the test set.",
+    type=click.FloatRange(min=0.05), per_command={
+        "hogwild": "Seconds between evaluations of the shared model on the test set; the "
+                   "parent evaluates beside training, without pausing the processes.",
+        "single": "Seconds between evaluations on the test set, taken between steps "
+                  "(training waits for them).",
+        "ddp": "Seconds between evaluations on the test set: rank 0 evaluates between steps "
+               "and the other ranks wait for it at the next all-reduce.",
+        "ps": "Seconds between evaluations of the current parameters on the test set; the "
+              "shards keep serving meanwhile.",
+        "compare": dict(default=1.0, help="Seconds between test-set evaluations in every run "
+                        "(the resolution of the time to target).")})
+SEED = knob(
+    "seed", int, 0, "Random seed of the model's initial weights, the data order and torch.",
+    per_command={
+        "hogwild": "Random seed: the model's initial weights and the data partition; process "
+                   "r seeds torch with seed + r, and its data order follows from seed and r.",
+        "ddp": "Random seed: the model's initial weights (the same on every rank) and the "
+               "data partition; rank r seeds torch with seed + r, and its data order follows "
+               "from seed and r.",
+        "ps": "Random seed of the model's initial weights, which the shards start from, and "
+              "of the data of a task function that takes a seed (give its workers the same "
+              "--seed). Workers split the training data with seed 0 whatever this seed, and "
+              "order their batches with their own --seed.",
+        "worker": "Seed of this worker's data order (each epoch's shuffle of its partition) "
+                  "and of its --delay draws; a task function that takes a seed builds its "
+                  "data with it, so give such a task the server's --seed. The partition "
+                  "always uses seed 0, whatever the seeds, so workers given different seeds "
+                  "still split the data disjointly.",
+        "compare": "Seed of the first repeat: model initialisation and data order."})
+
+# Where a run computes.
+DEVICE = knob(
+    "device", str, "cpu", "Where the model lives and trains: cpu, or cuda (a GPU).",
+    type=click.Choice(["cpu", "cuda"]), per_command={
+        "hogwild": "Where the shared model lives and trains: cpu, or cuda to share it on one "
+                   "GPU (every process updates it there).",
+        "ddp": "Where each rank's model lives and trains: cpu, or cuda (one GPU per rank).",
+        "ps": "The server keeps the parameters in CPU memory and evaluates there: only cpu. "
+              "Compute gradients on GPUs with 'asyncsgd worker --device cuda'.",
+        "worker": "Where the gradients are computed: cpu, or cuda (a GPU of this host). With "
+                  "cuda the model lives on the GPU, each pull is copied onto it and each "
+                  "gradient off it; the bytes to and from the server go through host memory "
+                  "as with cpu.",
+        "ps-job": "Where the workers compute gradients: cpu or cuda. The server keeps the "
+                  "parameters in CPU memory whatever this is.",
+        "ray-job": "Where the workers compute gradients: cpu, or cuda (with "
+                   "--gpus-per-worker). The server keeps the parameters in CPU memory."})
+THREADS = knob(
+    "threads", int, 0,
+    "Torch threads; 0 means the cores not busy with other work (the cores less the 1-minute "
+    "load average, at least 1).", type=click.IntRange(min=0), per_command={
+        "hogwild": "Torch threads per process; 0 means CPU cores // --procs (at least 1): N "
+                   "processes each running a thread per core thrash.",
+        "ddp": "Torch threads per rank; 0 means CPU cores // the ranks on this host (at "
+               "least 1).",
+        "ps": "Torch threads of each shard process and of the evaluation; 0 means CPU cores "
+              "// (--shards + 1) for each shard (at least 1) and 1 for the evaluation.",
+        "worker": "Torch threads; 0 means CPU cores // the server's processes on this host "
+                  "(its workers, --local-workers, and its shards when the server runs here "
+                  "too), at least 1. Several workers on one host each starting one thread per "
+                  "core slow every step many times over.",
+        "ps-job": "Torch threads of each shard and of each worker; 0 means CPU cores shared "
+                  "among the processes on each host (at least 1).",
+        "ray-job": "Torch threads of each shard and of each worker; 0 means the CPU cores of "
+                   "each node shared among the job's processes there (its worker actors, and "
+                   "the shards on the driver's node), at least 1."})
+
+# What a run writes.
+OUT = knob(
+    "out", Optional[str], None,
+    "Run directory to write (config.json, metrics.jsonl, summary.json, checkpoint.pt).",
+    metavar="DIR", show="runs/<time>-<mode>", per_command={
+        "compare": dict(help="Directory for the report, the plots and every run's directory.",
+                        show="runs/<time>-compare"),
+        "plot": dict(annotation=str, default="plots", show=None,
+                     help="Directory for the PNGs and report.md.")})
+RESUME = knob(
+    "resume", Optional[str], None, "Continue the run in this run directory from its checkpoint.",
+    metavar="RUN_DIR", show="none")
+CHECKPOINT_EVERY = knob(
+    "checkpoint_every", float, 60.0,
+    "Seconds between checkpoints during training (0: only at the end).",
+    type=click.FloatRange(min=0), per_command={
+        "ps": "Seconds between checkpoints during training; the server and its shards also "
+              "save one as they start serving, and one at the end (0: only those)."})
+TENSORBOARD = knob(
+    "tensorboard", bool, False, "Also write TensorBoard event files into the run directory.",
+    per_command={
+        "compare": "Every run also writes TensorBoard event files, into its run directory "
+                   "(OUT/<mode>-r<k>/tensorboard: test metric and loss vs samples and vs whole "
+                   "seconds since its launch, training loss per worker); view them all "
+                   "together with 'tensorboard --logdir OUT' (needs the tensorboard "
+                   "package)."})
+PROGRESS = knob(
+    "progress", str, "auto",
+    "Progress display: a bar on a terminal and log lines otherwise (auto), or force bar, log "
+    "or off.", type=_PROGRESS, per_command={
+        "worker": "Progress display (auto, bar, log, off).",
+        "compare": "Progress display: a live line on a terminal and log lines otherwise "
+                   "(auto), or force bar, log or off; each shows the run's time since its "
+                   "launch, its ETA (its budget, or --epochs at its pace, whichever ends "
+                   "first) and the comparison's."})
+
+RUN = (TASK, *DATA, MAX_SECONDS, TARGET, EVAL_EVERY, SEED, DEVICE, THREADS, OUT, RESUME,
+       CHECKPOINT_EVERY, TENSORBOARD, PROGRESS)
+
+# How a run trains.
+BATCH_SIZE = knob(
+    "batch_size", Optional[int], None, "Samples per step in each process.",
+    type=click.IntRange(min=1), show="task's default", per_command={
+        "worker": "Samples per gradient.",
+        "compare": "Samples per step in each process or worker, single's one process "
+                   "included (ddp then averages one such batch per rank into each update)."})
+LR = knob(
+    "lr", Optional[float], None, "SGD learning rate (of every process).",
+    type=click.FloatRange(min=0, min_open=True), show="task's default", per_command={
+        "ps": "Learning rate of the shards' update rule.",
+        "compare": "Learning rate of plain SGD in every mode (the parameter server applies "
+                   "it with its 'sgd' rule)."})
+MOMENTUM = knob(
+    "momentum", float, 0.0,
+    "SGD momentum (adam has its own: give it none). 0: plain SGD, the update every mode makes "
+    "by default (the parameter server's default rule too), so that modes compare alike.",
+    type=click.FloatRange(0, 1, max_open=True), per_command={
+        "hogwild": "SGD momentum; each process keeps its own momentum buffer (only the "
+                   "parameters are shared). 0: plain SGD, the update every mode makes by "
+                   "default, so that modes compare alike.",
+        "ps": dict(default=0.9, help="Momentum of --optimizer momentum, nesterov and "
+                   "delayed-nesterov (sgd, adagrad and adam ignore it). 0.9, the usual value, "
+                   "since choosing that rule asks for momentum; the default rule, sgd, is "
+                   "plain SGD, as the other modes' default --momentum 0 is.")})
+WEIGHT_DECAY = knob(
+    "weight_decay", float, 0.0, "L2 weight decay.", type=click.FloatRange(min=0),
+    per_command={"ps": "L2 weight decay of the update rule."})
+EPOCHS = knob(
+    "epochs", int, 20, "Passes over the training data.", type=click.IntRange(min=1),
+    per_command={
+        "hogwild": "Passes over the training data: each process passes over its own "
+                   "partition.",
+        "ddp": "Passes over the training data: each rank passes over its own partition.",
+        "worker": "Passes over this worker's partition.",
+        "compare": dict(annotation=Optional[int], default=None, show="no limit: the budget "
+                        "ends every run", help="Passes over the training data after which a "
+                        "run ends early.")})
+PACING = (  # the stragglers of every mode that trains (core.pacing says how they work)
+    knob("slowdown", Optional[str], None,
+         "Make ranks stragglers: RANK:FACTOR[,...]; e.g. 1:4 has rank 1 wait 3x its step's "
+         "compute time after each step, so it takes 4x as long.",
+         type=CheckedText("RANK:FACTOR", parse_slowdown), metavar="RANK:FACTOR", show="none"),
+    knob("delay", Optional[str], None,
+         "Random per-step delays: KIND:MEAN[@RANKS], KIND exp or const, MEAN in ms or s; e.g. "
+         "exp:20ms (every rank), exp:0.5s@1,2. Seeded by --seed and rank.",
+         type=CheckedText("KIND:MEAN", parse_delay), metavar="KIND:MEAN[@RANKS]", show="none"),
+)
+LOCAL_STEPS = knob(
+    "local_steps", int, 1,
+    "Local SGD / DiLoCo: train this many steps (H) with --inner-optimizer from the pulled "
+    "parameters, then push the pseudo-gradient, pulled minus local parameters, for the "
+    "server's rule to apply (DiLoCo: the server's --optimizer nesterov --lr 0.7 with "
+    "--consistency sync; async: asynchronous Local SGD). The inner optimizer keeps its state "
+    "across rounds. 1: push every gradient.", type=click.IntRange(min=1), per_command={
+        "ddp": "Post-local SGD with PyTorch's own pieces (post_localSGD_hook and the periodic "
+               "model averager that PostLocalSGDOptimizer runs): after --local-warmup steps "
+               "of ordinary DDP, ranks stop all-reducing gradients, train alone and average "
+               "their parameters every this many steps. 1: plain DDP."})
+
+TRAINING = (BATCH_SIZE, LR, MOMENTUM, WEIGHT_DECAY, EPOCHS, *PACING)
+
+RunConfig = settings(
+    "RunConfig", "run", "Settings of every run that evaluates a model and writes a run "
+    "directory.", RUN, module=__name__)
+
+TrainConfig = settings(
+    "TrainConfig", "train", "Settings of the modes that run the SGD loop themselves "
+    "(Hogwild, single, DDP).", TRAINING, extends=RunConfig, module=__name__)

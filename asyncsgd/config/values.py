@@ -1,0 +1,139 @@
+"""Structured setting values and the click types that check them.
+
+``--consistency`` and ``--compress`` are parsed once, where the command line or the Python
+API gives them, and travel as values whose parts the code reads; the other structured
+options are checked when given and kept as their text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from ..errors import ConfigError
+
+
+def parse_consistency(text: str) -> tuple:
+    """``async`` → ("async", 0); ``ssp:K`` → ("ssp", K); ``sync`` → ("sync", 0)."""
+    if text in ("async", "sync"):
+        return text, 0
+    if text.startswith("ssp:"):
+        try:
+            bound = int(text[4:])
+        except ValueError:
+            bound = -1
+        if bound >= 0:
+            return "ssp", bound
+    raise ConfigError(f"--consistency {text!r}: use async, ssp:K (K >= 0 clocks) or sync")
+
+
+def parse_compress(text: str) -> tuple:
+    """``(kind, ratio)`` of a --compress value: ("none", 0), ("int8", 0), ("topk", R)."""
+    kind, _, ratio = text.partition(":")
+    if kind in ("none", "int8") and not ratio:
+        return kind, 0.0
+    if kind == "topk":
+        try:
+            value = float(ratio)
+        except ValueError:
+            value = float("nan")
+        if 0 < value <= 0.5:
+            return kind, value
+    raise ConfigError(f"--compress {text!r}: use none, int8 or topk:RATIO with 0 < RATIO <= 0.5 "
+                      "(e.g. topk:0.01 sends the largest 1%; above half, an index and a value "
+                      "per value kept cost more than float32 itself)")
+
+
+def parse_comm_hook(text: str) -> tuple:
+    """``(kind, rank)`` of a --comm-hook value; a ConfigError naming the valid ones."""
+    kind, _, rank = text.partition(":")
+    if kind in ("allreduce", "fp16", "bf16") and not rank:
+        return kind, 0
+    if kind == "powersgd" and (not rank or (rank.isdigit() and int(rank) >= 1)):
+        return kind, int(rank or 1)
+    raise ConfigError(f"--comm-hook {text!r}: use allreduce, fp16, bf16 or powersgd[:RANK] "
+                      "with RANK >= 1")
+
+
+class _Parsed(str):
+    """A setting's text with the parts it parsed to, read-only. It stays a str so that
+    config.json, summary.json and the server's handshake carry the text as given."""
+
+    _parts: tuple = ()
+
+    def __new__(cls, text: str):
+        value = super().__new__(cls, text)
+        value.__dict__.update(zip(cls._parts, cls._parse(str(text))))
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is read-only")
+
+
+class Consistency(_Parsed):
+    """--consistency: ``kind`` async, ssp or sync; ``bound``, ssp's K clocks (else 0)."""
+
+    kind: str
+    bound: int
+    _parts = ("kind", "bound")
+    _parse = staticmethod(parse_consistency)
+
+
+class Compression(_Parsed):
+    """--compress: ``kind`` none, int8 or topk; ``ratio``, topk's share kept (else 0)."""
+
+    kind: str
+    ratio: float
+    _parts = ("kind", "ratio")
+    _parse = staticmethod(parse_compress)
+
+
+class ValueType(click.ParamType):
+    """The click type of a parsed value: the option's text becomes the value."""
+
+    def __init__(self, value: type, name: str):
+        self.value, self.name = value, name
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if value is None or isinstance(value, self.value):
+            return value
+        try:
+            return self.value(str(value))
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class CheckedText(click.ParamType):
+    """A value such as --slowdown's or --comm-hook's: checked when parsed, kept as the text
+    given."""
+
+    def __init__(self, name: str, parse: Any):
+        self.name, self._parse = name, parse
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            self._parse(str(value))
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+        return str(value)
+
+
+class _ShardCount(click.ParamType):
+    """--shards: ``auto`` or a whole number of at least 1."""
+
+    name = "auto|N"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if value == "auto" or (type(value) is int and value >= 1):
+            return value
+        text = str(value).strip()
+        if text.isascii() and text.isdecimal() and int(text) >= 1:
+            return int(text)
+        self.fail(f"{value!r} is neither auto nor a whole number of at least 1", param, ctx)
+
+
+SHARD_COUNT = _ShardCount()
+
