@@ -1,34 +1,8 @@
-"""A worker's connection to the parameter server: handshake, push, pull, liveness.
+"""The parameter-server client: a worker's handshake, push, pull and goodbye.
 
-One DEALER to the front and one per shard. ``push_pull`` sends every shard
-its slice of the gradient and a pull in one go (no round trip in between) and
-then waits for all the acknowledgements and parameters, so shards work in
-parallel and a step costs one round trip.
-
-Liveness (ZeroMQ guide ch. 4, Lazy/Paranoid Pirate): heartbeats flow
-independently of the work. While the worker computes, a thread sends one to
-every shard each ``heartbeat`` seconds, so a step (or a run of local steps)
-longer than the server's heartbeat timeout never gets a healthy worker
-dropped from barriers; the sockets are used by one thread at a time (a lock,
-held by a whole exchange). While waiting, the client sends a heartbeat to
-every shard it waits on each ``heartbeat`` seconds; any reply proves the
-shard alive, so a pull held by ``ssp``/``sync``
-may wait as long as it must. A shard silent for ``3 * heartbeat`` is assumed
-gone: the client says so, reopens its socket and re-sends what is
-outstanding (same sequence numbers, so a push is never applied twice), with
-exponential backoff, and gives up with ``ServerUnavailable`` after
-``server_timeout`` seconds without any answer. A request a live shard leaves
-unanswered for ``3 * heartbeat`` (it or its answer was lost) is re-sent
-likewise, so pushes reach the shard exactly once even through drops.
-
-Rejoin: while shards are silent the client also says ``hello`` to the front
-again, with its worker id and incarnation unchanged. The same server answers
-as before; a server restarted with ``--resume`` answers with a new
-``instance`` and maybe new shard ports. The client then moves to those ports
-and re-sends what is outstanding under the same sequence numbers, which the
-shards' restored dedupe windows recognise: pushes still apply exactly once.
-A server that comes back with other shard ranges serves another model or
-shard count: ``ServerChanged``.
+One DEALER to the front and one per shard; ``push_pull`` asks every shard at once and waits
+for all answers, so a step costs one round trip. Heartbeats, re-sends and rejoins follow
+PROTOCOL.md (Liveness, Retries), timed by ``liveness.Liveness``.
 """
 
 from __future__ import annotations
@@ -51,17 +25,16 @@ from asyncsgd.wire.protocol import (ACK, ATTACH, BYE, ERROR, HEARTBEAT, HELLO, P
                                     WELCOME, Code, Key, Message, ParamsIntake, ProtocolError,
                                     in_parts, split)
 from asyncsgd.wire.security import ClientKeys, await_handshake
-from asyncsgd.wire.shared import Area, AreaUnavailable
 from asyncsgd.wire.transport import (dealer, frame_limit, is_local, parse_endpoint, recv, send,
                                      shared_frames)
 
+from .liveness import RESEND_HEARTBEATS, Liveness, doubled
+from .shared_areas import SharedAreas
+
 log = logging.getLogger(__name__)
 
-RESEND_HEARTBEATS = 3  # an unanswered request is re-sent after this many heartbeats
-MAX_BACKOFF = 10.0  # seconds: the longest wait between two retries
 TRANSPORTS = ("auto", "shared", "tcp")
 FAREWELL_LINGER_MS = 200  # the most close() waits for goodbyes to shards still queued
-ATTACH_TRIES = 3  # failed attaches to a shard in a row: past that, frames for good
 
 
 class ServerUnavailable(AsyncSGDError):
@@ -173,19 +146,15 @@ class PSClient:
         self.versions = [0] * len(self.shards)
         self._intake = ParamsIntake()  # PARAMS replies by (shard, seq), part by part
         self._grads, self._grads_key, self._grad_segments = None, None, []
-        # Same-host areas, one per shard (None: frames); shards still to attach to.
         self.transport = transport
-        self.areas: list = [None] * len(self.shards)
-        self._slots = [self._area_slot(i) for i in range(len(self.shards))]  # made once: hot path
-        self._attach_tries = [0] * len(self.shards)
-        self._to_attach: set = set()
+        self.areas = SharedAreas(len(self.shards), insist=transport == "shared")
         # ZeroMQ sockets are not thread-safe: whoever uses them holds this lock.
         self._sockets = threading.Lock()
         self._closing = threading.Event()
         self._pulse = threading.Thread(target=self._beat_while_computing, daemon=True,
                                        name="ps-heartbeat")
         if transport != "tcp" and local:
-            self._to_attach = set(range(len(self.shards)))
+            self.areas.want_all()
             self._attach_pending()
         self._pulse.start()
 
@@ -217,20 +186,9 @@ class PSClient:
 
     def _attach_pending(self) -> None:
         """Ask each shard still to attach to for a same-host area; frames where none comes."""
-        for i in sorted(self._to_attach):
-            self._to_attach.discard(i)
-            why = f"{ATTACH_TRIES} attaches in a row failed"
-            while self._attach_tries[i] < ATTACH_TRIES:  # auto: one try now, more later
-                self._attach_tries[i] += 1
-                why = self._attach(i)
-                if why is None or self.transport != "shared":
-                    break
-            if why is None:
-                self._attach_tries[i] = 0  # counts failures in a row
-                continue
-            if self.transport == "shared":
-                self._refuse_shared(why)
-            log.info("shard %d: tensors go over TCP (%s)", i, why)
+        why = self.areas.attach_pending(self._attach)
+        if why is not None:
+            self._refuse_shared(why)
 
     def _attach(self, i: int) -> Optional[str]:
         """Map shard ``i``'s area for this worker; None when done, else why not."""
@@ -240,34 +198,13 @@ class PSClient:
         while (left := deadline - time.monotonic()) > 0:
             if not self.shards[i].poll(int(left * 1000) + 1):
                 break
-            reply = self._in(self.shards[i], self._slots[i])
+            reply = self._in(self.shards[i], self.areas.slots[i])
             if reply.seq != msg.seq:
                 continue  # a heartbeat's answer, or a late one
             if reply.type != ATTACH:
                 return f"the shard answered {reply.type}: {_said(reply.meta)}"
-            m = reply.meta
-            try:
-                self.areas[i] = Area.open(m.get(Key.PID), m.get(Key.FD), m.get(Key.LINK),
-                                          m.get(Key.ELEMENTS), bytes.fromhex(m.get(Key.TAG)))
-            except (AreaUnavailable, TypeError, ValueError) as exc:
-                return f"its area could not be mapped: {exc}"
-            return None
+            return self.areas.map(i, reply.meta)
         return "no answer to attach"
-
-    def _area_slot(self, i: int):
-        """Resolves a reply's area link to shard ``i``'s parameter slot (``decode``)."""
-        def slot(link: int, _worker: str, _incarnation: int):
-            area = self.areas[i]
-            return area.params if area is not None and area.link == link else None
-        return slot
-
-    def _drop_area(self, i: int, why: str) -> None:
-        """Shard ``i`` no longer knows our area (restarted, or it evicted it): frames now,
-        and attach again before the next exchange."""
-        if self.areas[i] is not None:
-            log.info("shard %d: shared area gone (%s); frames until attached again", i, why)
-        self.areas[i] = None
-        self._to_attach.add(i)
 
     def _unavailable(self) -> ServerUnavailable:
         return ServerUnavailable(
@@ -344,7 +281,7 @@ class PSClient:
             self.stats["retries"] += 1
             self.front.close(0)
             self.front = self._front_socket()
-            backoff = min(backoff * 2, MAX_BACKOFF)
+            backoff = doubled(backoff)
 
     def push_pull(self, grads: Optional[torch.Tensor], params: torch.Tensor,
                   meta: Optional[dict] = None) -> None:
@@ -354,7 +291,7 @@ class PSClient:
 
     def _push_pull(self, grads: Optional[torch.Tensor], params: torch.Tensor,
                    meta: Optional[dict]) -> None:
-        if self._to_attach:
+        if self.areas.pending:
             self._attach_pending()
         # One request per shard: a push that also asks for the parameters (or a pull).
         outstanding = {}  # (shard, seq) -> [message, replies still owed]; re-sent after reconnects
@@ -400,13 +337,7 @@ class PSClient:
     def _await(self, outstanding: dict, params: torch.Tensor) -> None:
         poller = self.poller
         self._intake.forget()  # what an earlier, abandoned call left behind
-        start = time.monotonic()
-        # A shard's last answer: reopening its socket is no answer, so the silence that
-        # --server-timeout bounds runs on across retries.
-        last_heard = [start] * len(self.shards)
-        next_beat = start + self.heartbeat
-        retry_at, backoff = start, self.heartbeat  # the next retry of silent shards, its wait
-        resend: dict = {}
+        live = Liveness(len(self.shards), self.heartbeat, self.server_timeout, time.monotonic())
         if len(outstanding) == 1 and self._answered_directly(outstanding, params):
             return
         wait = 0  # the direct wait took a heartbeat already: look at every socket at once
@@ -415,57 +346,50 @@ class PSClient:
             wait = int(self.heartbeat * 1000)
             now = time.monotonic()
             if self.front in events and self._front_replies(outstanding):
-                last_heard = [now] * len(self.shards)  # a restarted server's shards listen
-                retry_at, backoff = now, self.heartbeat
+                live.server_answered(now)  # a restarted server's shards listen
             for i, sock in enumerate(self.shards):
                 if sock not in events:
                     continue
                 while True:
-                    reply = self._in(sock, self._slots[i])
+                    reply = self._in(sock, self.areas.slots[i])
                     # Another shard of a restarted server may listen on this port now:
                     # its answers are no sign of life of shard i.
                     if reply.shard in (-1, i):
-                        last_heard[i] = now
+                        live.heard(i, now)
                         self._handle(i, reply, outstanding, params)
                     if not outstanding or not sock.poll(0):
                         break
             if not outstanding:
                 return
-            self._resend_unanswered(outstanding, resend, now)
+            self._resend_unanswered(outstanding, live, now)
             waiting = sorted({i for i, _ in outstanding})
-            if now >= next_beat:
+            if live.beat_due(now):
                 for i in waiting:
                     self._out(self.shards[i], self._msg(HEARTBEAT, shard=i))
-                next_beat = now + self.heartbeat
-            dead = [i for i in waiting if now - last_heard[i] > 3 * self.heartbeat]
+            dead = live.silent(waiting, now)
             if not dead:
-                backoff = self.heartbeat
                 continue
-            silent = now - min(last_heard[i] for i in dead)
-            if silent > self.server_timeout:
+            if live.lost(dead, now):
                 raise ServerUnavailable(
                     f"shard(s) {dead} of {self.server} silent for {self.server_timeout:g} s; "
                     "giving up (raise --server-timeout to wait longer)")
-            if now < retry_at:
+            if not live.retry_due(now):
                 continue
             log.warning("server unavailable (shard(s) %s silent), retrying in %.1f s",
-                        dead, backoff)
+                        dead, live.backoff)
             self._hello_again()
-            if self._front_answers_within(min(backoff, self.server_timeout - silent),
-                                          outstanding):
-                last_heard = [time.monotonic()] * len(self.shards)
-                retry_at, backoff = time.monotonic(), self.heartbeat
+            if self._front_answers_within(live.rejoin_wait(dead, now), outstanding):
+                live.server_answered(time.monotonic())
                 continue
             for i in dead:
                 self._reopen(i, outstanding)
-            retry_at = time.monotonic() + 3 * self.heartbeat  # time for a fresh link to answer
-            backoff = min(backoff * 2, MAX_BACKOFF)
+            live.retried(time.monotonic())
 
     def _answered_directly(self, outstanding: dict, params: torch.Tensor) -> bool:
         """The common exchange, one request to one shard, settled by waiting in recv on
         that shard's socket (up to a heartbeat, its RCVTIMEO) rather than in zmq_poll on
         every socket: each zmq_poll reads every socket's command mailbox with a poll(2)
-        of its own (strace: 10 poll calls a 20 KB round trip in this process). False
+        of its own (experiments/README.md, "Why the client waits as it does"). False
         when the answer is late or needs the general loop (a re-admission)."""
         (i, _seq), = outstanding
         sock, sent = self.shards[i], time.perf_counter()
@@ -475,7 +399,7 @@ class PSClient:
         try:
             while outstanding and time.monotonic() < until:
                 try:
-                    reply = self._in(sock, self._slots[i])
+                    reply = self._in(sock, self.areas.slots[i])
                 except zmq.Again:
                     return False
                 nbytes = max(nbytes, reply.nbytes)
@@ -551,7 +475,7 @@ class PSClient:
         self.info, self.shard_addrs = welcome, addrs
         for i in range(len(self.shards)):  # new shard processes: their areas are new too
             if self.areas[i] is not None:
-                self._drop_area(i, "the server restarted")
+                self.areas.drop(i, "the server restarted")
         self._readmitting = False
         for msg, _owed in outstanding.values():  # the restarted server's session
             msg.token = self.info.get(Key.TOKEN, "")
@@ -562,7 +486,7 @@ class PSClient:
                     "unanswered request(s)", self.server, ports,
                     "" if ports == before else f" (were {before})", len(outstanding))
 
-    def _resend_unanswered(self, outstanding: dict, resend: dict, now: float) -> None:
+    def _resend_unanswered(self, outstanding: dict, live: Liveness, now: float) -> None:
         """Re-send, with backoff, requests a live shard has not answered.
 
         The request or its answer was lost on the way (a dropped connection, a
@@ -570,14 +494,9 @@ class PSClient:
         number makes a re-sent push a duplicate the shard acknowledges without
         applying it again; a re-sent held pull just stays held.
         """
-        first = RESEND_HEARTBEATS * self.heartbeat
-        for key, (msg, _owed) in outstanding.items():
-            due, interval = resend.setdefault(key, (now + first, first))
-            if now >= due:
-                self._send(key[0], msg)
-                self.stats["retries"] += 1
-                interval = min(2 * interval, MAX_BACKOFF)
-                resend[key] = (now + interval, interval)
+        for key in live.resends_due(outstanding, now):
+            self._send(key[0], outstanding[key][0])
+            self.stats["retries"] += 1
 
     def _handle(self, i: int, reply: Message, outstanding: dict, params: torch.Tensor) -> None:
         key = (i, reply.seq)
@@ -623,7 +542,7 @@ class PSClient:
                 self._hello_again()
             return
         if code in (Code.UNKNOWN_LINK, Code.NO_LINKS):
-            self._drop_area(i, _said(reply.meta))
+            self.areas.drop(i, _said(reply.meta))
             self._send(i, request)  # as frames now; never applied, so not a duplicate
             return
         raise ServerRefused(f"shard {i} refused {request.type}: {_said(reply.meta)}")
@@ -665,7 +584,7 @@ class PSClient:
         """Shard ``but`` said training is over: tell the others this worker leaves, without
         waiting for their answers (``close`` gives the goodbyes FAREWELL_LINGER_MS to go
         out). A shard drains until every live worker was told or left: without this it
-        waited for a worker that had heard from another shard (8 s with 2 shards)."""
+        waited for a worker that had heard from another shard (experiments/README.md)."""
         for j, sock in enumerate(self.shards):
             if j != but:
                 self._out(sock, self._msg(BYE, shard=j))
@@ -679,15 +598,15 @@ class PSClient:
         self.front.close(0)
         for sock in self.shards:
             sock.close(self._linger)
-        self.areas = [None] * len(self.shards)
+        self.areas.close()
         self.ctx.term()
 
     def __enter__(self) -> "PSClient":
         return self
 
     def __exit__(self, kind, *exc) -> None:
-        """Leaving the block says goodbye, as ``bye`` (a stopping server waited 8 s for a
-        worker it still counted), unless said already or no one is left to tell (the
+        """Leaving the block says goodbye, as ``bye`` (else a stopping server waits for a
+        worker it still counts), unless said already or no one is left to tell (the
         server ended the run, or stopped answering); then closes."""
         try:
             if not self._left and not (kind and issubclass(kind, (ServerFinished,
