@@ -9,9 +9,10 @@ errors answer at once instead of first importing torch.
 
 Where things live: ``core`` (tasks, data, models), ``wire`` (the parameter
 server's protocol, transport and security), ``run`` (run directory, metrics,
-checkpoints, owned processes), ``modes`` (Hogwild, single, DDP), ``analysis``
-(compare, reports, plots); the parameter server itself is ``asyncsgd.servers``
-and ``asyncsgd.workers`` (in the repository, ``servers/`` and ``workers/`` beside
+checkpoints, owned processes, reading a run back), ``modes`` (Hogwild, single, DDP),
+``analysis`` (reports, plots), ``comparison`` (the compare runner; not ``compare``, the
+function's name); the parameter server itself is ``asyncsgd.servers`` and
+``asyncsgd.workers`` (in the repository, ``servers/`` and ``workers/`` beside
 this folder: setup.cfg maps them here, so nothing generic lands in site-packages).
 """
 
@@ -22,7 +23,7 @@ from .version import __version__
 _EXPORTS = {
     "hogwild": "api", "single": "api", "ddp": "api", "compare": "api", "plot": "api",
     "load_run": "api",
-    "Run": "api", "CompareResult": "analysis.compare",
+    "Run": "run.reader", "CompareResult": "comparison.runner",
     "HogwildConfig": "config", "TrainConfig": "config",
     "SingleConfig": "config", "DDPConfig": "config", "ServerConfig": "config",
     "WorkerConfig": "config", "CompareConfig": "config", "PlotConfig": "config",

@@ -1,20 +1,8 @@
 """A report directory: the plots, report.md and results.json of a set of runs.
 
-    publish(out, "my runs", intro_lines, attempts, Goal.of(attempts, 0.9), header={...})
-
-``asyncsgd compare`` publishes the runs it made; ``asyncsgd plot`` those of any
-run directories (``report_runs``), compare directories included. The table
-and report come from ``report``, the figures from ``plots`` (matplotlib loads
-only when they are drawn).
-
-``plot`` was not there when its runs ran, so it checks what ``compare`` makes
-sure of by construction: each run is given once (a run twice would fold into
-"2/2 runs ± 0.00"), the runs are of one task (speed-ups across tasks compare
-unlike work: refused unless --allow-mixed, which gives each task its own rows,
-speed-ups and verdict), and the settings that change what a sample costs or
-how long a run had are alike (warned about where they are not). A run's status
-is what its own files say (``Run.outcome``): one that failed at start is no
-result.
+``compare`` publishes the runs it made; ``plot`` those of any run directories
+(``report_runs``), and so first checks what compare ensures by construction: each run
+given once, one task (unless --allow-mixed), alike settings (warned about otherwise).
 """
 
 from __future__ import annotations
@@ -26,8 +14,9 @@ from typing import NamedTuple, Optional
 
 from ..errors import ConfigError
 from .plots import draw_all
-from .report import (Attempt, Goal, Run, grouped_rows, mode_rows, render_report,
-                     render_table, run_label, verdict)
+from ..run.reader import Run
+from .report import (Attempt, Goal, grouped_rows, mode_rows, render_report, render_table,
+                     run_label, verdict)
 
 # What makes two runs runs of one task, and how a message names it.
 TASK_FIELDS = (("name", "task"), ("train_samples", "training samples"),
@@ -115,7 +104,7 @@ def _attempts_of(path: Path) -> list:
         return _compare_attempts(path)
     run = Run.read(path)
     status, error = run.outcome()
-    return [Attempt(run_label(run.config), seed=run.seed, status=status, error=error,
+    return [Attempt(run_label(run.record), seed=run.seed, status=status, error=error,
                     run=run, run_dir=str(path))]
 
 
@@ -163,7 +152,7 @@ def _tell_apart(group: list, plain: list) -> None:
 
 
 def _task(run: Run) -> tuple:
-    task = run.config.get("task", {})
+    task = run.record.get("task", {})
     return tuple(task.get(key) for key, _ in TASK_FIELDS)
 
 
@@ -246,9 +235,9 @@ def _setting(run: Run, key: str, defaulted: bool):
     """The value a run used: summary.json's where it records it (the task's default
     resolved), else config.json's; UNKNOWN where neither says (a parameter server knows
     no batch size: its workers have it)."""
-    if run.summary.get(key) is not None:
-        return run.summary[key]
-    settings = run.config.get("config", {})
+    if run.summarized.get(key) is not None:
+        return run.summarized[key]
+    settings = run.record.get("config", {})
     if key not in settings or (defaulted and settings[key] is None):
         return UNKNOWN
     return settings[key]
