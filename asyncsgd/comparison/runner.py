@@ -20,6 +20,7 @@ from ..analysis.publish import publish
 from ..analysis.report import Goal
 from ..config import CompareConfig
 from ..core.pacing import Pacing
+from ..core.tasks import task_of
 from ..errors import ConfigError
 from ..run.link import Link
 from ..run.process_group import available_cores
@@ -57,7 +58,6 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
     Link.parse(cfg.link)
     if any(s.command in linked.SHAPED_COMMANDS for s in specs):  # else nothing to shape
         linked.check_link(cfg.link, cfg.ddp_backend)
-    from ..core.tasks import task_of  # torch: only once the options are known to be good
     # Fails early on a bad task, and generates and caches its data outside every budget.
     task = task_of(cfg)
     goal = Goal(task.metric, cfg.target if cfg.target is not None else task.default_target)
