@@ -12,7 +12,7 @@ from .version import __version__
 _EXPORTS = {
     "hogwild": "api", "single": "api", "ddp": "api", "compare": "api", "plot": "api",
     "load_run": "api",
-    "Run": "api", "CompareResult": "analysis.compare",
+    "Run": "run.reader", "CompareResult": "comparison.runner",
     "HogwildConfig": "config", "TrainConfig": "config",
     "SingleConfig": "config", "DDPConfig": "config", "ServerConfig": "config",
     "WorkerConfig": "config", "CompareConfig": "config", "PlotConfig": "config",

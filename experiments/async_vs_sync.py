@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from asyncsgd.analysis.compare import compare
+from asyncsgd.comparison.runner import compare
 from asyncsgd.analysis.plots import PLOTS
 from asyncsgd.config import COMPARE_MODES, CompareConfig
 from results import RESULTS  # this script's folder

@@ -32,11 +32,12 @@ import sys
 import time
 from pathlib import Path
 
-from asyncsgd.analysis.compare import compare
-from asyncsgd.analysis.report import Attempt, Run, mode_rows, render_table
+from asyncsgd.analysis.report import Attempt, mode_rows, render_table
+from asyncsgd.comparison.runner import compare
 from asyncsgd.config import CompareConfig
 from asyncsgd.run.metrics import eval_curve
 from asyncsgd.run.process_group import available_cores
+from asyncsgd.run.reader import Run
 from results import RESULTS, save_results  # this script's folder
 
 VARIANTS = {"plain": "", "staleness-lr": "--staleness-lr", "dc-asgd": "--dc-asgd {lam:g}"}
@@ -91,8 +92,8 @@ def per_sample_table(attempts: list, args) -> tuple:
         for w in args.workers:
             runs = [a.run for a in attempts if a.ok and a.label == label(variant, w)]
             reached = [samples_to(r.events, args.target) for r in runs]
-            final = _mean([r.summary.get("final_metric") for r in runs])
-            p50 = _mean([r.summary.get("staleness_p50") for r in runs])
+            final = _mean([r.summarized.get("final_metric") for r in runs])
+            p50 = _mean([r.summarized.get("staleness_p50") for r in runs])
             mean_reached = _mean(reached)
             cells[(variant, w)] = (
                 ("—" if mean_reached is None else f"{mean_reached / 1000:,.0f}k")

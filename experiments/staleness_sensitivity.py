@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from asyncsgd.analysis.compare import compare
+from asyncsgd.comparison.runner import compare
 from asyncsgd.config import CompareConfig, SingleConfig
 from asyncsgd.modes.single import train
 from asyncsgd.run.metrics import eval_curve, samples_to_target
@@ -113,7 +113,7 @@ def ps_staleness(args) -> list:
                 out=str(Path(tmp) / f"w{workers}"), progress="off"),
                 argv=["asyncsgd", "compare", f"(experiments/{NAME}.py)"])
             attempt = result.attempts[0]
-            hist = (attempt.run.summary.get("staleness_hist") or []) if attempt.ok else []
+            hist = (attempt.run.summarized.get("staleness_hist") or []) if attempt.ok else []
             # the server's last bucket counts everything at or past it (asyncsgd.servers.shard)
             row = {"workers": workers, "pushes": sum(hist), "status": attempt.status,
                    "error": attempt.error, "hist": hist}

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from asyncsgd.analysis.compare import compare
+from asyncsgd.comparison.runner import compare
 from asyncsgd.analysis.report import Goal
 from asyncsgd.config import CompareConfig
 from results import RESULTS  # this script's folder

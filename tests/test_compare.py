@@ -22,16 +22,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from asyncsgd.analysis.cli_launcher import Child, stop_all
-from asyncsgd.analysis.compare import CompareProgress, parse_modes
-from asyncsgd.analysis.report import (Attempt, Goal, Run, mode_rows, parse_table, table_cells,
-                                     verdict)
+from asyncsgd.analysis.report import Attempt, Goal, mode_rows, parse_table, table_cells, verdict
+from asyncsgd.comparison.cli_launcher import Child, stop_all
+from asyncsgd.comparison.mode_specs import parse_modes
+from asyncsgd.comparison.progress import CompareProgress
 from asyncsgd.config import CompareConfig
 from asyncsgd.core.scoring import ACCURACY, PERPLEXITY
 from asyncsgd.errors import ConfigError
 from asyncsgd.run.metrics import (MetricsLog, first_progress, steady_throughput, summarize,
                                   train_curve)
 from asyncsgd.run.process_group import available_cores
+from asyncsgd.run.reader import Run
 from asyncsgd.run.rundir import RunDir
 from conftest import (TESTS, asyncsgd_cmd, free_port, marked_processes, read_events,
                       read_json)
@@ -623,7 +624,7 @@ def test_a_worker_outliving_a_cleanly_ended_server_is_stopped_not_a_failure(
     stands when the server ended cleanly (its run met its stop condition), and fails with
     the server's error when it did not. Real processes: the 'server' a Python that exits
     with ``server_code``, the worker 'asyncsgd worker' retrying a server that is gone."""
-    from asyncsgd.analysis import compare as compare_module
+    from asyncsgd.comparison import mode_run as compare_module
     monkeypatch.setattr(compare_module, "LINGER_SECONDS", 2.0)
     for name, value in cli_env.items():  # the worker is this checkout's CLI
         monkeypatch.setenv(name, str(value))

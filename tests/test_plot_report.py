@@ -15,10 +15,11 @@ import pytest
 
 from asyncsgd.analysis.plots import figure_data, loss_curve
 from asyncsgd.analysis.publish import report_runs, setting_warnings, task_groups, write_results
-from asyncsgd.analysis.report import Attempt, Goal, Run, mode_rows, parse_table
+from asyncsgd.analysis.report import Attempt, Goal, mode_rows, parse_table
 from asyncsgd.core.scoring import ACCURACY
 from asyncsgd.errors import ConfigError
 from asyncsgd.run.metrics import MetricsLog, summarize, train_curve
+from asyncsgd.run.reader import Run
 from asyncsgd.run.rundir import RunDir
 from conftest import TESTS, asyncsgd_cmd, read_events
 

@@ -1,2 +1,2 @@
-"""Reading runs: ``compare`` (and the launcher of the CLI subprocesses it runs),
-tables and report.md, plots."""
+"""Reading runs: tables and report.md, results.json, plots, the parameter server's
+staleness."""

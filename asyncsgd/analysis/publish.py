@@ -11,8 +11,9 @@ from typing import NamedTuple, Optional
 
 from ..errors import ConfigError
 from .plots import draw_all
-from .report import (Attempt, Goal, Run, grouped_rows, mode_rows, render_report,
-                     render_table, run_label, verdict)
+from ..run.reader import Run
+from .report import (Attempt, Goal, grouped_rows, mode_rows, render_report, render_table,
+                     run_label, verdict)
 
 # What makes two runs runs of one task, and how a message names it.
 TASK_FIELDS = (("name", "task"), ("train_samples", "training samples"),
@@ -106,7 +107,7 @@ def _attempts_of(path: Path) -> list:
         return _compare_attempts(path)
     run = Run.read(path)
     status, error = run.outcome()
-    return [Attempt(run_label(run.config), seed=run.seed, status=status, error=error,
+    return [Attempt(run_label(run.record), seed=run.seed, status=status, error=error,
                     run=run, run_dir=str(path))]
 
 
@@ -154,7 +155,7 @@ def _tell_apart(group: list, plain: list) -> None:
 
 
 def _task(run: Run) -> tuple:
-    task = run.config.get("task", {})
+    task = run.record.get("task", {})
     return tuple(task.get(key) for key, _ in TASK_FIELDS)
 
 
@@ -237,9 +238,9 @@ def _setting(run: Run, key: str, defaulted: bool):
     """The value a run used: summary.json's where it records it (the task's default
     resolved), else config.json's; UNKNOWN where neither says (a parameter server knows
     no batch size: its workers have it)."""
-    if run.summary.get(key) is not None:
-        return run.summary[key]
-    settings = run.config.get("config", {})
+    if run.summarized.get(key) is not None:
+        return run.summarized[key]
+    settings = run.record.get("config", {})
     if key not in settings or (defaulted and settings[key] is None):
         return UNKNOWN
     return settings[key]

@@ -1,16 +1,7 @@
 """Tables and report.md from run directories (``asyncsgd compare`` and ``asyncsgd plot``).
 
-    runs = [Attempt(label="hogwild", run=Run.read("runs/a")), ...]
-    goal = Goal(runs[0].run.metric, 0.9)       # the task's metric, and a target in it
-    rows = mode_rows(runs, goal)
-    print(render_table(rows, goal))
-
-Every number comes from a run's own files through the shared readers: the
-task's metric (config.json says which: accuracy, perplexity, ...), its final
-and best values, time and samples to target and samples/s from metrics.jsonl
-(``metrics.time_to_target``, ``metrics.steady_throughput``),
-staleness percentiles from the parameter server's summary. Runs of one mode
-(repeats) are folded into mean ± sample standard deviation.
+Every number comes from a run's own files (``run.reader.Run``); the runs of one mode
+(repeats) fold into mean ± sample standard deviation.
 """
 
 from __future__ import annotations
@@ -23,10 +14,8 @@ from pathlib import Path
 from typing import Optional
 
 from ..core.scoring import Metric
-from ..errors import CheckpointError, ConfigError
-from ..run.metrics import (bytes_to_target, first_progress, samples_to_target, scores,
-                           steady_throughput, summarize, time_to_target)
-from ..run.rundir import RunDir
+from ..errors import ConfigError
+from ..run.reader import Run
 
 log = logging.getLogger(__name__)
 
@@ -83,86 +72,6 @@ class Goal:
         except ValueError as exc:
             raise ConfigError(f"{exc} (the runs score {metric.name})") from None
         return cls(metric, target)
-
-
-@dataclass
-class Run:
-    """One run directory as the report reads it."""
-
-    path: Path
-    config: dict
-    summary: dict
-    events: list
-    recorded_summary: bool = True  # False: summary.json is missing, ``summary`` is made up
-
-    @classmethod
-    def read(cls, path) -> "Run":
-        run = RunDir.open(str(path))
-        config = run.read_config()
-        events = list(run.events())
-        try:
-            summary, recorded = run.read_summary(), True
-        except CheckpointError:  # killed before the end: summarize what it recorded
-            summary = summarize(events, mode=config.get("mode", "?"),
-                                task=config.get("task", {}).get("name", "?"), target=None,
-                                metric=Metric.described(config.get("task", {}).get("metric")),
-                                stopped_by="unknown", status="incomplete")
-            recorded = False
-        return cls(run.path, config, summary, events, recorded)
-
-    def outcome(self) -> tuple:
-        """(status, error) as the run's own files tell it, for a report that was not there
-        to see it end (``asyncsgd plot``): summary.json's status and error where the run
-        wrote one. Without it, a run that recorded no evaluation or trained on nothing
-        failed at start (a port in use, say: config.json and a start event are all it
-        left) and is no result; one that did was cut short (killed) and is reported for
-        what it recorded, as is one stopped by Ctrl-C or SIGTERM after it trained (it saved
-        what it had: the caller warns that it was cut short)."""
-        missing = [what for what, seen in (("evaluation", scores(self.events, self.metric)),
-                                            ("training", first_progress(self.events)))
-                   if not seen]
-        if self.recorded_summary:
-            status = self.summary.get("status", "ok")
-            if status == "interrupted" and not missing:
-                return "ok", None
-            error = self.summary.get("error")
-            if status != "ok" and not error:
-                error = f"summary.json says {status} (stopped by {self.summary.get('stopped_by')})"
-            return status, error
-        if not missing:
-            return "ok", None
-        return "failed", (f"failed at start: no summary.json, and its metrics.jsonl "
-                          f"({len(self.events)} event(s)) records no {' and no '.join(missing)}"
-                          "; its error is not in the run directory (see the output of the "
-                          "command that ran it)")
-
-    @property
-    def seed(self) -> Optional[int]:
-        return self.config.get("config", {}).get("seed")
-
-    @property
-    def metric(self) -> Metric:
-        """The metric the run recorded (runs from before metrics were recorded: accuracy)."""
-        return Metric.described(self.config.get("task", {}).get("metric"))
-
-    def numbers(self, goal: Goal) -> dict:
-        """The row of this run in a report."""
-        start = first_progress(self.events)
-        values = scores(self.events, goal.metric)
-        target, metric = goal.target, goal.metric
-        return {
-            "final_metric": values[-1] if values else None,
-            "best_metric": metric.best(values),
-            "time_to_target": time_to_target(self.events, target, metric),
-            "samples_to_target": samples_to_target(self.events, target, metric),
-            "bytes_to_target": bytes_to_target(self.events, target, metric),
-            "samples_per_second": steady_throughput(self.events),
-            "startup_seconds": start["t"] if start else None,
-            "samples": self.summary.get("samples"),
-            "train_seconds": self.summary.get("train_seconds"),
-            "staleness_p50": self.summary.get("staleness_p50"),
-            "staleness_p99": self.summary.get("staleness_p99"),
-        }
 
 
 @dataclass

@@ -1,13 +1,8 @@
 """``compare --link RATE``: where each process of a run stands, and what crossed the links.
 
-With a link, the ps-* modes run the server on host ``server`` (its shards are
-its own children: same host, loopback) and worker r on host ``worker<r>``;
-ddp runs one ``asyncsgd ddp`` per rank, as torchrun would start it (RANK,
-WORLD_SIZE, MASTER_ADDR = rank 0's address), rank r on host ``rank<r>``.
-Every host is a network namespace whose link to the one switch is shaped
-both ways (``run.hosts``), so the server's pushes and pulls and gloo's
-all-reduce cross the same limited links. single and hogwild are one host:
-they run unshaped, as the report says.
+The ps-* modes run the server on host ``server`` and worker r on ``worker<r>``; ddp runs
+rank r on ``rank<r>``, as torchrun would start it. Every host is a network namespace on
+shaped links (``run.hosts``); single and hogwild are one host and run unshaped.
 """
 
 from __future__ import annotations

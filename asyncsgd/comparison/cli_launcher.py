@@ -1,31 +1,10 @@
 """Owned ``asyncsgd`` CLI subprocesses: what ``compare`` runs every mode with.
 
-(The training modes' own children are Python functions in multiprocessing
-processes: ``run.process_group``.)
-
-    child = Child.start("hogwild", ["--procs", "2", "--out", "runs/x"], logs=Path("logs"))
-    while child.returncode is None: ...
-    child.stop()                      # SIGINT, then SIGTERM, then SIGKILL: always bounded
-    child.error()                     # the error line or traceback tail of its stderr
-
-Each child is the installed CLI (``python -m asyncsgd <command>`` with this
-interpreter), so a mode runs exactly as a user would start it, and a crash
-in one mode cannot take the caller down. A child
-
-- writes stdout and stderr to ``<logs>/<name>.out`` / ``.err`` (files, not
-  pipes: a chatty child can never block on a full pipe nobody reads);
-- runs in a process group of its own, so Ctrl-C on the terminal reaches only
-  the caller, which decides how to stop its children (SIGINT: they save their
-  run). Not in a session of its own: Linux schedules each session as one group
-  (autogroup, for processes in the root cpu cgroup), and a parameter server
-  whose server and workers sit in separate groups answered a 20 KB round trip
-  in 0.288 ms instead of 0.238 ms beside a process busy half the time
-  (``experiments/ps_throughput.py``'s server and trainers, 2026-11-27), while
-  Hogwild's workers, one group, pay nothing of the kind;
-- gets SIGTERM when the caller dies, even by SIGKILL (``PR_SET_PDEATHSIG``);
-  the CLI's own worker processes die with it, so nothing is orphaned;
-- may run in another network namespace (``where``: ``ip netns exec NS``, which
-  execs the command, so the pid and the parent stay the same).
+A child is the installed CLI run as a user would start it, logging to files (never a
+pipe nobody reads), in a process group of its own (Ctrl-C reaches only the caller) but
+not a session of its own: Linux schedules a session as one group (autogroup), which
+slows a parameter server split across sessions (experiments/README.md, "Parameter-server
+round trips"). It gets SIGTERM when the caller dies, even by SIGKILL.
 """
 
 from __future__ import annotations
