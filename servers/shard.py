@@ -1,25 +1,9 @@
-"""One shard's rules, as a plain object: no sockets, no processes.
+"""One parameter-server shard's rules, as a plain object: no sockets, no processes.
 
-``ShardState.handle(peer, message, now)`` takes a decoded request and returns
-the replies to send, each addressed to a peer (a deferred pull may be answered
-when *another* worker's push completes a round). ``tick(now)`` drops workers
-that went silent, which can release held pulls. The parameters and their
-update rule are a ``store`` (``servers/store.py``); the shard process
-(``servers/shard_process.py``) moves messages in and out.
-
-Read top to bottom, the class follows a request: who sent it (membership,
-incarnations, lost updates), pulls and when they are held, pushes (exactly
-once, checks, staleness, DC-ASGD), sync rounds, liveness, then stats and
-checkpoints.
-
-Consistency:
-  async   a push is applied on arrival; pulls are served at once.
-  ssp:K   pushes apply on arrival; a pull from a worker more than K clocks
-          (pushes) ahead of the slowest live worker is held until that worker
-          catches up or is declared dead.
-  sync    pushes of one round are summed; when every live worker has pushed,
-          their mean (or sum) is applied once, the pushes are acknowledged and
-          the held pulls answered.
+``ShardState.handle(peer, message, now)`` returns the replies to a decoded request, each
+addressed to a peer, and ``tick(now)`` drops silent workers. When a push is applied and a pull
+answered is the consistency policy's (``consistency.py``); the parameters are the store's
+(``store.py``), and ``shard_process.py`` moves the messages.
 """
 
 from __future__ import annotations
@@ -40,6 +24,7 @@ from asyncsgd.wire.protocol import (ACK, BYE, DTYPE_NAMES, ERROR, HEARTBEAT, PAR
                                     Segment, error_message)
 from asyncsgd.wire.stats import STALENESS_BUCKETS
 
+from .consistency import APPLY, STALE, live_workers, make_policy, min_live_clock
 from .dedupe import DUPLICATE, OUT_OF_WINDOW, SeqWindow
 from .rules import dc_asgd, make_rule, staleness_scale
 from .store import ParamStore
@@ -53,9 +38,10 @@ STATS_WORKERS = 32  # workers listed by name in a stats reply (the most recently
 def _finite(data: torch.Tensor) -> bool:
     """True when no element is NaN or Inf.
 
-    A finite sum proves it (any NaN or Inf makes the sum NaN or Inf) and costs
-    ~20x less than ``isfinite(data).all()``; only a non-finite sum, which an
-    overflow of finite values could also cause, needs the exact scan.
+    A finite sum proves it (any NaN or Inf makes the sum NaN or Inf) and costs far
+    less than ``isfinite(data).all()`` (experiments/README.md, "Shard internals");
+    only a non-finite sum, which an overflow of finite values could also cause,
+    needs the exact scan.
     """
     return math.isfinite(float(data.sum())) or \
         bool(torch.isfinite(data).all())
@@ -129,9 +115,9 @@ class ShardState:
             raise ConfigError(f"shard {cfg.index}: {len(params)} initial values for range "
                               f"[{cfg.start}, {cfg.end})")
         self.cfg = cfg
-        self.mode, self.bound = cfg.consistency.kind, cfg.consistency.bound
-        if cfg.sync_reduce not in ("mean", "sum"):
-            raise ConfigError(f"sync reduce {cfg.sync_reduce!r}: use mean or sum")
+        self.policy = make_policy(cfg.consistency.kind, cfg.consistency.bound, size=len(params),
+                                  expected_workers=cfg.expected_workers,
+                                  reduce=cfg.sync_reduce, backup_workers=cfg.backup_workers)
         self.size = len(params)
         self.max_workers = cfg.max_workers or max(256, 4 * cfg.expected_workers)
         self.max_dc_copies = cfg.max_dc_copies or max(8, 2 * cfg.expected_workers)
@@ -139,8 +125,6 @@ class ShardState:
                            make_rule(cfg.rule, self.size, cfg.lr, **cfg.hyper))
         self.version = 0
         self.workers: dict = {}
-        self.round_sum = torch.zeros(self.size) if self.mode == "sync" else None
-        self.round_acks: list = []  # (record, ack) of pushes summed into the current round
         self.counters = {"updates": 0, "pushes": 0, "duplicates": 0, "rejected": 0,
                          "nonfinite": 0, "too_large": 0, "pulls": 0, "held_pulls": 0,
                          "dropped_workers": 0, "max_pull_lead": 0, "stale": 0,
@@ -160,6 +144,8 @@ class ShardState:
         # not yet accounted: see ``settle``.
         self.settle_later = settle_later
         self._unsettled: Optional[tuple] = None
+        self._handlers = {HEARTBEAT: self._on_heartbeat, BYE: self._on_bye,
+                          PULL: self._on_pull, PUSH: self._on_push}
 
     @property
     def params(self) -> torch.Tensor:
@@ -177,7 +163,7 @@ class ShardState:
         """The replies to ``msg`` from ``peer`` at ``now`` (monotonic seconds): [(peer, reply)]."""
         if self._unsettled is not None:
             self.settle()
-        if msg.type == STATS:
+        if msg.type == STATS:  # anyone may ask: no worker, no checks
             return [(peer, Message(type=STATS, shard=self.cfg.index, seq=msg.seq,
                                    meta=self.stats(now)))]
         if Key.PULL_DTYPE in msg.meta:  # the dtype a pull asks its parameters in
@@ -188,6 +174,63 @@ class ShardState:
         if msg.type == PULL and msg.meta.get(Key.OBSERVER) is True:
             # The server's evaluator reads parameters; it is no worker and joins no barrier.
             return [(peer, self._params_reply(None, msg))]
+        record = self._sender(peer, msg, now)
+        if isinstance(record, list):  # refused
+            return record
+        return self._handlers.get(msg.type, self._on_other)(record, msg, now)
+
+    def _on_heartbeat(self, record: WorkerRecord, msg: Message, now: float) -> list:
+        return [(record.peer, Message(type=HEARTBEAT, shard=self.cfg.index, seq=msg.seq))]
+
+    def _on_bye(self, record: WorkerRecord, msg: Message, now: float) -> list:
+        record.alive = False
+        record.backup = None  # a DC-ASGD copy of the slice is kept for live workers only
+        return [(record.peer, Message(type=BYE, shard=self.cfg.index, seq=msg.seq))] + \
+            self._release()
+
+    def _on_pull(self, record: WorkerRecord, msg: Message, now: float) -> list:
+        return self._pull(record, msg)
+
+    def _on_push(self, record: WorkerRecord, msg: Message, now: float) -> list:
+        self._wire(record, msg)
+        checked = False  # whether the gradient is known to be finite (checked part by part)
+        if Key.PARTS in msg.meta:
+            try:
+                whole, problem = self.streams.add(msg, now)
+            except ProtocolError as exc:
+                whole, problem = None, (exc.code, str(exc))
+            if problem:
+                return self.refuse(record.peer, *problem, msg)
+            if whole is None:
+                return []
+            msg, checked = whole, self.cfg.reject_nonfinite
+        if msg.meta.get(Key.PULL) is True:
+            return self._push_then_pull(record, msg, checked)
+        return self._push(record, msg, checked)
+
+    def _on_other(self, record: WorkerRecord, msg: Message, now: float) -> list:
+        return [(record.peer, error_message(Code.BAD_TYPE,
+                                            f"a shard does not serve {msg.type!r}", msg))]
+
+    def _wire(self, record: WorkerRecord, msg: Message) -> None:
+        """Note how a worker's push and pulls travel (``stats``): its push's first
+        segment's format (its values are checked and widened by ``_check``)."""
+        if msg.segments:
+            first = msg.segments[0].data
+            record.wire = (getattr(first, "format", None) or DTYPE_NAMES.get(first.dtype, "?"),
+                           msg.meta.get(Key.PULL_DTYPE) or "float32")
+
+    def refuse(self, peer: bytes, code: str, detail: str, msg=None) -> list:
+        """The reply to a request that is refused (malformed, or one the shard failed on):
+        an error, counted; nothing of it is applied. ``msg``: the request, or the
+        ProtocolError that remembers its readable ``s`` and ``w``."""
+        self.counters["rejected"] += 1
+        return [(peer, error_message(code, detail, msg))]
+
+    # ---- who sent it -----------------------------------------------------------------
+
+    def _sender(self, peer: bytes, msg: Message, now: float):
+        """The record of ``msg``'s worker, admitted and touched, or the replies refusing it."""
         if not msg.worker:
             return [(peer, error_message(Code.UNKNOWN_WORKER, "requests need a worker id", msg))]
         record = self.workers.get(msg.worker)
@@ -203,49 +246,7 @@ class ShardState:
             record.reported_clock = True
             self._count_lost(record, msg.clock)
         msg.clock = min(msg.clock, self.version)  # a version from a past life: now is freshest
-        if msg.type == HEARTBEAT:
-            return [(peer, Message(type=HEARTBEAT, shard=self.cfg.index, seq=msg.seq))]
-        if msg.type == BYE:
-            record.alive = False
-            record.backup = None  # a DC-ASGD copy of the slice is kept for live workers only
-            replies = [(peer, Message(type=BYE, shard=self.cfg.index, seq=msg.seq))]
-            return replies + self._release()
-        self._wire(record, msg)
-        if msg.type == PULL:
-            return self._pull(record, msg)
-        checked = False  # whether the gradient is known to be finite (checked part by part)
-        if msg.type == PUSH and Key.PARTS in msg.meta:
-            try:
-                whole, problem = self.streams.add(msg, now)
-            except ProtocolError as exc:
-                whole, problem = None, (exc.code, str(exc))
-            if problem:
-                return self.refuse(peer, *problem, msg)
-            if whole is None:
-                return []
-            msg, checked = whole, self.cfg.reject_nonfinite
-        if msg.type == PUSH and msg.meta.get(Key.PULL) is True:
-            return self._push_then_pull(record, msg, checked)
-        if msg.type == PUSH:
-            return self._push(record, msg, checked)
-        return [(peer, error_message(Code.BAD_TYPE, f"a shard does not serve {msg.type!r}", msg))]
-
-    def _wire(self, record: WorkerRecord, msg: Message) -> None:
-        """Note how a worker's push and pulls travel (``stats``): its push's first
-        segment's format (its values are checked and widened by ``_check``)."""
-        if msg.type == PUSH and msg.segments:
-            first = msg.segments[0].data
-            record.wire = (getattr(first, "format", None) or DTYPE_NAMES.get(first.dtype, "?"),
-                           msg.meta.get(Key.PULL_DTYPE) or "float32")
-
-    def refuse(self, peer: bytes, code: str, detail: str, msg=None) -> list:
-        """The reply to a request that is refused (malformed, or one the shard failed on):
-        an error, counted; nothing of it is applied. ``msg``: the request, or the
-        ProtocolError that remembers its readable ``s`` and ``w``."""
-        self.counters["rejected"] += 1
-        return [(peer, error_message(code, detail, msg))]
-
-    # ---- who sent it -----------------------------------------------------------------
+        return record
 
     def _admit(self, msg: Message) -> Optional[tuple]:
         """(code, detail) when ``msg``'s sender may not be served; None when it may.
@@ -283,7 +284,7 @@ class ShardState:
     def _touch(self, peer: bytes, msg: Message, now: float) -> WorkerRecord:
         record = self.workers.get(msg.worker)
         if record is None or record.incarnation != msg.incarnation:
-            clock = self._min_live_clock()
+            clock = min_live_clock(self.workers)
             if record is not None:  # a restarted worker: new incarnation, fresh dedupe window
                 log.info("shard %d: worker %s restarted (incarnation %d)", self.cfg.index,
                          msg.worker, msg.incarnation)
@@ -292,7 +293,7 @@ class ShardState:
                                   pushes=clock or 0, window=SeqWindow(self.cfg.dedupe_window))
             self.workers[msg.worker] = record
         elif not record.alive:
-            record.pushes = max(record.pushes, self._min_live_clock() or 0)
+            record.pushes = max(record.pushes, min_live_clock(self.workers) or 0)
         record.alive = True
         record.peer = peer
         record.last_seen = now
@@ -317,28 +318,10 @@ class ShardState:
                         start, clock - start)
             self.counters["lost_updates"] = lost
 
-    def _live(self) -> list:
-        return [w for w in self.workers.values() if w.alive]
-
-    def _min_live_clock(self) -> Optional[int]:
-        live = self._live()
-        return min(w.pushes for w in live) if live else None
-
     # ---- pulls ----------------------------------------------------------------------
 
-    def _pull_allowed(self, record: WorkerRecord) -> bool:
-        if self.mode == "async":
-            return True
-        if len(self.workers) < self.cfg.expected_workers:
-            return False  # wait until every expected worker has shown up
-        if self.mode == "ssp":
-            return record.pushes - self._min_live_clock() <= self.bound
-        return record.round_pushed is None or self.version > record.round_pushed
-
     def _pull(self, record: WorkerRecord, msg: Message) -> list:
-        if self.mode == "async":  # nothing is ever held
-            return [(record.peer, self._params_reply(record, msg))]
-        if self._pull_allowed(record):
+        if self.policy.may_answer(record, self.workers, self.version):
             return [(record.peer, self._params_reply(record, msg))] + self._release()
         record.held_pull = msg
         self.counters["held_pulls"] += 1
@@ -346,8 +329,8 @@ class ShardState:
 
     def _params_reply(self, record: Optional[WorkerRecord], msg: Message) -> Message:
         self.counters["pulls"] += 1
-        if record is not None and self.mode == "ssp":
-            lead = record.pushes - (self._min_live_clock() or 0)
+        lead = None if record is None else self.policy.lead(record, self.workers)
+        if lead is not None:
             self.counters["max_pull_lead"] = max(self.counters["max_pull_lead"], lead)
         if record is not None and self.cfg.dc_lambda is not None:
             self._keep_copy(record)
@@ -362,8 +345,9 @@ class ShardState:
 
     def _keep_copy(self, record: WorkerRecord) -> None:
         """DC-ASGD compensates a push against the parameters its worker pulled: a copy of
-        the slice per worker (mnist1d-mlp: 300 KB), so at most ``max_dc_copies`` of them,
-        the least recently pulled given up first (600 ids once cost 185 MB)."""
+        the slice per worker, so at most ``max_dc_copies`` of them, the least recently
+        pulled given up first (what unbounded copies cost: experiments/README.md,
+        "Shard internals")."""
         if record.backup is None:
             holders = [r for r in self.workers.values() if r.backup is not None]
             if len(holders) >= self.max_dc_copies:
@@ -375,15 +359,12 @@ class ShardState:
         record.backup_at = self.counters["pulls"]
 
     def _release(self) -> list:
-        """Answer every held pull that is now allowed."""
+        """Answer every held pull that is now allowed, then apply a round now complete."""
         out = []
-        for record in self._live():
-            if record.held_pull is not None and self._pull_allowed(record):
-                out.append((record.peer, self._params_reply(record, record.held_pull)))
-                record.held_pull = None
-        if self.mode == "sync":
-            out += self._maybe_finish_round()
-        return out
+        for record in self.policy.releasable(self.workers, self.version):
+            out.append((record.peer, self._params_reply(record, record.held_pull)))
+            record.held_pull = None
+        return out + self._finish_round()
 
     # ---- pushes ---------------------------------------------------------------------
 
@@ -450,37 +431,49 @@ class ShardState:
         if problem:
             return self.refuse(peer, *problem, msg)
         staleness = self.version - msg.clock
-        if self.mode == "sync":
-            self._account(record, msg.meta, staleness)
-            return self._accumulate(record, msg, staleness)
+        verdict = self.policy.push(record, msg.segments, msg.seq, staleness, self.version)
+        if verdict == APPLY:
+            return self._apply(record, msg, staleness)
+        self._account(record, msg.meta, staleness)
+        if verdict == STALE:
+            self.counters["stale"] += 1
+            record.window.add(msg.seq)
+            return [(peer, Message(type=ACK, shard=self.cfg.index, seq=msg.seq,
+                                   meta={Key.APPLIED: False, Key.STALE: True}))]
+        record.pushes += 1
+        # Concluded only when its round is applied: a round cut short by a crash is not in
+        # the checkpoint, so its pushes must count as fresh when re-sent to the restored shard.
+        record.waiting.add(msg.seq)
+        return self._finish_round()
+
+    def _apply(self, record: WorkerRecord, msg: Message, staleness: int) -> list:
         segments = self._compensated(record, msg)
         scale = staleness_scale(staleness) if self.cfg.staleness_lr else 1.0
-        # The reply to this push is the next reader of the parameters only in async without
-        # DC-ASGD: DC-ASGD copies what is pulled, and ssp may answer other workers at once.
+        # The reply to this push is the next reader of the parameters only when nothing is
+        # held and without DC-ASGD: DC-ASGD copies what is pulled, and a held pull may be
+        # answered at once.
+        at_once = self.policy.answers_at_once
         self.store.update(segments, scale, deferrable=(
-            self.mode == "async" and self.cfg.dc_lambda is None
-            and msg.meta.get(Key.PULL) is True))
+            at_once and self.cfg.dc_lambda is None and msg.meta.get(Key.PULL) is True))
         self.version += 1
         self.counters["updates"] += 1
         ack = Message(type=ACK, shard=self.cfg.index, seq=msg.seq, clock=self.version,
                       meta={Key.APPLIED: True, Key.STALENESS: staleness})
         self._unsettled = (record, msg.seq, msg.meta, staleness)
-        if self.mode == "async":
-            if not self.settle_later:
-                self.settle()
-            return [(peer, ack)]
-        self.settle()  # ssp: the push counts towards releasing held pulls at once
-        return [(peer, ack)] + self._release()
+        if at_once and self.settle_later:
+            return [(record.peer, ack)]
+        self.settle()  # it counts towards releasing held pulls at once
+        return [(record.peer, ack)] + self._release()
 
     def settle(self) -> None:
         """Account the latest applied push: its sequence number into the worker's dedupe
         window, its clock, staleness, reported loss and traffic.
 
-        With ``settle_later``, in async mode, this waits until the push's reply has
-        gone out: the shard process calls it right after sending, while the worker
-        reads the reply, instead of before (at 20 KB, ~3 us of the shard's work
-        before its reply). ``handle``, ``tick``, ``stats`` and ``state_dict``
-        settle first, so none of them sees the push unaccounted.
+        With ``settle_later``, under a policy that answers at once, this waits until the
+        push's reply has gone out: the shard process calls it right after sending, while
+        the worker reads the reply, instead of before (experiments/README.md, "Shard
+        internals"). ``handle``, ``tick``, ``stats`` and ``state_dict`` settle first, so
+        none of them sees the push unaccounted.
         """
         if self._unsettled is None:
             return
@@ -504,9 +497,9 @@ class ShardState:
         a step. Under sync both wait for the round, and go out as two replies.
         """
         replies = self._push(record, msg, checked)
-        if self.mode == "async" and len(replies) == 1 and replies[0][1].type == ACK:
-            # The common case, without the general matching below: async holds nothing,
-            # so the push's one ACK and the parameters always go out together.
+        if self.policy.answers_at_once and len(replies) == 1 and replies[0][1].type == ACK:
+            # The common case, without the general matching below: nothing is held, so
+            # the push's one ACK and the parameters always go out together.
             params = self._params_reply(record, msg)
             params.meta[Key.ACK] = replies[0][1].meta
             return [(record.peer, params)]
@@ -533,46 +526,23 @@ class ShardState:
 
     # ---- sync rounds ------------------------------------------------------------------
 
-    def _accumulate(self, record: WorkerRecord, msg: Message, staleness: int) -> list:
-        if staleness > 0 or record.round_pushed == self.version:
-            # Computed before the current round began (it was dropped and came back), or a
-            # second push in one round: acknowledged, not applied, so it can't skew the mean.
-            self.counters["stale"] += 1
-            record.window.add(msg.seq)
-            return [(record.peer, Message(type=ACK, shard=self.cfg.index, seq=msg.seq,
-                                          meta={Key.APPLIED: False, Key.STALE: True}))]
-        for seg in msg.segments:
-            self.round_sum[seg.offset:seg.offset + len(seg.data)].add_(seg.data)
-        record.round_pushed = self.version
-        record.pushes += 1
-        # Concluded only when its round is applied: a round cut short by a crash is not in
-        # the checkpoint, so its pushes must count as fresh when re-sent to the restored shard.
-        record.waiting.add(msg.seq)
-        self.round_acks.append((record, Message(type=ACK, shard=self.cfg.index, seq=msg.seq,
-                                                meta={Key.APPLIED: True, Key.STALENESS: 0})))
-        return self._maybe_finish_round()
-
-    def _maybe_finish_round(self) -> list:
-        if not self.round_acks or len(self.workers) < self.cfg.expected_workers:
+    def _finish_round(self) -> list:
+        """Apply the policy's round once it is complete, acknowledge its pushes, release."""
+        update = self.policy.round_update(self.workers, self.version)
+        if update is None:
             return []
-        pushed = sum(w.round_pushed == self.version for w in self._live())
-        if pushed < max(1, len(self._live()) - self.cfg.backup_workers):
-            return []
-        contributors = len(self.round_acks)
-        if self.cfg.sync_reduce == "mean" and contributors > 1:
-            self.round_sum.div_(contributors)
-        self.store.update([(0, self.round_sum)])
-        self.round_sum.zero_()
+        self.store.update([(0, update)])
+        members = self.policy.next_round()
         self.version += 1
         self.counters["updates"] += 1
         acks = []
-        for record, ack in self.round_acks:
-            record.window.add(ack.seq)
-            record.waiting.discard(ack.seq)
+        for record, seq in members:
+            record.window.add(seq)
+            record.waiting.discard(seq)
             # To the peer it spoke from last: a retry may have come on a new connection.
-            acks.append((record.peer, Message(type=ack.type, shard=ack.shard, seq=ack.seq,
-                                              clock=self.version, meta=ack.meta)))
-        self.round_acks = []
+            acks.append((record.peer, Message(type=ACK, shard=self.cfg.index, seq=seq,
+                                              clock=self.version,
+                                              meta={Key.APPLIED: True, Key.STALENESS: 0})))
         return acks + self._release()
 
     # ---- metrics the workers report -------------------------------------------------
@@ -598,7 +568,7 @@ class ShardState:
         self.settle()
         self.streams.expire(now, self.cfg.heartbeat_timeout)
         dropped = False
-        for record in self._live():
+        for record in live_workers(self.workers):
             if now - record.last_seen > self.cfg.heartbeat_timeout:
                 log.warning("shard %d: worker %s silent for %.1f s; dropped from barriers",
                             self.cfg.index, record.worker, now - record.last_seen)
