@@ -104,7 +104,8 @@ def cli() -> None:
 
     Every training command writes a run directory (config.json, metrics.jsonl,
     summary.json, checkpoint.pt) and prints the final test metric. From Python:
-    asyncsgd.hogwild(...), asyncsgd.ps.serve(...), asyncsgd.load_run(DIR) (see the README).
+    asyncsgd.hogwild(...), asyncsgd.ps.serve(...), asyncsgd.load_run(DIR) (see
+    docs/python-api.md).
     """
 
 
@@ -120,7 +121,7 @@ def tasks() -> None:
             click.echo(f"{'':14s} options: {', '.join(f'{k}={v}' for k, v in options.items())}"
                        f"  (e.g. --task {name}:{next(iter(options))}=...)")
     click.echo("\nyour own: --task package.module:function returning an asyncsgd.Task "
-               "(see the README)")
+               "(see docs/tasks.md)")
 
 
 @cli.command(epilog="Examples:\n\n\b\n  asyncsgd hogwild --task mnist1d-cnn --procs 8\n"

@@ -114,7 +114,7 @@ def start(mode: str, tmp: Path, budget: tuple, epochs: int) -> tuple:
     address = f"tcp://127.0.0.1:{_free_port()}"
     server = Run(_cmd("ps-server", "--bind", address, "--shards", 2, "--workers", 2,
                       "--out", out, *budget, *TASK), out)
-    time.sleep(3)  # the README's order: the server first
+    time.sleep(3)  # docs/parameter-server.md's order: the server first
     workers = [Run(_cmd("worker", "--server", address, "--rank", r, "--world", 2, *TASK,
                         "--epochs", epochs), tmp / f"w{r}") for r in range(2)]
     return server, workers

@@ -157,10 +157,8 @@ class PSServer:
     PR_SET_PDEATHSIG (it gets SIGTERM when this process dies); up once a probe
     client got its welcome and said bye. In this process's session, as the floor's,
     raw pyzmq's and the RPC PS's servers are: Linux schedules each session as one
-    group (autogroup), and a ps-server in a session of its own answered a 20 KB
-    round trip in 0.288 ms instead of 0.238 ms beside a process busy half the
-    time (idle, 0.179 and 0.176 ms; 1 MB beside it, 0.932 and 0.927 ms),
-    2026-11-27."""
+    group (autogroup), and a ps-server in a session of its own answers more
+    slowly (experiments/README.md, "Sessions and autogroup")."""
 
     def __init__(self, nbytes: int, shards: int, workers: int):
         self.nbytes = nbytes

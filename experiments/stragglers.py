@@ -19,8 +19,8 @@ and slowdown, and the shape found, computed from the table), ``.json`` and
 ``stragglers.png``.
 
 On this machine's 2 cores the 4 workers share cores, so a sleeping straggler
-also frees CPU for the others: the figures measure that machine, and the
-README says so beside them.
+also frees CPU for the others: the figures measure that machine, and
+experiments/README.md says so beside them.
 """
 
 from __future__ import annotations

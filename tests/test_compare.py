@@ -659,7 +659,7 @@ def test_a_run_of_compare_is_out_of_ctrl_c_reach_yet_scheduled_with_its_caller(
     reaches only compare, which then stops its runs so that they save) but stays in the
     caller's session: Linux schedules a session as one group (autogroup), and a ps-server
     and workers in sessions of their own would pay for it where Hogwild's workers do not
-    (cli_launcher's docstring has the figures)."""
+    (experiments/README.md, "Sessions and autogroup", has the figures)."""
     for name, value in cli_env.items():
         monkeypatch.setenv(name, str(value))
     child = Child.start("worker", ["--server", f"tcp://127.0.0.1:{free_port()}",

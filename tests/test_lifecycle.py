@@ -121,7 +121,8 @@ def test_ps_server_stops_its_shards_and_workers_without_force(busy_machine, cli_
 
 def test_single_leaves_busy_cores_alone(busy_machine, run_cli, tmp_path):
     """Default --threads: the cores not busy with other work (the 1-minute load average),
-    at least 1. Two threads on two busy cores ran 284 samples/s, one ran 13,678."""
+    at least 1 (what a thread per busy core costs: experiments/README.md, "The synchronous
+    modes")."""
     deadline = time.monotonic() + 90
     while os.getloadavg()[0] < 1.0 and time.monotonic() < deadline:
         time.sleep(1)  # the 1-minute average rises by about 1 in 20 s beside 4 spinners

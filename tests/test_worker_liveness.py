@@ -114,8 +114,9 @@ def _threads_seen(err: str) -> int:
 
 def test_workers_beside_their_server_share_its_cores_by_default(server, cli_env):
     """docs/parameter-server.md's setup on one host: by default each worker takes cores //
-    (workers + shards here) threads (the old default took cores // 1 each: 16x slower steps on 2
-    cores); more than the cores is warned about, naming the fix."""
+    (workers + shards here) threads (the old default took cores // 1 each, many times slower:
+    experiments/README.md, "Worker threads"); more than the cores is warned about, naming
+    the fix."""
     task = ("--task", "tasks_for_tests:dense_pair", "--samples", 400)
     srv = server(*task, "--shards", 2, "--workers", 2, "--no-exit-when-done")
     runs = {"default": ("--threads", 0), "too many": ("--threads", available_cores() + 1)}

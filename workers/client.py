@@ -584,7 +584,8 @@ class PSClient:
         """Shard ``but`` said training is over: tell the others this worker leaves, without
         waiting for their answers (``close`` gives the goodbyes FAREWELL_LINGER_MS to go
         out). A shard drains until every live worker was told or left: without this it
-        waited for a worker that had heard from another shard (experiments/README.md)."""
+        waited for a worker that had heard from another shard (experiments/README.md, "Why the
+        client waits as it does")."""
         for j, sock in enumerate(self.shards):
             if j != but:
                 self._out(sock, self._msg(BYE, shard=j))

@@ -92,8 +92,7 @@ def local_processes(cfg: WorkerConfig, world: int, server_local: bool, shards: i
 def set_threads(cfg: WorkerConfig, world: int, server_local: bool, shards: int) -> int:
     """Torch threads of this worker: --threads, or cores // the server's processes here.
 
-    Measured on 2 cores (README setup: 2 shards and 2 workers on one host, 20 s): 681-1,870
-    samples/s when each worker took a thread per core, 20,469-24,006 with this default."""
+    A thread per core each is many times slower (experiments/README.md, "Worker threads")."""
     workers, local_shards = local_processes(cfg, world, server_local, shards)
     cores = available_cores()
     fair = max(1, cores // (workers + local_shards))

@@ -3,8 +3,8 @@
 A child is the installed CLI run as a user would start it, logging to files (never a
 pipe nobody reads), in a process group of its own (Ctrl-C reaches only the caller) but
 not a session of its own: Linux schedules a session as one group (autogroup), which
-slows a parameter server split across sessions (experiments/README.md, "Parameter-server
-round trips"). It gets SIGTERM when the caller dies, even by SIGKILL.
+slows a parameter server split across sessions (experiments/README.md, "Sessions and
+autogroup"). It gets SIGTERM when the caller dies, even by SIGKILL.
 """
 
 from __future__ import annotations

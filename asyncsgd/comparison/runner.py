@@ -2,7 +2,7 @@
 
 Runs never overlap (they would steal each other's cores), repeats interleave, and the
 report is written even after Ctrl-C. What each run gets, and the directory it writes,
-are in the README's compare guide.
+are in docs/compare.md.
 """
 
 from __future__ import annotations

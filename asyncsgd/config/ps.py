@@ -46,7 +46,7 @@ CURVE_SECRET = knob(
         "worker": dict(help="This worker's secret key (DIR/clients/NAME.key_secret from "
                        "'asyncsgd keygen').", show="none")})
 # Polling pays only for small, frequent messages on an otherwise idle core
-# (asyncsgd/wire/busy_poll.py; experiments/README.md, Figures behind the options' advice).
+# (asyncsgd/wire/busy_poll.py; experiments/README.md, "Busy polling").
 BUSY_POLL = knob(
     "busy_poll_us", int, BUSY_POLL_US,
     "Each shard polls for its next message for up to this many microseconds before "

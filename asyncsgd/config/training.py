@@ -27,8 +27,8 @@ PROCS = knob(
         "compare": "Processes (Hogwild, DDP) or parameter-server workers of every parallel "
                    "mode; each gets CPU cores // procs torch threads. 'single' runs one "
                    "process with as many threads as each of these (one of them alone)."})
-# Forkserver starts workers much sooner than spawn (experiments/README.md, Figures behind the
-# options' advice).
+# Forkserver starts workers much sooner than spawn (experiments/README.md, "Start-up and
+# exit").
 START_METHOD = knob(
     "start_method", str, default_start_method(),
     "How worker processes start: forkserver (one fresh server imports torch once and forks "

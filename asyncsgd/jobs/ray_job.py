@@ -47,9 +47,9 @@ STOP_SECONDS = 90.0  # SIGTERM to a saved run: shards save and drain (1.5-8 s), 
 #                      evaluation, summary.json; slow under load
 GONE_SECONDS = 15.0
 NOTE_SECONDS = 30.0  # how often a slow start is noted
-# Ray starts its worker processes at nice 15: beside 4 busy processes on 2 cores the job's
-# actors and the server's shards then got so little CPU that a job to 85% took 439 s (a
-# ps-job beside the same load: 18 s). Ray's own job supervisor asks for 0 the same way.
+# Ray starts its worker processes at nice 15, and under load the job's actors and the
+# server's shards then starve (experiments/README.md, "Ray's worker niceness"). Ray's own
+# job supervisor asks for 0 the same way.
 UNNICED = {"env_vars": {"RAY_worker_niceness": "0"}}
 REQUIREMENT = "ray>=2.9"
 # Settings a resumed job decides anew rather than taking from the run's config.json.

@@ -188,11 +188,10 @@ def _fork_server_alive(wait: float = 1.0) -> bool:
 def context(start_method: str, preload: Sequence[str] = ()):
     """A multiprocessing context that never forks the (threaded) training parent.
 
-    ``spawn`` starts each child as a fresh interpreter: each imports torch
-    (~1.5 s of CPU here). ``forkserver`` starts one fresh server that imports
-    torch (and the modules in ``preload``, e.g. the one holding the children's
-    target) once and forks every child from it: 8 workers are ready in ~2 s
-    instead of ~8 s on two cores.
+    ``spawn`` starts each child as a fresh interpreter: each imports torch.
+    ``forkserver`` starts one fresh server that imports torch (and the modules in
+    ``preload``, e.g. the one holding the children's target) once and forks every
+    child from it, several times sooner (experiments/README.md, "Start-up and exit").
     """
     if start_method not in START_METHODS:
         raise ValueError(f"start method {start_method!r} not in {START_METHODS}")

@@ -122,7 +122,7 @@ class _Handshake:
             # a mismatch libzmq showed only as a hang-up? the server's greeting says
             if self.hang_ups.hung_up() == misfit(self.keys):
                 raise SecurityError(self._mismatch())
-            if self.hang_ups.count >= PROBE_FAILURES:  # see experiments/README.md
+            if self.hang_ups.count >= PROBE_FAILURES:  # experiments/README.md, "Failed handshakes"
                 raise SecurityError(self._hung_up())
 
     def _mismatch(self) -> str:
