@@ -185,6 +185,20 @@ def _fork_server_alive(wait: float = 1.0) -> bool:
     return False
 
 
+def _stop_fork_server() -> None:
+    """End and reap this process's fork server. Stopped during start-up it may still be
+    importing torch, for seconds, and would outlive the command that started it."""
+    from multiprocessing import forkserver
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        server._stop()  # closes its socket and waits for the pid: a new one starts if needed
+
+
 def context(start_method: str, preload: Sequence[str] = ()):
     """A multiprocessing context that never forks the (threaded) training parent.
 
@@ -212,6 +226,8 @@ class WorkerGroup:
     bounded time (a grace period, then SIGTERM, then SIGKILL).
     """
 
+    _forking: set = set()  # groups of this process whose children the fork server forked
+
     def __init__(self, target: Callable, procs: int, args: Sequence[tuple], name: str = "worker",
                  start_method: str = "spawn", ignore_sigterm: bool = False):
         """``ignore_sigterm``: the children ignore SIGTERM as they ignore SIGINT, for children
@@ -238,6 +254,8 @@ class WorkerGroup:
                                       self.ignore_sigterm))
 
     def start(self) -> None:
+        if self.start_method == "forkserver":
+            WorkerGroup._forking.add(id(self))
         with _sigint_blocked():
             for rank, p in enumerate(self.processes):
                 p.start()
@@ -343,6 +361,10 @@ class WorkerGroup:
                 p.join(0)
         self._reports.close()
         self._stopped = True
+        WorkerGroup._forking.discard(id(self))
+        if (self.start_method == "forkserver" and not WorkerGroup._forking
+                and all(p.exitcode is not None for p in self._started())):
+            _stop_fork_server()
 
     def wait_all(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
