@@ -46,9 +46,11 @@ def _keys(run_cli, tmp_path):
     return tmp_path / "keys"
 
 
+# Each of the three choices is independent of the others in the code (the shards' ports, the
+# sockets' keys, the workers' transport): two runs take every value of each, where four
+# took one change from a baseline each.
 @pytest.mark.parametrize("ports,curve,transport", [
-    ("free", False, "shared"), ("free", False, "tcp"), ("taken", False, "shared"),
-    ("free", True, "shared")])
+    ("free", True, "shared"), ("taken", False, "tcp")])
 def test_workers_rejoin_a_server_killed_whole_and_resumed(cli_env, run_cli, tmp_path, ports,
                                                           curve, transport):
     """With CURVE on, the fresh front and shard sockets of a rejoin carry the keys too;

@@ -1,6 +1,6 @@
-"""``asyncsgd ray-job`` and ``asyncsgd.ray`` on Ray clusters the tests start: a job to the
-target; a worker actor's process SIGKILLed mid-run (Ray restarts it, it rejoins, nothing is
-lost); a worker dead for good (the job stops, saved, and resumes); three Ray nodes on this
+"""``asyncsgd ray-job`` and ``asyncsgd.ray`` on Ray clusters the tests start: a worker
+actor's process SIGKILLed mid-run (Ray restarts it, it rejoins, nothing is lost); a worker
+dead for good (the job stops, saved, and resumes to the target); three Ray nodes on this
 host (the server beside the driver); the installed CLI with a Ray of its own, its errors,
 Ctrl-C and SIGTERM. Every process a test starts (Ray's own, the actors', the shards)
 carries a marker in its environment: none may outlive it.
@@ -124,24 +124,6 @@ def check_reached(result, workers: int) -> None:
 
 
 @pytest.mark.slow
-def test_a_job_on_a_local_ray_reaches_the_target(local_ray, tmp_path):
-    """asyncsgd.ray.run on the Ray this process started: 2 worker actors, a server actor
-    with 2 shards, to 85%; the job's actors and shards are gone when it returns."""
-    began = time.monotonic()
-    result = asyncsgd.ray.run(**JOB, out=str(tmp_path / "run"), shards=2)
-    print(f"job to {TARGET}: {time.monotonic() - began:.1f} s, "
-          f"time_to_target {result.summary['time_to_target']:.1f} s")
-    check_reached(result, workers=2)
-    assert result.run_dir == str(tmp_path / "run")
-    assert result.restarts == {0: 0, 1: 0}
-    for rank, worker in result.workers.items():  # each told by the server: target reached
-        assert worker is not None and worker.stats.get("ended_by_server"), (rank, worker)
-        assert worker.pushes > 0
-    gone, alive = psutil.wait_procs(job_processes(local_ray), timeout=5)
-    assert not alive, f"the job's processes outlived it in the caller's Ray: {alive}"
-
-
-@pytest.mark.slow
 def test_a_killed_worker_actor_is_restarted_and_rejoins(local_ray, tmp_path):
     """SIGKILL of a worker actor's process once the server applied updates: Ray restarts
     it, the new incarnation pushes again, the job reaches the target, the restart is
@@ -186,9 +168,11 @@ def test_a_killed_worker_actor_is_restarted_and_rejoins(local_ray, tmp_path):
 @pytest.mark.slow
 def test_a_worker_dead_for_good_stops_the_job_which_resumes(local_ray, tmp_path):
     """Out of restarts, a dead worker ends the job: the driver kills the other worker, the
-    server saves its run, and the error says how to continue it, which works."""
+    server saves its run, and the error says how to continue it, which works: asyncsgd.ray.run
+    on the Ray this process started, 2 worker actors, a server actor with 2 shards, to 85%;
+    the job's actors and shards are gone when it returns."""
     out = tmp_path / "run"
-    with asyncsgd.ray.start(**JOB, out=str(out), max_restarts=0) as job:
+    with asyncsgd.ray.start(**JOB, out=str(out), max_restarts=0, shards=2) as job:
         wait_for(lambda: stats(job)["updates"] >= 200, JOB_SECONDS / 2, "the job to train",
                  every=0.1)
         psutil.Process(job.incarnations()[1][0]["pid"]).send_signal(signal.SIGKILL)
@@ -203,10 +187,19 @@ def test_a_worker_dead_for_good_stops_the_job_which_resumes(local_ray, tmp_path)
     assert summary["status"] == "interrupted", summary
     saved = [e["updates"] for e in read_events(out) if e["event"] == "eval" and "updates" in e][-1]
     assert saved >= 200 and (out / "checkpoint.pt").is_file()
+    began = time.monotonic()
     result = asyncsgd.ray.run(resume=str(out), target=TARGET, epochs=1000, progress="off")
     check_reached(result, workers=2)
+    print(f"job to {TARGET}: {time.monotonic() - began:.1f} s, "
+          f"time_to_target {result.summary['time_to_target']:.1f} s")
     assert result.run_dir == str(out) and result.summary["updates"] > saved
     assert [e["event"] for e in read_events(out)].count("resume") == 1
+    assert result.restarts == {0: 0, 1: 0}
+    for rank, worker in result.workers.items():  # each told by the server: target reached
+        assert worker is not None and worker.stats.get("ended_by_server"), (rank, worker)
+        assert worker.pushes > 0
+    gone, alive = psutil.wait_procs(job_processes(local_ray), timeout=5)
+    assert not alive, f"the job's processes outlived it in the caller's Ray: {alive}"
 
 
 @pytest.mark.slow
