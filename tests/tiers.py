@@ -5,6 +5,7 @@ module or itself carries the mark. Every other test runs under a guard: starting
 opening a socket fails it, so a test cannot sit in the fast tier by mistake.
 """
 
+import contextlib
 import functools
 import multiprocessing.process
 import multiprocessing.util
@@ -72,7 +73,10 @@ multiprocessing.util.spawnv_passfds = _audited(
 zmq.Socket.bind = _audited("zmq.Socket.bind", zmq.Socket.bind)
 zmq.Socket.connect = _audited("zmq.Socket.connect", zmq.Socket.connect)
 sys.addaudithook(_audit)
-platform.platform()  # its first call runs `uname -p` (then cached); every run directory asks
+# once-per-process probes, done here rather than in whichever test comes first:
+platform.platform()  # runs `uname -p` (then cached); every run directory records it
+with contextlib.suppress(ImportError):
+    import urllib3  # noqa: F401  (its import binds ::1 to learn whether IPv6 works)
 
 
 def classify(items):
