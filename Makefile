@@ -1,6 +1,8 @@
-# Two entry points, both idempotent and fast on a second call:
+# Three entry points, each idempotent and fast on a second call:
 #   make run    set up .venv and train mnist1d-cnn with 8 Hogwild processes
-#   make test   set up .venv, lint (ruff) and run the whole test suite
+#   make check  set up .venv, lint (ruff) and run the fast tier: every test that starts
+#               no process and opens no socket (tests/tiers.py); run it after each edit
+#   make test   set up .venv, lint (ruff) and run the whole test suite (what CI runs)
 # On a machine without an NVIDIA GPU the CPU build of torch is installed
 # (a plain `pip install torch` would pull a multi-GB CUDA build).
 
@@ -10,7 +12,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.asyncsgd-installed
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: setup run lint test bench clean
+.PHONY: setup run lint check test bench clean
 
 setup: $(STAMP)
 
@@ -27,6 +29,9 @@ run: setup
 
 lint: setup
 	$(BIN)/ruff check .
+
+check: lint
+	$(BIN)/python -m pytest -q -m "not processes"
 
 test: lint
 	$(BIN)/python -m pytest -q

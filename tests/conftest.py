@@ -1,19 +1,27 @@
-"""Shared helpers: run the installed CLI as a subprocess and read what it wrote, and start
-parameter servers and workers (plain and CURVE) the way a user does."""
+"""Shared helpers: run the installed CLI as a subprocess (or in this process, for what it
+refuses) and read what it wrote, and start parameter servers and workers (plain and CURVE)
+the way a user does. tiers.py sorts the tests into the fast tier and the rest."""
 
+import contextlib
+import io
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
 import zmq
+from tiers import classify, guard
 
+from asyncsgd import cli
 from asyncsgd.config import ServerConfig
 from asyncsgd.core.tasks import load_task
 from asyncsgd.run.checkpoint import load_checkpoint
@@ -28,6 +36,26 @@ BIN = Path(sys.executable).parent
 # background (no job control) makes it ignore SIGINT, and an ignored signal stays ignored in
 # every process started from it: the tests' own processes get Python's handling back.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks
+def pytest_collection_modifyitems(items):
+    classify(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from guard(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from guard(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item):
+    return (yield from guard(item))
 
 
 @pytest.fixture(scope="session")
@@ -67,6 +95,44 @@ def run_cli(cli_env):
     def run(*args, timeout=240, **kw):
         return subprocess.run(asyncsgd_cmd(*args), env=cli_env, capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL, **kw)
+    return run
+
+
+@pytest.fixture
+def run_cli_here(cache_dir, monkeypatch):
+    """``run_cli`` without the subprocess: the command runs in this process (``cli._run``),
+    for what the CLI refuses before it starts anything. The result holds what the installed
+    command would print: its log lines, and its warnings under Python's default filters."""
+    monkeypatch.setenv("ASYNCSGD_CACHE", str(cache_dir))
+    monkeypatch.setenv("COLUMNS", "80")  # click wraps --help as it does for a pipe
+
+    def run(*args, env=None):
+        argv = [str(a) for a in args]
+        out, err = io.StringIO(), io.StringIO()
+        root, threads = logging.getLogger(), torch.get_num_threads()
+        level, handler = root.level, logging.StreamHandler(err)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))  # cli._verbose's
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        with monkeypatch.context() as patch, warnings.catch_warnings(record=True) as caught, \
+                contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            for name, value in (env or {}).items():
+                patch.setenv(name, value)
+            warnings.resetwarnings()  # Python's defaults, not pytest's
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
+                             ResourceWarning):
+                warnings.simplefilter("ignore", category)
+            root.addHandler(handler)
+            try:
+                code = cli._run(argv)
+            finally:
+                root.removeHandler(handler)
+                root.setLevel(level)
+                torch.set_num_threads(threads)
+                for sig, was in handlers.items():
+                    signal.signal(sig, was)
+        for w in caught:
+            err.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno))
+        return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
     return run
 
 
@@ -336,11 +402,11 @@ class CurveServer(Server):
 
 
 @pytest.fixture
-def keys(run_cli, tmp_path):
+def keys(run_cli_here, tmp_path):
     """Two independent key sets: ours and a stranger's."""
     made = []
     for name in ("keys", "stranger"):
-        res = run_cli("keygen", tmp_path / name, "--clients", 1, timeout=60)
+        res = run_cli_here("keygen", tmp_path / name, "--clients", 1)
         assert res.returncode == 0, res.stderr
         assert "worker --curve-secret" in res.stdout
         made.append(tmp_path / name)

@@ -78,6 +78,7 @@ def test_readme_scripts_run(tmp_path, cli_env, index):
                 in res.stdout)
 
 
+@pytest.mark.processes
 def test_hogwild_takes_a_config_keywords_or_both(tmp_path, cache_dir):
     """The dataclass, with keywords over it: config.json holds the merged settings."""
     cfg = HogwildConfig(**_tiny(tmp_path, cache_dir, "run", procs=2, epochs=3))
@@ -89,6 +90,7 @@ def test_hogwild_takes_a_config_keywords_or_both(tmp_path, cache_dir):
     assert saved["config"] == {**cfg.to_dict(), "epochs": 2, "lock": True}
 
 
+@pytest.mark.processes
 def test_single_and_ddp_run_from_python(tmp_path, cache_dir):
     one = asyncsgd.single(**_tiny(tmp_path, cache_dir, "single", batch_size=40))
     two = asyncsgd.ddp(DDPConfig(**_tiny(tmp_path, cache_dir, "ddp", batch_size=20, procs=2)))
@@ -100,6 +102,7 @@ def test_single_and_ddp_run_from_python(tmp_path, cache_dir):
             {"single": 40, "ddp": 20}[mode]
 
 
+@pytest.mark.processes
 def test_compare_runs_from_python(tmp_path, cache_dir):
     result = asyncsgd.compare(modes="single,hogwild", procs=2, budget=60, epochs=1,
                               samples=SAMPLES, task="mnist1d-mlp", eval_every=0.5,
@@ -113,6 +116,7 @@ def test_compare_runs_from_python(tmp_path, cache_dir):
         assert read_json(Path(attempt.run_dir) / "summary.json")["samples"] == TRAIN
 
 
+@pytest.mark.processes
 def test_ps_serve_in_a_thread_and_work_in_this_process(tmp_path, cache_dir):
     """A server thread and a worker in the main thread, as a notebook would run them:
     every push the worker made is one update the server applied."""
@@ -138,6 +142,7 @@ def test_ps_serve_in_a_thread_and_work_in_this_process(tmp_path, cache_dir):
     assert summary["updates"] == work.pushes
 
 
+@pytest.mark.processes
 def test_load_run_gives_settings_metrics_and_the_trained_model(tmp_path, cache_dir):
     cfg = HogwildConfig(**_tiny(tmp_path, cache_dir, "run", procs=2, epochs=2))
     result = asyncsgd.hogwild(cfg)

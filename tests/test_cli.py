@@ -1,4 +1,5 @@
-"""The installed CLI as a user meets it: help, bad input, progress, user tasks."""
+"""The installed CLI as a user meets it: help, bad input, progress, user tasks. What it refuses
+before starting anything, and its help, run in this process (conftest.run_cli_here)."""
 
 import dataclasses
 import os
@@ -35,25 +36,25 @@ ROOT = Path(__file__).parent.parent
     (["--no-such-flag"], ["No such option '--no-such-flag'"]),
     (["--resume", "/nonexistent/run"], ["not a run directory"]),
 ])
-def test_bad_input_gives_one_clear_line(run_cli, args, fragments):
-    one_line_error(run_cli("hogwild", *args, "--progress", "off", timeout=120), *fragments)
+def test_bad_input_gives_one_clear_line(run_cli_here, args, fragments):
+    one_line_error(run_cli_here("hogwild", *args, "--progress", "off"), *fragments)
 
 
-def test_unwritable_out_is_one_clear_line(run_cli, tmp_path):
+def test_unwritable_out_is_one_clear_line(run_cli_here, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    one_line_error(run_cli("hogwild", "--out", blocker / "run", "--epochs", "1"),
+    one_line_error(run_cli_here("hogwild", "--out", blocker / "run", "--epochs", "1"),
                    "cannot write the run directory", "--out")
 
 
-def test_out_holding_a_run_is_refused(run_cli, tmp_path):
+def test_out_holding_a_run_is_refused(run_cli_here, tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    one_line_error(run_cli("hogwild", "--out", tmp_path), "already holds a run", "--resume")
+    one_line_error(run_cli_here("hogwild", "--out", tmp_path), "already holds a run", "--resume")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
-def test_cuda_without_gpu_is_one_clear_line(run_cli):
-    one_line_error(run_cli("hogwild", "--device", "cuda", "--epochs", "1"),
+def test_cuda_without_gpu_is_one_clear_line(run_cli_here):
+    one_line_error(run_cli_here("hogwild", "--device", "cuda", "--epochs", "1"),
                    "no CUDA GPU", "--device cpu")
 
 
@@ -72,8 +73,8 @@ def _option_entries(help_text):
     return entries
 
 
-def test_help_documents_every_option_with_its_default(run_cli):
-    res = run_cli("hogwild", "--help")
+def test_help_documents_every_option_with_its_default(run_cli_here):
+    res = run_cli_here("hogwild", "--help")
     assert res.returncode == 0
     entries = _option_entries(res.stdout)
     for f in dataclasses.fields(HogwildConfig):
@@ -85,8 +86,8 @@ def test_help_documents_every_option_with_its_default(run_cli):
     assert "asyncsgd hogwild --task mnist1d-cnn --procs 8" in res.stdout
 
 
-def test_tasks_lists_the_builtin_tasks(run_cli):
-    res = run_cli("tasks")
+def test_tasks_lists_the_builtin_tasks(run_cli_here):
+    res = run_cli_here("tasks")
     assert res.returncode == 0
     for name in ("mnist1d-cnn", "mnist1d-mlp", "sparse-logreg", "mnist-cnn", "mnist-mlp"):
         assert name in res.stdout
@@ -217,8 +218,8 @@ def test_verbose_is_taken_before_and_after_the_command(tmp_path, cli_env, run_cl
 
 @pytest.mark.parametrize("args", [["tasks", "-v"], ["worker", "-v", "--help"],
                                   ["hosts", "-v", "--help"], ["hosts", "down", "--help", "-v"]])
-def test_every_command_takes_verbose(run_cli, args):
-    res = run_cli(*args, timeout=60)
+def test_every_command_takes_verbose(run_cli_here, args):
+    res = run_cli_here(*args)
     assert res.returncode == 0, res.stderr
     assert "No such option" not in res.stderr
 
@@ -266,8 +267,8 @@ def test_resuming_another_modes_run_refuses_before_any_warning(tmp_path, run_cli
     ("ps-job", "--busy-poll-us", ["Shards poll", "one-shard server", "[default: 400"],
      []),
 ])
-def test_each_commands_help_is_true_for_it(run_cli, command, flag, says, never):
-    res = run_cli(command, "--help", timeout=60)
+def test_each_commands_help_is_true_for_it(run_cli_here, command, flag, says, never):
+    res = run_cli_here(command, "--help")
     assert res.returncode == 0, res.stderr
     entry = _option_entries(res.stdout)[flag]
     for text in says:
@@ -323,8 +324,8 @@ def test_an_unpicklable_model_fn_is_one_line_and_leaves_nothing_behind(tmp_path,
     assert (out / "summary.json").exists()
 
 
-def test_a_task_that_fails_to_load_leaves_no_run_directory(run_cli, tmp_path):
-    res = run_cli("single", "--task", "tasks_for_tests:not_a_task", "--progress", "off",
+def test_a_task_that_fails_to_load_leaves_no_run_directory(run_cli_here, tmp_path):
+    res = run_cli_here("single", "--task", "tasks_for_tests:not_a_task", "--progress", "off",
                   "--out", tmp_path / "runs" / "x")
     assert res.returncode != 0
     assert not (tmp_path / "runs").exists()
@@ -364,8 +365,9 @@ def test_a_second_ctrl_c_stops_single_inside_a_long_step(cli_env, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["single", "hogwild"])
-def test_a_target_the_metric_cannot_reach_leaves_no_run_directory(run_cli, tmp_path, mode):
-    res = run_cli(mode, "--target", "5", "--epochs", "1", "--progress", "off",
+def test_a_target_the_metric_cannot_reach_leaves_no_run_directory(run_cli_here, tmp_path,
+                                                                  mode):
+    res = run_cli_here(mode, "--target", "5", "--epochs", "1", "--progress", "off",
                   "--out", tmp_path / "runs" / "x")
     one_line_error(res, "--target")
     assert not (tmp_path / "runs").exists()

@@ -464,6 +464,7 @@ def test_communication_modes_parse_into_their_flags():
             parse_modes(bad)
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_communication_modes_run(cache_dir, tmp_path):
     """DiLoCo, asynchronous Local SGD, PyTorch's hooks and compressed pushes run from
@@ -503,15 +504,15 @@ def test_communication_modes_run(cache_dir, tmp_path):
     (["--mode-args", "ps-sync=--lock"], ["--mode-args", "MODE one of"]),
     (["--task", "no-such-task"], ["unknown task 'no-such-task'"]),
 ])
-def test_bad_compare_flags_are_one_clear_line(run_cli, tmp_path, args, fragments):
-    res = run_cli("compare", "--modes", "hogwild", *args, "--out", tmp_path / "x", timeout=120)
+def test_bad_compare_flags_are_one_clear_line(run_cli_here, tmp_path, args, fragments):
+    res = run_cli_here("compare", "--modes", "hogwild", *args, "--out", tmp_path / "x")
     _one_clear_line(res, fragments)
     assert not (tmp_path / "x").exists()  # nothing ran, nothing was written
 
 
-def test_compare_refuses_a_used_out_directory(run_cli, tmp_path):
+def test_compare_refuses_a_used_out_directory(run_cli_here, tmp_path):
     (tmp_path / "old.txt").write_text("")
-    _one_clear_line(run_cli("compare", "--modes", "hogwild", "--out", tmp_path),
+    _one_clear_line(run_cli_here("compare", "--modes", "hogwild", "--out", tmp_path),
                     ["exists and is not empty", "--out"])
 
 
@@ -519,8 +520,8 @@ def test_compare_refuses_a_used_out_directory(run_cli, tmp_path):
     ([], ["Missing argument 'RUN_DIR...'"]),
     (["/nonexistent/run"], ["/nonexistent/run is not a run directory"]),
 ])
-def test_bad_plot_input_is_one_clear_line(run_cli, tmp_path, args, fragments):
-    _one_clear_line(run_cli("plot", *args, "--out", tmp_path / "p", timeout=120), fragments)
+def test_bad_plot_input_is_one_clear_line(run_cli_here, tmp_path, args, fragments):
+    _one_clear_line(run_cli_here("plot", *args, "--out", tmp_path / "p"), fragments)
 
 
 def _one_clear_line(res, fragments):
@@ -531,6 +532,7 @@ def _one_clear_line(res, fragments):
         assert fragment in lines[0], lines[0]
 
 
+@pytest.mark.processes
 def test_a_run_past_its_budget_is_stopped_and_leaves_nothing(cache_dir, tmp_path):
     # The extra flag comes last and overrides the budget: the run would go on for 10 minutes.
     res = _run(cache_dir, "compare", "--modes", "hogwild", "--procs", 2, "--budget", 1,
@@ -546,6 +548,7 @@ def test_a_run_past_its_budget_is_stopped_and_leaves_nothing(cache_dir, tmp_path
     assert row["mode"] == "hogwild" and row["final acc. %"] == "failed"
 
 
+@pytest.mark.processes
 def test_sigterm_stops_the_comparison_and_reports_the_runs_so_far(cache_dir, tmp_path):
     mark, out = uuid.uuid4().hex, tmp_path / "cmp"
     proc = subprocess.Popen(
@@ -589,6 +592,7 @@ while True:
 """
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("ignores, received, killed_by, waited", [
     ("", [], -signal.SIGINT, 0),                                # SIGINT is enough
     ("SIGINT", ["SIGINT"], -signal.SIGTERM, 1),                 # then SIGTERM after the grace

@@ -166,14 +166,14 @@ def test_compressing_workers_train_to_the_target(server, cli_env, flags):
     assert summary["stopped_by"] == "target" and summary["best_metric"] >= 0.85, summary
 
 
-def test_bad_compression_settings_are_one_clear_line(run_cli):
-    one_line_error(run_cli("worker", "--compress", "topk:0.6", timeout=60),
+def test_bad_compression_settings_are_one_clear_line(run_cli_here):
+    one_line_error(run_cli_here("worker", "--compress", "topk:0.6"),
                    "--compress 'topk:0.6'", "0 < RATIO <= 0.5")
-    one_line_error(run_cli("worker", "--compress", "int8", "--push-dtype", "bf16",
-                           "--server", "tcp://127.0.0.1:9", timeout=60),
+    one_line_error(run_cli_here("worker", "--compress", "int8", "--push-dtype", "bf16",
+                                "--server", "tcp://127.0.0.1:9"),
                    "--compress int8 and --push-dtype bf16")
-    one_line_error(run_cli("worker", "--pull-dtype", "bf16", "--transport", "shared",
-                           "--server", "tcp://127.0.0.1:9", timeout=60),
+    one_line_error(run_cli_here("worker", "--pull-dtype", "bf16", "--transport", "shared",
+                                "--server", "tcp://127.0.0.1:9"),
                    "--transport shared moves float32")
 
 

@@ -2,7 +2,6 @@
 
 import json
 import signal
-import subprocess
 import sys
 import time
 
@@ -124,17 +123,15 @@ def test_sigterm_under_torchrun_stops_every_rank_and_saves(tmp_path, cli_env):
     ("ddp", [], {"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": "1"}, ["$RANK='x' is not an integer"]),
 ])
-def test_bad_input_gives_one_clear_line(cli_env, command, args, env, fragments):
-    res = subprocess.run(asyncsgd_cmd(command, *args, "--progress", "off"),
-                         env={**cli_env, **env}, capture_output=True, text=True, timeout=120,
-                         stdin=subprocess.DEVNULL)
+def test_bad_input_gives_one_clear_line(run_cli_here, command, args, env, fragments):
+    res = run_cli_here(command, *args, "--progress", "off", env=env)
     one_line_error(res, *fragments)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 @pytest.mark.parametrize("command", ["single", "ddp"])
-def test_cuda_without_gpu_is_one_clear_line(run_cli, command):
-    one_line_error(run_cli(command, "--device", "cuda", "--progress", "off"),
+def test_cuda_without_gpu_is_one_clear_line(run_cli_here, command):
+    one_line_error(run_cli_here(command, "--device", "cuda", "--progress", "off"),
                    "no CUDA GPU", "--device cpu")
 
 

@@ -13,6 +13,8 @@ from asyncsgd.run.process_group import available_cores
 from conftest import asyncsgd_cmd, read_events, read_json
 from faults import record_figure
 
+pytestmark = pytest.mark.processes  # Hogwild trains in child processes
+
 
 def _cfg(tmp_path, **kw):
     base = dict(progress="off", checkpoint_every=0, eval_every=0.5, out=str(tmp_path / "run"),

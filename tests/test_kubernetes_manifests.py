@@ -269,6 +269,7 @@ def with_value(argv: list, flag: str, value: str) -> list:
     return argv[:i + 1] + [value] + argv[i + 2:]
 
 
+@pytest.mark.processes
 def test_ps_server_script_starts_a_run_resumes_it_and_sets_aside_one_without_checkpoint(
         tmp_path):
     js = the(documents(PS), "JobSet")
@@ -331,6 +332,7 @@ def test_ps_server_script_commands_really_start_and_resume_a_run(tmp_path, run_c
         == ["start", "resume"]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("which", ["first", "last"])
 def test_ps_workers_commands_are_valid_and_reach_the_server(tmp_path, which):
     js = the(documents(PS), "JobSet")

@@ -75,6 +75,7 @@ def _duplex(hosts, a, b):
     return rates
 
 
+@pytest.mark.processes
 @needs_namespaces
 @pytest.mark.parametrize("rate", ["100mbit", "20mbit"])
 def test_the_link_is_shaped_to_its_rate_both_ways(rate):
@@ -111,8 +112,8 @@ def test_rates_parse_and_bad_ones_say_what_is_accepted():
             parse_rate(bad)
 
 
-def test_a_bad_rate_is_one_line(run_cli, tmp_path):
-    res = run_cli("compare", "--link", "100mbps", "--out", tmp_path / "cmp", timeout=60)
+def test_a_bad_rate_is_one_line(run_cli_here, tmp_path):
+    res = run_cli_here("compare", "--link", "100mbps", "--out", tmp_path / "cmp")
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "mbit for megabits" in lines[0], res.stderr
@@ -127,6 +128,7 @@ def _as_nobody():
     return [setpriv, "--reuid", "65534", "--regid", "65534", "--clear-groups"]
 
 
+@pytest.mark.processes
 def test_without_root_link_is_refused_in_one_line(tmp_path):
     as_nobody = _as_nobody()
     probe = subprocess.run(as_nobody + [sys.executable, "-c", "import asyncsgd"],
@@ -149,6 +151,7 @@ def test_without_root_link_is_refused_in_one_line(tmp_path):
 
 # ---- compare --link -------------------------------------------------------------------------
 
+@pytest.mark.processes
 @needs_namespaces
 def test_compare_runs_ps_and_ddp_across_shaped_hosts(cache_dir, tmp_path):
     out, mark = tmp_path / "cmp", uuid.uuid4().hex

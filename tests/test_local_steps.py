@@ -117,7 +117,7 @@ def test_async_local_sgd_with_delayed_nesterov_equals_the_reference(server, cli_
     assert torch.equal(_server_model(out), theta.detach())
 
 
-def test_local_steps_and_push_every_are_one_or_the_other(run_cli):
-    res = run_cli("worker", "--local-steps", 4, "--push-every", 2, "--server-timeout", 1)
+def test_local_steps_and_push_every_are_one_or_the_other(run_cli_here):
+    res = run_cli_here("worker", "--local-steps", 4, "--push-every", 2, "--server-timeout", 1)
     assert res.returncode == 2
     assert "--local-steps 4 and --push-every 2: choose one" in res.stderr

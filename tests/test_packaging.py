@@ -15,6 +15,10 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.processes  # builds a wheel and a venv
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

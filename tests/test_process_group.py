@@ -14,6 +14,8 @@ from asyncsgd.run.lifetime import pid_alive
 from asyncsgd.run.process_group import WorkerGroup
 from conftest import shm_entries
 
+pytestmark = pytest.mark.processes  # every test starts child processes
+
 
 def _raise_after(rank: int, marker: str) -> None:
     """Rank 1 raises at once, leaving its pid in ``marker``; the others raise only once

@@ -179,8 +179,8 @@ def test_worker_with_another_model_is_refused(server, run_cli):
     (["--optimizer", "rmsprop"], "--optimizer"),
     (["--busy-poll-us", "-1"], "--busy-poll-us"),
 ])
-def test_bad_server_flags_are_one_clear_line(run_cli, args, fragment, tmp_path):
-    res = run_cli("ps-server", *args, "--out", tmp_path / "run", timeout=60)
+def test_bad_server_flags_are_one_clear_line(run_cli_here, args, fragment, tmp_path):
+    res = run_cli_here("ps-server", *args, "--out", tmp_path / "run")
     assert res.returncode != 0
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and fragment in lines[0], res.stderr

@@ -250,8 +250,8 @@ def test_a_job_stopped_on_its_budget_resumes_with_resume(cli_env, tmp_path):
     assert read_json(out / "config.json")["config"]["eval_every"] == 1  # saved, kept
 
 
-def test_ps_job_outside_torchrun_says_how_to_start_it(run_cli):
-    res = run_cli("ps-job", "--task", "mnist1d-cnn", timeout=60)
+def test_ps_job_outside_torchrun_says_how_to_start_it(run_cli_here):
+    res = run_cli_here("ps-job", "--task", "mnist1d-cnn")
     assert res.returncode == 2  # a usage error: ConfigError
     assert "error: ps-job runs under torchrun" in res.stderr
     assert "torchrun --nproc-per-node 4 -m asyncsgd ps-job" in res.stderr

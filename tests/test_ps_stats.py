@@ -146,8 +146,8 @@ def test_ps_stats_where_nobody_answers_is_one_line(run_cli):
                         "never completed the ZeroMQ handshake")
 
 
-def test_ps_stats_help_shows_examples(run_cli):
-    res = run_cli("ps-stats", "--help", timeout=60)
+def test_ps_stats_help_shows_examples(run_cli_here):
+    res = run_cli_here("ps-stats", "--help")
     assert res.returncode == 0
     assert "--json | jq .updates" in res.stdout and "--curve-server-key keys/server.key" \
         in res.stdout

@@ -29,6 +29,8 @@ from asyncsgd.errors import AsyncSGDError
 from conftest import (asyncsgd_cmd, free_port, marked_processes, one_line_error, read_events,
                       read_json, wait_for)
 
+pytestmark = pytest.mark.processes  # every test starts Ray
+
 try:
     import ray
 except ImportError as exc:  # not a skip: the suite's setup installs the extra

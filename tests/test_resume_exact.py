@@ -64,6 +64,7 @@ def test_a_resumed_run_is_the_uninterrupted_run_bit_for_bit(tmp_path, monkeypatc
         assert torch.equal(want[name], got[name]), name
 
 
+@pytest.mark.processes
 def test_a_resumed_ddp_run_is_the_uninterrupted_run_bit_for_bit(tmp_path, monkeypatch):
     """Two ranks: the update rule (equal on both), the shared position and each rank's own
     generator continue."""
@@ -124,6 +125,7 @@ def test_sigterm_then_resume_from_the_cli_continues_exactly(tmp_path, run_cli, c
         assert torch.equal(want[name], got[name]), name
 
 
+@pytest.mark.processes
 def test_hogwild_checkpoints_every_workers_state(tmp_path):
     """Two workers: each one's own momentum buffer (not the same: their batches differ), its
     own position at the end of the run, and its own generator."""

@@ -134,9 +134,9 @@ def test_plain_server_beyond_loopback_warns_loudly(run_cli, tmp_path, keys):
     (["--curve-secret", "{k}/server.key_secret", "--allowed-clients", "{k}/clients"],
      "holds no *.key public keys"),
 ])
-def test_bad_key_flags_are_one_clear_line(run_cli, tmp_path, keys, flags, fragment):
+def test_bad_key_flags_are_one_clear_line(run_cli_here, tmp_path, keys, flags, fragment):
     flags = [f.format(k=keys[0]) for f in flags]
-    res = run_cli("ps-server", *flags, "--out", tmp_path / "run", timeout=60)
+    res = run_cli_here("ps-server", *flags, "--out", tmp_path / "run")
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and fragment in lines[0], res.stderr
     assert not (tmp_path / "run").exists()  # refused before anything was written

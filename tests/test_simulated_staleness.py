@@ -127,8 +127,8 @@ def test_resume_keeps_the_gradients_in_flight(tmp_path):
     (["single", "--optimizer", "adam", "--task", "sparse-logreg", "--epochs", "1"],
      "adam takes dense gradients"),
 ])
-def test_bad_settings_are_one_clear_line(run_cli, tmp_path, args, fragment):
-    res = run_cli(*args, "--progress", "off", "--out", tmp_path / "run")
+def test_bad_settings_are_one_clear_line(run_cli_here, tmp_path, args, fragment):
+    res = run_cli_here(*args, "--progress", "off", "--out", tmp_path / "run")
     assert res.returncode != 0 and fragment in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 

@@ -286,8 +286,8 @@ def test_ddp_powersgd_with_two_buckets_on_gloo(tmp_path, run_cli):
     assert summary["bytes"] == 2 * 3 * _payload(_model(out), "powersgd", summary["steps"])
 
 
-def test_ddp_bf16_hook_needs_nccl(run_cli):
-    res = run_cli("ddp", "--comm-hook", "bf16", "--procs", 2, "--epochs", 1)
+def test_ddp_bf16_hook_needs_nccl(run_cli_here):
+    res = run_cli_here("ddp", "--comm-hook", "bf16", "--procs", 2, "--epochs", 1)
     assert res.returncode == 2
     assert "bf16_compress_hook all-reduces with NCCL only" in res.stderr
 

@@ -86,18 +86,19 @@ def test_delays_are_seeded_per_rank_and_have_the_mean_asked():
     assert pacer.steps == 20 and pacer.waited > 20 * 0.0001
 
 
-def test_bad_straggler_flags_are_one_clear_line(run_cli, tmp_path):
-    res = run_cli("hogwild", "--slowdown", "1:0.5", "--out", tmp_path / "a")
+def test_bad_straggler_flags_are_one_clear_line(run_cli_here, tmp_path):
+    res = run_cli_here("hogwild", "--slowdown", "1:0.5", "--out", tmp_path / "a")
     assert res.returncode == 2 and "below 1" in res.stderr, res.stderr
     for mode in ("hogwild", "ddp"):
-        res = run_cli(mode, "--procs", 2, "--slowdown", "5:2", *TASK, "--out", tmp_path / mode)
+        res = run_cli_here(mode, "--procs", 2, "--slowdown", "5:2", *TASK,
+                           "--out", tmp_path / mode)
         assert res.returncode != 0 and "rank(s) 5, but --procs runs 2" in res.stderr, res.stderr
         assert "Traceback" not in res.stderr and not (tmp_path / mode).exists()
-    res = run_cli("single", "--delay", "exp:1ms@1", *TASK, "--out", tmp_path / "single")
+    res = run_cli_here("single", "--delay", "exp:1ms@1", *TASK, "--out", tmp_path / "single")
     assert res.returncode != 0 and "but single runs 1 process(es): rank(s) 0..0" in res.stderr
     for args in (("--workers", 2), ("--workers", 2, "--consistency", "sync", "--backup-workers",
                                     2)):
-        res = run_cli("ps-server", "--backup-workers", 1, *args, "--out", tmp_path / "c")
+        res = run_cli_here("ps-server", "--backup-workers", 1, *args, "--out", tmp_path / "c")
         assert res.returncode != 0 and "needs --consistency sync" in res.stderr, res.stderr
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 

@@ -7,6 +7,7 @@ import time
 import weakref
 
 import numpy
+import pytest
 import torch
 import zmq
 
@@ -54,6 +55,7 @@ sock.close(0); ctx.term()
 """
 
 
+@pytest.mark.processes
 def test_update_during_a_zero_copy_send_moves_to_a_copy_and_the_reply_stays_whole():
     state, inflight = _shard()
     expected_old = torch.arange(SIZE, dtype=torch.float32)
@@ -185,6 +187,7 @@ def test_an_update_of_a_buffer_being_sent_writes_the_exact_result_elsewhere_in_o
     release()
 
 
+@pytest.mark.processes
 def test_shared_gradient_frames_carry_each_sends_values_and_are_copied_when_asked():
     """``shared_frames`` (a worker's gradient segments, sent as zmq.Frames made once):
     every push over TCP carries the buffer's values at its send; a small or strided

@@ -14,6 +14,8 @@ from asyncsgd.wire.greeting import GREETING_BYTES, SIGNATURE, server_mechanism
 from asyncsgd.wire.security import ClientKeys, await_handshake
 from asyncsgd.wire.stats import fetch_stats
 
+pytestmark = pytest.mark.processes  # every test talks to a real socket
+
 
 def _recv_exactly(conn: socket.socket, size: int) -> bytes:
     data = b""
