@@ -125,6 +125,11 @@ def check_reached(result, workers: int) -> None:
         summary["final_metric"]
 
 
+# Known bug, open: on 2026-11-28 with ray 2.60.0 (and 2.59.0) this failed 4 times in 4 on an
+# idle machine, on 73d23e8 as well: Ray restarts the actor, then the server's front leaves a
+# stats request unanswered for 30 s. Still run, so a fix shows as XPASS.
+@pytest.mark.xfail(reason="the front stops answering stats after a restarted worker actor "
+                          "rejoins (open bug, fails on 73d23e8 too)", strict=False)
 @pytest.mark.slow
 def test_a_killed_worker_actor_is_restarted_and_rejoins(local_ray, tmp_path):
     """SIGKILL of a worker actor's process once the server applied updates: Ray restarts
