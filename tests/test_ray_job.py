@@ -125,9 +125,10 @@ def check_reached(result, workers: int) -> None:
         summary["final_metric"]
 
 
-# Known bug, open: on 2026-11-28 with ray 2.60.0 (and 2.59.0) this failed 4 times in 4 on an
-# idle machine, on 73d23e8 as well: Ray restarts the actor, then the server's front leaves a
-# stats request unanswered for 30 s. Still run, so a fix shows as XPASS.
+# Known bug, open: on 2026-11-28 with ray 2.60.0 (and 2.59.0) this failed 4 times in 4 alone
+# on an idle machine, on 73d23e8 as well (it passed once inside the whole suite): Ray restarts
+# the actor, then the server's front leaves a stats request unanswered for 30 s. Still run,
+# so a fix shows as XPASS.
 @pytest.mark.xfail(reason="the front stops answering stats after a restarted worker actor "
                           "rejoins (open bug, fails on 73d23e8 too)", strict=False)
 @pytest.mark.slow
