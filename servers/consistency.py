@@ -8,6 +8,7 @@ the replies, so this module imports nothing of it.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Optional
 
 import torch
@@ -31,7 +32,7 @@ def min_live_clock(workers: dict) -> Optional[int]:
     return min(w.pushes for w in live) if live else None
 
 
-class Policy:
+class Policy(ABC):
     """The interface. ``record`` is the shard's record of one worker (``alive``, ``pushes``,
     ``held_pull``, ``round_pushed``), ``workers`` all of them by id, ``version`` the number of
     updates applied. The policy reads records and keeps its own state (a sync round) apart;
@@ -43,9 +44,9 @@ class Policy:
     # accounting may wait until that reply is sent.
     answers_at_once = False
 
+    @abstractmethod
     def may_answer(self, record, workers: dict, version: int) -> bool:
         """Whether a pull from ``record`` is answered now; if not, it is held."""
-        raise NotImplementedError
 
     def lead(self, record, workers: dict) -> Optional[int]:
         """How many clocks ``record`` is ahead of the slowest live worker as it is answered
