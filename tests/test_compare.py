@@ -24,7 +24,7 @@ import pytest
 
 from asyncsgd.analysis.report import Attempt, Goal, mode_rows, parse_table, table_cells, verdict
 from asyncsgd.comparison.cli_launcher import Child, stop_all
-from asyncsgd.comparison.mode_specs import parse_modes
+from asyncsgd.config.modes import parse_modes
 from asyncsgd.comparison.progress import CompareProgress
 from asyncsgd.config import CompareConfig
 from asyncsgd.core.scoring import ACCURACY, PERPLEXITY

@@ -180,7 +180,7 @@ def test_ps_sync_follows_the_slowest_worker_and_async_does_not(slow_env, tmp_pat
 def test_compare_stages_the_same_stragglers_in_every_mode(tmp_path):
     """Each mode's command carries the stragglers; single, one process, gets rank 0's."""
     from asyncsgd.comparison.mode_run import ModeRun
-    from asyncsgd.comparison.mode_specs import parse_modes
+    from asyncsgd.config.modes import parse_modes
     from asyncsgd.config import CompareConfig
 
     cfg = CompareConfig(procs=2, slowdown="1:4", delay="exp:20ms@0,1")

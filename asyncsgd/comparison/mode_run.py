@@ -23,7 +23,7 @@ from ..run.process_group import available_cores
 from ..run.reader import Run
 from . import linked
 from .cli_launcher import Child, free_port, stop_all
-from .mode_specs import ModeSpec
+from ..config.modes import ModeSpec
 from .progress import CompareProgress
 
 log = logging.getLogger(__name__)

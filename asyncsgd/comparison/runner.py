@@ -28,7 +28,7 @@ from ..run.rundir import RunDir, environment
 from ..run.signals import sigterm_as_interrupt
 from . import linked
 from .mode_run import ModeRun
-from .mode_specs import parse_mode_args, parse_modes
+from ..config.modes import parse_mode_args, parse_modes
 from .progress import CompareProgress
 
 

@@ -12,7 +12,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config import parse_compress
+from .values import parse_compress
 from ..errors import ConfigError
 
 SSP_DEFAULT = 2
