@@ -346,7 +346,7 @@ def _fake_run(path, mode, seed, points, metric=ACCURACY, **summary_extra):
     return Run.read(path)
 
 
-def test_repeats_fold_into_mean_and_spread_with_speedups_over_single(tmp_path):
+def test_repeats_fold_into_median_and_spread_with_speedups_over_single(tmp_path):
     def attempt(label, repeat, points, **extra):
         run = _fake_run(tmp_path / f"{label}-{repeat}", label, repeat, points, **extra)
         return Attempt(label, repeat, repeat, run=run)
@@ -363,27 +363,30 @@ def test_repeats_fold_into_mean_and_spread_with_speedups_over_single(tmp_path):
     assert half.metric.name == "accuracy"  # read back from the runs' config.json
     rows = {r.label: r for r in mode_rows(attempts, half)}
     hog = rows["hogwild"]
-    assert hog.stats["samples_per_second"].mean == 800
+    assert hog.stats["samples_per_second"].median == hog.stats["samples_per_second"].mean == 800
     assert hog.speedup_throughput == 800 / 250
-    assert hog.speedup_time == 4.0 / 1.0  # single's mean time to target over hogwild's
+    assert hog.speedup_time == 4.0 / 1.0  # single's median time to target over hogwild's
     cells = table_cells(hog, half)
-    assert cells["samples/s"] == "800 ± 283"  # stdev(600, 1000) = 282.8
+    assert cells["samples/s"] == "800 (600–1,000)"
     assert cells["time to 50%"] == "1.0 s (1/2 reached)"
     assert cells["speed-up (time)"] == "4.00×" and cells["speed-up (samples/s)"] == "3.20×"
-    assert cells["final acc. %"] == "50.00 ± 14.14"
+    assert cells["final acc. %"] == "50.00 (40.00–60.00)"
     assert table_cells(rows["single"], half)["speed-up (samples/s)"] == "1.00×"
     ps = table_cells(rows["ps-async"], half)
     assert ps["runs ok"] == "1/2" and ps["staleness p50 / p99"] == "1 / 4"
     assert ps["time to 50%"] == "not reached" and ps["speed-up (time)"] == "—"
-    # single: 4 s and 900 samples to 50% on average; hogwild: 1 s and 100 samples
+    # single: a median 4 s and 900 samples to 50%; hogwild: 1 s and 100 samples, in one run
     assert cells["samples to 50%"] == "100"
-    assert table_cells(rows["single"], half)["samples to 50%"] == "900 ± 566"
+    assert table_cells(rows["single"], half)["samples to 50%"] == "900 (500–1,300)"
+    # hogwild missed 50% in a run: its worst time is unbounded, so it wins nothing
     assert verdict(list(rows.values()), half) == (
-        "hogwild reached 50% first, in 1.0 s: 4.00x sooner than the next, single (4.0 s), "
-        "with 0.11x its samples (100 vs 900). Not reached within the budget: ps-async.")
+        "Time to 50%: hogwild and single are not distinguishable at 2 seeds (1.0 s (1/2 "
+        "reached) vs 4.0 s (3.0–5.0): the spreads overlap). Not reached within the budget: "
+        "ps-async.")
     most = Goal.of(attempts, 0.99)
     assert verdict(mode_rows(attempts, most), most) == (
-        "No mode reached 99% within the budget; the closest was single (best 50.00 ± 0.00%).")
+        "No mode reached 99% within the budget; the closest was single "
+        "(best 50.00% (50.00–50.00)).")
 
 
 def test_a_lower_is_better_metric_ranks_and_times_downwards(tmp_path):
@@ -406,7 +409,8 @@ def test_a_lower_is_better_metric_ranks_and_times_downwards(tmp_path):
     assert table_cells(rows["ddp"], goal)["time to perplexity 2"] == "not reached"
     assert verdict(list(rows.values()), goal) == (
         "ps-async reached perplexity 2 first, in 2.0 s: 3.00x sooner than the next, single "
-        "(6.0 s), with 0.50x its samples (300 vs 600). Not reached within the budget: ddp.")
+        "(6.0 s), with 0.50x its samples (300 vs 600). Not reached within the budget: ddp. "
+        "One seed per mode: no spread, no verdict (--repeats 3 or more gives one).")
     none = Goal.of(attempts, None)
     assert verdict(mode_rows(attempts, none), none).startswith(
         "Best final perplexity: single (1.9); most samples/s:")

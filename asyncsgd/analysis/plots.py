@@ -1,5 +1,5 @@
-"""The comparison plots, as small PNGs: one colour a mode, the task's own metric, the conditions
-under each title.
+"""The comparison plots, as small PNGs: one colour a mode (its median and min–max band where
+it ran several times), the task's own metric, the conditions under each title.
 
 Built with matplotlib's object API (no pyplot, no display); what each figure draws is
 ``figure_data``'s, so it can be checked without reading pixels.
@@ -8,6 +8,7 @@ Built with matplotlib's object API (no pyplot, no display); what each figure dra
 from __future__ import annotations
 
 import logging
+import statistics
 from pathlib import Path
 from typing import Optional
 
@@ -44,15 +45,40 @@ def _colour(i: int) -> str:
 
 
 def series(groups: list, curve, x: int, y: int) -> list:
-    """[(label, colour index, xs, ys)]: one line per run that has points, a group's runs
-    in its colour; what a line figure draws."""
+    """What a line figure draws, a group in its colour: (label, colour index, xs, ys) of
+    a group with one run that has points; of a group with several, one band (label,
+    colour index, xs, median, min, max) over its runs (``band``)."""
     lines = []
     for i, (label, runs) in enumerate(groups):
-        for run in runs:
-            points = curve(run.events)
-            if points:
-                lines.append((label, i, [p[x] for p in points], [p[y] for p in points]))
+        curves = [[(p[x], p[y]) for p in points] for run in runs if (points := curve(run.events))]
+        if len(curves) == 1:
+            lines.append((label, i, [p[0] for p in curves[0]], [p[1] for p in curves[0]]))
+        elif curves:
+            lines.extend(_band(label, i, curves))
     return lines
+
+
+def band(curves: list) -> tuple:
+    """(xs, median, min, max) of several curves [(x, y), ...] at each x any of them has
+    where all of them have points (the x range they share), each curve interpolated
+    linearly there; ((), (), (), ()) where they share no x range."""
+    import numpy
+    start, end = max(c[0][0] for c in curves), min(c[-1][0] for c in curves)
+    xs = sorted({x for c in curves for x, _ in c if start <= x <= end})
+    if not xs:
+        return (), (), (), ()
+    ys = [numpy.interp(xs, [p[0] for p in c], [p[1] for p in c]).tolist() for c in curves]
+    at = list(zip(*ys))
+    return (xs, [statistics.median(v) for v in at], [min(v) for v in at],
+            [max(v) for v in at])
+
+
+def _band(label: str, colour: int, curves: list) -> list:
+    """The band of ``curves``, or each curve as a line where they share no x range."""
+    xs, median, lo, hi = band(curves)
+    if not xs:
+        return [(label, colour, [p[0] for p in c], [p[1] for p in c]) for c in curves]
+    return [(label, colour, xs, median, lo, hi)]
 
 
 def _lines(lines: list, title: str, xlabel: str, ylabel: str,
@@ -60,7 +86,9 @@ def _lines(lines: list, title: str, xlabel: str, ylabel: str,
     fig, ax = _figure(title, xlabel, ylabel, conditions)
     counts = {label: sum(line[0] == label for line in lines) for label, *_ in lines}
     shown: set = set()
-    for label, colour, xs, ys in lines:
+    for label, colour, xs, ys, *spread in lines:
+        if spread:  # the median of several runs, their min–max shaded around it
+            ax.fill_between(xs, *spread, color=_colour(colour), alpha=0.2, linewidth=0)
         ax.plot(xs, ys, color=_colour(colour), linewidth=1.2,
                 alpha=0.9 if counts[label] == 1 else 0.6,
                 label=None if label in shown else label)
@@ -133,15 +161,16 @@ def _bytes_curve(goal: Goal):
 def _throughput(groups: list, conditions: str = ""):
     fig, ax = _figure("Throughput (after start-up)", "mode", "training samples / s",
                       conditions)
-    names, means, stds = [], [], []
-    for label, runs in groups:
+    names, medians, below, above = [], [], [], []
+    for label, runs in groups:  # a bar at the median, whiskers to the min and max
         spread = Spread.of(steady_throughput(r.events) for r in runs)
         names.append(label)
-        means.append(spread.mean or 0.0)
-        stds.append(spread.std or 0.0)
-    bars = ax.bar(range(len(names)), means, yerr=stds, capsize=4,
+        medians.append(spread.median or 0.0)
+        below.append(medians[-1] - spread.lo if spread.n > 1 else 0.0)
+        above.append(spread.hi - medians[-1] if spread.n > 1 else 0.0)
+    bars = ax.bar(range(len(names)), medians, yerr=[below, above], capsize=4,
                   color=[_colour(i) for i in range(len(names))])
-    ax.bar_label(bars, labels=[f"{m:,.0f}" for m in means], fontsize="small")
+    ax.bar_label(bars, labels=[f"{m:,.0f}" for m in medians], fontsize="small")
     ax.set_xticks(range(len(names)), names, rotation=20 if len(names) > 4 else 0)
     ax.grid(True, axis="y", alpha=0.3)
     ax.grid(False, axis="x")
@@ -162,7 +191,8 @@ def draw_all(groups: list, out_dir: Path, goal: Goal, conditions: str = "") -> l
     metric in ``goal`` (and its target, drawn when given), and ``BYTES_PLOT`` when a run
     counted its traffic; returns [(file name, caption)] of those written.
 
-    Each mode gets one colour, its repeats separate lines of it; every figure carries the
+    Each mode gets one colour: one line where it ran once, else the median of its
+    repeats with their min–max shaded (``series``); every figure carries the
     ``conditions`` (task, processes, stragglers, link) under its title."""
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = [(label, runs) for label, runs in groups if runs]

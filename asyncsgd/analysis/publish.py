@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 from ..errors import ConfigError
+from .fairness import recorded_notes
 from .plots import draw_all
 from ..run.reader import Run
 from .report import (Attempt, Goal, grouped_rows, mode_rows, render_report, render_table,
@@ -44,19 +45,22 @@ def write_results(path: Path, header: dict, rows: list, goal: Goal) -> None:
 
 
 def publish(out_dir: Path, title: str, intro: list, attempts: list, goal: Goal,
-            header: dict, *, groups: Optional[list] = None, warnings: tuple = ()) -> str:
+            header: dict, *, groups: Optional[list] = None, warnings: tuple = (),
+            caveat: str = "") -> str:
     """Write the plots, report.md and results.json of ``attempts`` into ``out_dir``;
-    returns the table. ``groups``: [(task, attempts)] of runs of several tasks, each
-    with rows and speed-ups of its own; ``warnings``: said above the table."""
+    returns the table and verdict. ``groups``: [(task, attempts)] of runs of several
+    tasks, each with rows and speed-ups of its own; ``warnings``: said above the table;
+    ``caveat``: a sentence the verdict ends with (``fairness.caveat``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = grouped_rows(groups, goal) if groups else mode_rows(attempts, goal)
     plots = draw_all([(_legend(r), [a.run for a in r.attempts if a.ok]) for r in rows],
                      out_dir, goal, conditions=title)
     (out_dir / "report.md").write_text(
-        render_report(title, intro, rows, goal, plots, out_dir, warnings=tuple(warnings)))
+        render_report(title, intro, rows, goal, plots, out_dir, warnings=tuple(warnings),
+                      caveat=caveat))
     write_results(out_dir / "results.json",
                   {**header, "warnings": list(warnings)} if warnings else header, rows, goal)
-    return render_table(rows, goal) + "\n\n" + verdict(rows, goal)
+    return render_table(rows, goal) + "\n\n" + verdict(rows, goal, caveat)
 
 
 def _legend(row) -> str:
@@ -72,7 +76,9 @@ def report_runs(paths: list, out: Path, target: Optional[float],
     by construction: each run given once, one task (unless ``allow_mixed``: each task then
     gets its own rows, speed-ups and verdict), and alike settings where they change what
     a sample costs or how long a run had (warned about). A run's status is what its own
-    files say: one that failed at start is no result."""
+    files say: one that failed at start is no result. Runs that recorded more training
+    processes than their host had CPUs are warned about first, and the verdict says what
+    that did to the lock-step modes."""
     _given_once(paths)
     sourced = [(path, a) for path in paths for a in _attempts_of(Path(path))]
     _runs_once(sourced)
@@ -81,8 +87,9 @@ def report_runs(paths: list, out: Path, target: Optional[float],
     plain = {id(a) for path, a in sourced if not _is_compare_dir(Path(path))}
     for _, group in groups:
         _tell_apart(group, [a for a in group if id(a) in plain])
-    warnings = _mixed_warning(groups) + [w for task, group in groups
-                                         for w in setting_warnings(group, task)]
+    crowded, caveat = recorded_notes([(a.label, a.run) for a in attempts if a.ok])
+    warnings = crowded + _mixed_warning(groups) + [w for task, group in groups
+                                                   for w in setting_warnings(group, task)]
     warnings += [f"{a.run_dir} has no summary.json (killed before it finished?): it is "
                  "reported from what its metrics.jsonl recorded"
                  for a in attempts if a.ok and not a.run.recorded_summary]
@@ -92,7 +99,8 @@ def report_runs(paths: list, out: Path, target: Optional[float],
                  and a.run.summary.get("status") == "interrupted"]
     text = publish(out, "asyncsgd plot", [f"Runs: {', '.join(str(p) for p in paths)}"],
                    attempts, Goal.of(attempts, target), {"command": sys.argv},
-                   groups=groups if len(groups) > 1 else None, warnings=tuple(warnings))
+                   groups=groups if len(groups) > 1 else None, warnings=tuple(warnings),
+                   caveat=caveat)
     return Plotted(text, warnings, [a for a in attempts if not a.ok])
 
 

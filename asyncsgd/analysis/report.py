@@ -1,7 +1,8 @@
 """Tables and report.md from run directories (``asyncsgd compare`` and ``asyncsgd plot``).
 
 Every number comes from a run's own files (``run.reader.Run``); the runs of one mode
-(repeats) fold into mean ± sample standard deviation.
+(repeats) fold into their median and spread (min–max), and a verdict names a winner only
+where the spreads separate.
 """
 
 from __future__ import annotations
@@ -103,13 +104,27 @@ class Attempt:
 
 @dataclass
 class Spread:
-    """Mean ± sample standard deviation of the values that exist, and how many did."""
+    """The values that exist over a mode's repeats, and how many did: their median and
+    spread (min–max), what the table shows; mean and sample standard deviation, which
+    results.json keeps for its older readers."""
 
     values: list
 
     @property
     def n(self) -> int:
         return len(self.values)
+
+    @property
+    def median(self) -> Optional[float]:
+        return statistics.median(self.values) if self.values else None
+
+    @property
+    def lo(self) -> Optional[float]:
+        return min(self.values) if self.values else None
+
+    @property
+    def hi(self) -> Optional[float]:
+        return max(self.values) if self.values else None
 
     @property
     def mean(self) -> Optional[float]:
@@ -142,7 +157,8 @@ class Row:
     def to_dict(self) -> dict:
         return {"mode": self.label, **({"task": self.group} if self.group else {}),
                 "runs": len(self.attempts), "succeeded": self.succeeded,
-                **{name: {"mean": s.mean, "std": s.std, "n": s.n}
+                **{name: {"median": s.median, "min": s.lo, "max": s.hi, "mean": s.mean,
+                          "std": s.std, "n": s.n}
                    for name, s in self.stats.items()},
                 "speedup_time_to_target": self.speedup_time,
                 "speedup_samples_per_second": self.speedup_throughput}
@@ -151,7 +167,7 @@ class Row:
 def mode_rows(attempts: list, goal: Goal, baseline: str = BASELINE) -> list:
     """One row per label, in first-seen order, with speed-ups over ``baseline``.
 
-    Speed-up over the baseline is a ratio of means over repeats: of its time to
+    Speed-up over the baseline is a ratio of medians over repeats: of its time to
     target over the mode's (where both reached the target), and of the mode's
     samples/s over its samples/s.
     """
@@ -169,10 +185,10 @@ def mode_rows(attempts: list, goal: Goal, baseline: str = BASELINE) -> list:
         for row in rows:
             if not row.succeeded:
                 continue
-            row.speedup_throughput = _ratio(row.stats["samples_per_second"].mean,
-                                            base.stats["samples_per_second"].mean)
-            row.speedup_time = _ratio(base.stats["time_to_target"].mean,
-                                      row.stats["time_to_target"].mean)
+            row.speedup_throughput = _ratio(row.stats["samples_per_second"].median,
+                                            base.stats["samples_per_second"].median)
+            row.speedup_time = _ratio(base.stats["time_to_target"].median,
+                                      row.stats["time_to_target"].median)
     return rows
 
 
@@ -193,12 +209,14 @@ def _ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
 
 
 def _fmt(spread: Spread, fmt, unit: str = "") -> str:
-    if spread.mean is None:
+    """'12.3 s (10.1–14.0)': the median, and the min–max over repeats where there are
+    several; one run: its value alone."""
+    if spread.median is None:
         return DASH
-    text = fmt(spread.mean)
-    if spread.std is not None:
-        text += f" ± {fmt(spread.std)}"
-    return text + unit
+    text = fmt(spread.median) + unit
+    if spread.n > 1:
+        text += f" ({fmt(spread.lo)}–{fmt(spread.hi)})"
+    return text
 
 
 def _sec(x: float) -> str:
@@ -221,6 +239,13 @@ def _times(x: Optional[float]) -> str:
     return DASH if x is None else f"{x:.2f}×"
 
 
+def _time_cell(row: Row) -> str:
+    """'4.0 s (3.0–5.0)', '1.0 s (1/2 reached)' or 'not reached'."""
+    ttt = row.stats["time_to_target"]
+    text = _fmt(ttt, _sec, " s") if ttt.n else "not reached"
+    return text + (f" ({ttt.n}/{row.succeeded} reached)" if 0 < ttt.n < row.succeeded else "")
+
+
 def table_cells(row: Row, goal: Goal) -> dict:
     """The row as the table prints it, column name -> text."""
     s = row.stats
@@ -236,10 +261,7 @@ def table_cells(row: Row, goal: Goal) -> dict:
     }
     if goal.target is not None:
         ttt = s["time_to_target"]
-        text = _fmt(ttt, _sec, " s") if ttt.n else "not reached"
-        if 0 < ttt.n < row.succeeded:
-            text += f" ({ttt.n}/{row.succeeded} reached)"
-        cells[f"time to {goal.label}"] = text
+        cells[f"time to {goal.label}"] = _time_cell(row)
         cells["speed-up (time)"] = _times(row.speedup_time)
         cells[f"samples to {goal.label}"] = _fmt(s["samples_to_target"], _rate) \
             if ttt.n else DASH
@@ -315,32 +337,82 @@ How to read this table:
   end of the run (metrics.jsonl); *start-up s*: seconds from the launch until the first
   samples were processed (starting Python and torch, loading the task, spawning
   processes, connecting workers, building process groups).
-- *speed-up*: over `single`, a ratio of means over repeats: single's time to target over
-  the mode's, where both reached the target, and the mode's samples/s over single's.
+- *speed-up*: over `single`, a ratio of medians over repeats: single's time to target
+  over the mode's, where both reached the target, and the mode's samples/s over single's.
 - *staleness*: parameter-server modes only, in versions of a shard's parameters between
   a worker's pull and its push (percentiles over every push).
-- With several repeats: mean ± sample standard deviation over the runs that succeeded.
+- With several repeats: the median over the runs that succeeded, and in parentheses
+  their spread, min–max (a time to target: over the runs that reached it). The plots
+  draw a mode's median curve and its min–max band. The verdict names a winner only
+  where the spreads separate (the leader's worst run beats the runner-up's best; a mode
+  that missed the target in some run has no worst time); else it says the modes are not
+  distinguishable at that many seeds. With one seed per mode there is no spread, and
+  the verdict says so.
 """
 
+
 def _leader(rows: list, name: str, metric: Metric) -> Row:
-    """The row whose mean of ``name`` (a metric column) is best in the metric's direction."""
+    """The row whose median of ``name`` (a metric column) is best in the metric's
+    direction."""
     leader = rows[0]
     for row in rows[1:]:
-        if metric.better(row.stats[name].mean, leader.stats[name].mean):
+        if metric.better(row.stats[name].median, leader.stats[name].median):
             leader = row
     return leader
 
 
-def verdict(rows: list, goal: Goal) -> str:
+def verdict(rows: list, goal: Goal, caveat: str = "") -> str:
     """Which mode did best under these conditions, by how much, at what cost in samples:
-    sentences computed from the table's means, never canned; one verdict per task where
-    rows of several share the table (no mode wins across tasks)."""
+    sentences computed from the table's medians and spreads, never canned; one verdict
+    per task where rows of several share the table (no mode wins across tasks).
+    ``caveat``: a sentence said after it (what the conditions did to some modes)."""
     groups: dict = {}
     for row in rows:
         groups.setdefault(row.group, []).append(row)
     if len(groups) > 1:
-        return " ".join(f"{name}: {_verdict(group, goal)}" for name, group in groups.items())
-    return _verdict(rows, goal)
+        text = " ".join(f"{name}: {_verdict(group, goal)}" for name, group in groups.items())
+    else:
+        text = _verdict(rows, goal)
+    return f"{text} {caveat}" if caveat else text
+
+
+def _quote(spread: Spread, fmt, unit: str = "") -> str:
+    """A figure inside the verdict's parentheses: '4.0 s', or '4.0 s, 3.5–4.5'."""
+    text = fmt(spread.median) + unit
+    return text + (f", {fmt(spread.lo)}–{fmt(spread.hi)}" if spread.n > 1 else "")
+
+
+def _seeds(*rows) -> str:
+    """'3 seeds', or '3 and 2 seeds' where the rows had unlike numbers of runs."""
+    counts = sorted({r.succeeded for r in rows}, reverse=True)
+    return " and ".join(map(str, counts)) + (" seed" if counts == [1] else " seeds")
+
+
+def _interval(row: Row, name: str, missing: bool = False) -> tuple:
+    """(best case, worst case) of ``name`` over the row's runs as (lo, hi); ``missing``:
+    some run has no value (it never reached the target), so the worst case is unbounded."""
+    spread = row.stats[name]
+    if not spread.n:
+        return math.inf, math.inf
+    return spread.lo, math.inf if missing else spread.hi
+
+
+def _separated(leader: tuple, rival: tuple, lower_wins: bool) -> bool:
+    """The leader's worst run beats the rival's best: their spreads do not overlap."""
+    return leader[1] < rival[0] if lower_wins else leader[0] > rival[1]
+
+
+def _tied(what: str, a: Row, b: Row, show) -> str:
+    """The sentence for two modes whose spreads overlap; ``show``: a row's figure as the
+    table prints it."""
+    return (f"{what}: {a.label} and {b.label} are not distinguishable at {_seeds(a, b)} "
+            f"({show(a)} vs {show(b)}: the spreads overlap)")
+
+
+def _one_seed(*rows) -> str:
+    """Said where every mode compared ran once: a ranking of single runs is no verdict."""
+    return (" One seed per mode: no spread, no verdict (--repeats 3 or more gives one)."
+            if rows and all(r.succeeded == 1 for r in rows) else "")
 
 
 def _verdict(rows: list, goal: Goal) -> str:
@@ -348,48 +420,88 @@ def _verdict(rows: list, goal: Goal) -> str:
     if not ok:
         return "No run succeeded: nothing to compare."
     unit = "%" if goal.metric.percent else ""
+    lower = not goal.metric.higher_is_better
     if goal.target is None:
-        best = _leader(ok, "final_metric", goal.metric)
-        fast = max(ok, key=lambda r: r.stats["samples_per_second"].mean or 0.0)
-        return (f"Best final {goal.metric.name}: {best.label} "
-                f"({_fmt(best.stats['final_metric'], goal.value)}{unit}); most samples/s: "
-                f"{fast.label} ({_fmt(fast.stats['samples_per_second'], _rate)}). Give "
-                "--target to compare times to a target.")
+        return _untargeted(ok, goal, unit, lower)
     pct = goal.label
     reached = sorted((r for r in ok if r.stats["time_to_target"].n),
-                     key=lambda r: r.stats["time_to_target"].mean)
-    missed = [r.label for r in ok if not r.stats["time_to_target"].n]
+                     key=lambda r: r.stats["time_to_target"].median)
+    missed = [r for r in ok if not r.stats["time_to_target"].n]
     if not reached:
         best = _leader(ok, "best_metric", goal.metric)
         return (f"No mode reached {pct} within the budget; the closest was {best.label} "
-                f"(best {_fmt(best.stats['best_metric'], goal.value)}{unit}).")
+                f"(best {_fmt(best.stats['best_metric'], goal.value, unit)})."
+                + _one_seed(*ok))
     first = reached[0]
-    t1, s1 = first.stats["time_to_target"].mean, first.stats["samples_to_target"].mean
-    text = f"{first.label} reached {pct} first, in {t1:.1f} s"
-    if len(reached) > 1:
-        second = reached[1]
-        t2, s2 = second.stats["time_to_target"].mean, second.stats["samples_to_target"].mean
-        text += (f": {t2 / t1:.2f}x sooner than the next, {second.label} ({t2:.1f} s), "
-                 f"with {s1 / s2:.2f}x its samples ({s1:,.0f} vs {s2:,.0f})")
-        thrifty = min(reached, key=lambda r: r.stats["samples_to_target"].mean)
-        if thrifty is not first:
-            text += (f"; the fewest samples to {pct}: {thrifty.label} "
-                     f"({thrifty.stats['samples_to_target'].mean:,.0f})")
-    text += "."
+    rival = reached[1] if len(reached) > 1 else (missed[0] if missed else None)
+
+    def when(row):  # a run that missed the target leaves the row's worst time unbounded
+        return _interval(row, "time_to_target", row.stats["time_to_target"].n < row.succeeded)
+
+    if rival is not None and not _separated(when(first), when(rival), lower_wins=True):
+        text = _tied(f"Time to {pct}", first, rival, _time_cell) + "."
+    else:
+        time1 = first.stats["time_to_target"]
+        text = f"{first.label} reached {pct} first, in {_quote(time1, _sec, ' s')}"
+        if len(reached) > 1:
+            second = reached[1]
+            time2 = second.stats["time_to_target"]
+            s1 = first.stats["samples_to_target"].median
+            s2 = second.stats["samples_to_target"].median
+            text += (f": {time2.median / time1.median:.2f}x sooner than the next, "
+                     f"{second.label} ({_quote(time2, _sec, ' s')}), with {s1 / s2:.2f}x "
+                     f"its samples ({s1:,.0f} vs {s2:,.0f})")
+            thrifty = min(reached, key=lambda r: r.stats["samples_to_target"].median)
+            if thrifty is not first and _separated(
+                    _interval(thrifty, "samples_to_target"),
+                    _interval(first, "samples_to_target"), lower_wins=True):
+                text += (f"; the fewest samples to {pct}: {thrifty.label} "
+                         f"({_quote(thrifty.stats['samples_to_target'], _rate)})")
+        text += "."
     if missed:
-        text += f" Not reached within the budget: {', '.join(missed)}."
-    return text
+        text += f" Not reached within the budget: {', '.join(r.label for r in missed)}."
+    return text + _one_seed(*([first, rival] if rival is not None else [first]))
+
+
+def _untargeted(ok: list, goal: Goal, unit: str, lower: bool) -> str:
+    """Without a target: the best final metric and the most samples/s, each named only
+    where its spread separates from the runner-up's."""
+    parts, final = [], _ranked(ok, "final_metric", lower)
+    for ranked, key, what, fmt, u, lower_wins in (
+            (final, "final_metric", f"final {goal.metric.name}", goal.value, unit, lower),
+            (_ranked(ok, "samples_per_second", False), "samples_per_second", "samples/s",
+             _rate, "", False)):
+        top = ranked[0]
+        if len(ranked) > 1 and not _separated(_interval(top, key), _interval(ranked[1], key),
+                                               lower_wins):
+            parts.append(_tied(what, top, ranked[1],
+                               lambda r, k=key, f=fmt, u=u: _fmt(r.stats[k], f, u)))
+        else:
+            best = "best" if key == "final_metric" else "most"
+            parts.append(f"{best} {what}: {top.label} ({_fmt(top.stats[key], fmt, u)})")
+    text = f"{parts[0][0].upper()}{parts[0][1:]}; {parts[1]}."
+    return text + " Give --target to compare times to a target." + _one_seed(*final[:2])
+
+
+def _ranked(rows: list, name: str, lower: bool) -> list:
+    """``rows`` best first by their median of ``name``; rows without one last."""
+    def key(row):
+        median = row.stats[name].median
+        return (median is None, 0.0 if median is None else median if lower else -median)
+
+    return sorted(rows, key=key)
 
 
 def render_report(title: str, intro: list, rows: list, goal: Goal,
-                  plots: list, out_dir: Path, warnings: tuple = ()) -> str:
+                  plots: list, out_dir: Path, warnings: tuple = (), caveat: str = "") -> str:
     """report.md: the table (after ``warnings``, what a reader must know before trusting
-    it), failed runs with their errors, the plots, every run's directory."""
+    it), failed runs with their errors, the plots, every run's directory; ``caveat``: a
+    sentence the verdict ends with."""
     parts = [f"# {title}", "", *intro, ""]
     if warnings:
         parts += [*(f"- **Warning**: {w}" for w in warnings), ""]
     parts += [render_table(rows, goal), "",
-             f"**Verdict** (computed from the table): {verdict(rows, goal)}", "", NOTES]
+             f"**Verdict** (computed from the table): {verdict(rows, goal, caveat)}", "", NOTES]
     failed = [a for r in rows for a in r.attempts if not a.ok]
     if failed:
         parts += ["## Failed runs", ""]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, TextIO
 
+from ..analysis.fairness import caveat, fairness_notes
 from ..analysis.publish import publish
 from ..analysis.report import Goal
 from ..config import CompareConfig
@@ -79,11 +80,18 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **environment()}
     if cfg.link is not None:  # runs: each ps-*/ddp run's hosts and their links' byte counts
         header["link"] = {"rate": cfg.link, "tbf": Link.parse(cfg.link).tbf(), "runs": {}}
+    # what the conditions did to the modes: the report's first lines (analysis/fairness.py)
+    procs, cores = cfg.procs or available_cores(), available_cores()
+    notes = fairness_notes(procs, cores, specs, None, lr=cfg.lr or task.lr, shards=cfg.shards,
+                           own_lr=_own_lr(specs, extra))
+    header["fairness"] = notes
     # each run's directory -> the Unix time its first process was launched: its clock's origin
     header["launched"] = {}
     (out / "compare.json").write_text(json.dumps(header, indent=2, default=str) + "\n")
     total = len(specs) * cfg.repeats
     shown = CompareProgress(total, cfg.progress, stream, goal, len(task.train))
+    for note in notes:
+        shown.say(note)
     shown.say(f"compare: {len(specs)} mode(s) x {cfg.repeats} repeat(s) = {total} run(s) of "
               f"{cfg.budget:g} s each on {task.name}, one after another; writing {out}")
     if cfg.tensorboard:
@@ -111,11 +119,26 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
         raise
     finally:  # also after Ctrl-C or SIGTERM: report what ran
         if attempts:
-            table = publish(out, _title(cfg, cfg.task), _intro(cfg, header), attempts,
-                            goal, header)
+            table = publish(out, _title(cfg, cfg.task), [*_paragraphs(notes), *_intro(cfg, header)],
+                            attempts, goal, header, caveat=caveat(procs, cores, specs))
         if interrupted:
             shown.say(f"interrupted; the report of the runs so far: {out / 'report.md'}")
     return CompareResult(out, table, attempts)
+
+
+def _paragraphs(lines: list) -> list:
+    """Each line a paragraph of its own in report.md."""
+    return [part for line in lines for part in (line, "")]
+
+
+def _own_lr(specs: list, extra: dict) -> tuple:
+    """The modes whose --mode-args set their own learning rate (a ps-* mode's workers
+    too, through 'worker=')."""
+    def sets_lr(flags) -> bool:
+        return any(f.split("=")[0] in ("--lr", "--local-lr") for f in flags or ())
+
+    return tuple(s.name for s in specs if sets_lr(extra.get(s.name)) or
+                 (s.command == "ps-server" and sets_lr(extra.get("worker"))))
 
 
 def _check_tensorboard() -> None:

@@ -37,8 +37,10 @@ CompareConfig = settings(
          "End each run once it reaches --target instead of using the whole budget (faster; "
          "final scores are then about the target)."),
     knob("repeats", int, 1,
-         "Runs of every mode; repeat r uses seed + r for every mode. The report shows mean ± "
-         "standard deviation over repeats.", type=click.IntRange(min=1)),
+         "Runs of every mode; repeat r uses seed + r for every mode. The report shows each "
+         "figure's median and spread (min–max) over repeats, the plots a median curve in a "
+         "min–max band, and the verdict names a winner only where the spreads separate; "
+         "e.g. 3.", type=click.IntRange(min=1)),
     SEED, DATA, BATCH_SIZE, LR, EPOCHS, EVAL_EVERY,
     PACING,  # ranks of every parallel mode; single is rank 0
     knob("link", Optional[str], None,
