@@ -43,6 +43,8 @@ RUNS = {
                [(1, 100, 0.3), (6, 900, 0.8), (8, 1000, 0.85)]],   # 6.0 s, 900
     "mid": [[(1, 100, 0.3), (2.8, 500, 0.8)], [(1, 100, 0.3), (3.5, 500, 0.8)],
             [(1, 100, 0.3), (4.5, 500, 0.8)]],                   # 2.8, 3.5, 4.5 s
+    "lean": [[(1, 50, 0.3), (7, 100, 0.8)], [(1, 50, 0.3), (7.5, 150, 0.8)],
+             [(1, 50, 0.3), (7.8, 200, 0.8)]],                   # 100, 150, 200 samples
 }
 
 
@@ -80,8 +82,11 @@ def test_one_run_shows_its_value_alone():
 def test_a_verdict_names_the_winner_where_the_spreads_separate():
     """fast's slowest (3.0 s) beat single's fastest (4.0 s)."""
     assert verdict(list(_rows("fast", "single").values()), GOAL) == (
-        "fast reached 75% first, in 2.2 s, 2.0–3.0: 2.27x sooner than the next, single "
-        "(5.0 s, 4.0–6.0), with 0.75x its samples (600 vs 800).")
+        "fast reached 75% first, in 2.2 s (2.0–3.0): 2.27x sooner than the next, single "
+        "(5.0 s; 4.0–6.0), with 0.75x its samples (600 vs 800).")
+    # lean's most samples (200) are fewer than fast's fewest (400): it is named for them
+    assert verdict(list(_rows("fast", "single", "lean").values()), GOAL).endswith(
+        "(600 vs 800); the fewest samples to 75%: lean (150; 100–200).")
 
 
 def test_overlapping_spreads_are_not_distinguishable():

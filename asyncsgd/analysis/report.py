@@ -377,9 +377,9 @@ def verdict(rows: list, goal: Goal, caveat: str = "") -> str:
 
 
 def _quote(spread: Spread, fmt, unit: str = "") -> str:
-    """A figure inside the verdict's parentheses: '4.0 s', or '4.0 s, 3.5–4.5'."""
+    """A figure inside the verdict's parentheses: '4.0 s', or '4.0 s; 3.5–4.5'."""
     text = fmt(spread.median) + unit
-    return text + (f", {fmt(spread.lo)}–{fmt(spread.hi)}" if spread.n > 1 else "")
+    return text + (f"; {fmt(spread.lo)}–{fmt(spread.hi)}" if spread.n > 1 else "")
 
 
 def _seeds(*rows) -> str:
@@ -435,14 +435,14 @@ def _verdict(rows: list, goal: Goal) -> str:
     first = reached[0]
     rival = reached[1] if len(reached) > 1 else (missed[0] if missed else None)
 
-    def when(row):  # a run that missed the target leaves the row's worst time unbounded
-        return _interval(row, "time_to_target", row.stats["time_to_target"].n < row.succeeded)
+    def when(row, name="time_to_target"):  # a run that missed the target: no worst case
+        return _interval(row, name, row.stats["time_to_target"].n < row.succeeded)
 
     if rival is not None and not _separated(when(first), when(rival), lower_wins=True):
         text = _tied(f"Time to {pct}", first, rival, _time_cell) + "."
     else:
         time1 = first.stats["time_to_target"]
-        text = f"{first.label} reached {pct} first, in {_quote(time1, _sec, ' s')}"
+        text = f"{first.label} reached {pct} first, in {_fmt(time1, _sec, ' s')}"
         if len(reached) > 1:
             second = reached[1]
             time2 = second.stats["time_to_target"]
@@ -452,9 +452,8 @@ def _verdict(rows: list, goal: Goal) -> str:
                      f"{second.label} ({_quote(time2, _sec, ' s')}), with {s1 / s2:.2f}x "
                      f"its samples ({s1:,.0f} vs {s2:,.0f})")
             thrifty = min(reached, key=lambda r: r.stats["samples_to_target"].median)
-            if thrifty is not first and _separated(
-                    _interval(thrifty, "samples_to_target"),
-                    _interval(first, "samples_to_target"), lower_wins=True):
+            if thrifty is not first and _separated(when(thrifty, "samples_to_target"),
+                                                   when(first, "samples_to_target"), True):
                 text += (f"; the fewest samples to {pct}: {thrifty.label} "
                          f"({_quote(thrifty.stats['samples_to_target'], _rate)})")
         text += "."
