@@ -382,14 +382,16 @@ def _verdict(rows: list, goal: Goal) -> str:
 
 
 def render_report(title: str, intro: list, rows: list, goal: Goal,
-                  plots: list, out_dir: Path, warnings: tuple = ()) -> str:
+                  plots: list, out_dir: Path, warnings: tuple = (), sections: tuple = ()) -> str:
     """report.md: the table (after ``warnings``, what a reader must know before trusting
-    it), failed runs with their errors, the plots, every run's directory."""
+    it), ``sections`` (lines of markdown), failed runs with their errors, the plots, every
+    run's directory."""
     parts = [f"# {title}", "", *intro, ""]
     if warnings:
         parts += [*(f"- **Warning**: {w}" for w in warnings), ""]
     parts += [render_table(rows, goal), "",
-             f"**Verdict** (computed from the table): {verdict(rows, goal)}", "", NOTES]
+             f"**Verdict** (computed from the table): {verdict(rows, goal)}", "", NOTES,
+             *sections]
     failed = [a for r in rows for a in r.attempts if not a.ok]
     if failed:
         parts += ["## Failed runs", ""]
