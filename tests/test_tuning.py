@@ -187,3 +187,28 @@ def test_compare_tune_lr_runs_with_the_candidate_its_runs_say_was_best(cli_env, 
     assert f"lr tuned per mode, see Learning rates: single {expected:g}" in report
     assert f"tune single: lr {expected:g} chosen" in res.stderr
     assert Path(out / "tuning" / "logs" / f"single-lr{expected:g}").is_dir()
+
+
+@pytest.mark.parametrize("mode, server_lr, worker_lr", [
+    ("single", "0.3", None), ("hogwild", "0.3", None), ("ddp+fp16", "0.3", None),
+    ("ps-sync", "0.3", None), ("ps-async+int8", "0.3", "0.3"),
+    ("diloco:8", "0.7", "0.3"),  # the outer Nesterov step keeps its lr; the workers' is tuned
+])
+def test_a_mode_run_takes_its_own_lr_over_the_comparisons(tmp_path, mode, server_lr,
+                                                          worker_lr):
+    from asyncsgd.comparison.mode_run import ModeRun
+
+    def flag(flags, name):
+        return flags[len(flags) - 1 - flags[::-1].index(name) + 1] if name in flags else None
+
+    spec = parse_modes(mode)[0]
+    run = ModeRun(CompareConfig(lr=0.1, procs=2), spec, 0, tmp_path, {}, None, lr=0.3,
+                  name=f"{spec.slug}-lr0.3")
+    assert run.run_dir == tmp_path / f"{spec.slug}-lr0.3"
+    assert run.logs == tmp_path / "logs" / f"{spec.slug}-lr0.3"
+    assert flag(run.command(), "--lr") == server_lr  # the last --lr is the one click keeps
+    worker = run.worker_command("tcp://127.0.0.1:1", 0)
+    assert flag(worker, "--local-lr") == worker_lr
+    plain = ModeRun(CompareConfig(lr=0.1, procs=2), spec, 1, tmp_path, {}, None)
+    assert plain.run_dir == tmp_path / f"{spec.slug}-r2"
+    assert flag(plain.command(), "--lr") == ("0.7" if mode.startswith("diloco") else "0.1")
