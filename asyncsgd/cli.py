@@ -370,6 +370,7 @@ def _finish(ctx: click.Context, command: str, result, how: str = "") -> None:
              "  asyncsgd compare --task mnist1d-cnn --procs 2 --budget 60 --target 0.9\n"
              "  asyncsgd compare --task lm --modes single,ps-async,ddp --budget 120\n"
              "  asyncsgd compare --modes hogwild,ps-async,ps-sync --repeats 3 --out runs/cmp\n"
+             "  asyncsgd compare --modes ddp,ps-sync,ps-async --procs 2 --tune lr --target 0.85\n"
              "  asyncsgd compare --modes hogwild,ps-async --mode-args 'ps-async=--optimizer adam'\n"
              "  asyncsgd compare --tensorboard --out runs/cmp && tensorboard --logdir runs/cmp\n"
              "  asyncsgd compare --link 100mbit --modes ps-async,ddp --procs 2   # as root")

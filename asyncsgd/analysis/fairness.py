@@ -62,15 +62,17 @@ def fairness_notes(processes: int, cores: int, modes: list, tuned: Optional[dict
                    own_lr: tuple = (), real_clock: bool = True) -> list:
     """The report's first lines: oversubscription (real clock only) and the learning rate
     each mode used. ``processes``: training processes of each parallel mode; ``cores``:
-    the host's; ``tuned``: {mode: lr} chosen by --tune lr, or None (every mode used
-    ``lr``, the task's or --lr; ``own_lr``: modes whose --mode-args set their own)."""
+    the host's; ``tuned``: {mode: lr} chosen by --tune lr ({} before it chose), or None
+    (every mode used ``lr``, the task's or --lr; ``own_lr``: modes whose --mode-args set
+    their own)."""
     notes = []
     over = oversubscription(processes, cores, modes, shards) if real_clock else None
     if over is not None:
         notes.append(over)
-    if tuned is not None:
-        notes.append("Learning rate tuned per mode (--tune lr): "
-                     + ", ".join(f"{mode} {value:g}" for mode, value in tuned.items()) + ".")
+    if tuned is not None:  # {}: tuning, not yet done
+        if tuned:
+            notes.append("Learning rate tuned per mode (--tune lr): "
+                         + ", ".join(f"{mode} {value:g}" for mode, value in tuned.items()) + ".")
         return notes
     which = "the task's" if lr is None else f"lr {lr:g}"
     except_ = (f", except {', '.join(own_lr)}, whose --mode-args set their own"

@@ -13,8 +13,8 @@ from ..errors import ConfigError
 from .fairness import recorded_notes
 from .plots import draw_all
 from ..run.reader import Run
-from .report import (Attempt, Goal, grouped_rows, mode_rows, render_report, render_table,
-                     run_label, verdict)
+from .report import (BASELINE, Attempt, Goal, grouped_rows, mode_rows, render_report,
+                     render_table, run_label, verdict)
 
 # What makes two runs runs of one task, and how a message names it.
 TASK_FIELDS = (("name", "task"), ("train_samples", "training samples"),
@@ -46,18 +46,19 @@ def write_results(path: Path, header: dict, rows: list, goal: Goal) -> None:
 
 def publish(out_dir: Path, title: str, intro: list, attempts: list, goal: Goal,
             header: dict, *, groups: Optional[list] = None, warnings: tuple = (),
-            caveat: str = "") -> str:
+            caveat: str = "", baseline: str = BASELINE, sections: tuple = ()) -> str:
     """Write the plots, report.md and results.json of ``attempts`` into ``out_dir``;
     returns the table and verdict. ``groups``: [(task, attempts)] of runs of several
     tasks, each with rows and speed-ups of its own; ``warnings``: said above the table;
-    ``caveat``: a sentence the verdict ends with (``fairness.caveat``)."""
+    ``caveat``: a sentence the verdict ends with (``fairness.caveat``); ``baseline``: the
+    label speed-ups are over; ``sections``: report.md's lines after the table's notes."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = grouped_rows(groups, goal) if groups else mode_rows(attempts, goal)
+    rows = grouped_rows(groups, goal) if groups else mode_rows(attempts, goal, baseline)
     plots = draw_all([(_legend(r), [a.run for a in r.attempts if a.ok]) for r in rows],
                      out_dir, goal, conditions=title)
     (out_dir / "report.md").write_text(
         render_report(title, intro, rows, goal, plots, out_dir, warnings=tuple(warnings),
-                      caveat=caveat))
+                      caveat=caveat, sections=tuple(sections)))
     write_results(out_dir / "results.json",
                   {**header, "warnings": list(warnings)} if warnings else header, rows, goal)
     return render_table(rows, goal) + "\n\n" + verdict(rows, goal, caveat)

@@ -492,15 +492,17 @@ def _ranked(rows: list, name: str, lower: bool) -> list:
 
 
 def render_report(title: str, intro: list, rows: list, goal: Goal,
-                  plots: list, out_dir: Path, warnings: tuple = (), caveat: str = "") -> str:
+                  plots: list, out_dir: Path, warnings: tuple = (), caveat: str = "",
+                  sections: tuple = ()) -> str:
     """report.md: the table (after ``warnings``, what a reader must know before trusting
-    it), failed runs with their errors, the plots, every run's directory; ``caveat``: a
-    sentence the verdict ends with."""
+    it), ``sections`` (lines of markdown), failed runs with their errors, the plots, every
+    run's directory; ``caveat``: a sentence the verdict ends with."""
     parts = [f"# {title}", "", *intro, ""]
     if warnings:
         parts += [*(f"- **Warning**: {w}" for w in warnings), ""]
     parts += [render_table(rows, goal), "",
-             f"**Verdict** (computed from the table): {verdict(rows, goal, caveat)}", "", NOTES]
+             f"**Verdict** (computed from the table): {verdict(rows, goal, caveat)}", "", NOTES,
+             *sections]
     failed = [a for r in rows for a in r.attempts if not a.ok]
     if failed:
         parts += ["## Failed runs", ""]

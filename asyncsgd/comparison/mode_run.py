@@ -44,17 +44,21 @@ class ModeRun:
     """One run of one mode: starts its processes, watches them, returns an Attempt."""
 
     def __init__(self, cfg: CompareConfig, spec: ModeSpec, repeat: int, out: Path,
-                 extra: dict, shown: Optional[CompareProgress], goal: Optional[Goal] = None):
-        """``goal``: the task's metric and target (None: no target to stop at)."""
+                 extra: dict, shown: Optional[CompareProgress], goal: Optional[Goal] = None,
+                 lr: Optional[float] = None, name: Optional[str] = None):
+        """``goal``: the task's metric and target (None: no target to stop at); ``lr``: this
+        mode's (--tune lr), else ``cfg.lr``; ``name``: of its run and logs directories
+        (default ``<mode>-r<repeat>``)."""
         self.cfg, self.spec, self.repeat, self.extra, self.shown = cfg, spec, repeat, extra, shown
         self.goal = goal
+        self.lr = lr if lr is not None else cfg.lr
         self.seed = cfg.seed + repeat
         self.procs = cfg.procs or available_cores()
         # single too: it is one of the N processes alone, and more threads collapse on a
         # busy machine (experiments/README.md, "Async vs sync")
         self.threads = max(1, available_cores() // self.procs)
-        self.run_dir = out / f"{spec.slug}-r{repeat + 1}"
-        self.logs = out / "logs" / f"{spec.slug}-r{repeat + 1}"
+        name = name or f"{spec.slug}-r{repeat + 1}"
+        self.run_dir, self.logs = out / name, out / "logs" / name
         self.children: list = []
         # --link: this run's hosts (ps-* and ddp), and what crossed their links
         self.link = Link.parse(cfg.link) if spec.command in linked.SHAPED_COMMANDS else None
@@ -98,10 +102,10 @@ class ModeRun:
             flags = self._run_flags() + _present({
                 "--workers": self.procs, "--shards": c.shards, "--consistency": spec.consistency,
                 "--backup-workers": spec.backup_workers or None, "--optimizer": spec.optimizer,
-                "--lr": c.lr if spec.optimizer == "sgd" else None})
+                "--lr": self.lr if spec.optimizer == "sgd" else None})
         else:
             world = 1 if spec.command == "single" else self.procs
-            flags = self._run_flags() + self._train_flags(world) + _present({"--lr": c.lr})
+            flags = self._run_flags() + self._train_flags(world) + _present({"--lr": self.lr})
             flags += ["--threads", str(self.threads)]
             if spec.command != "single":
                 flags += ["--procs", str(self.procs)]
@@ -113,7 +117,7 @@ class ModeRun:
         """No --max-seconds: the server's budget ends the run and it tells the workers
         (their own clocks would end them at other moments)."""
         # with --local-steps, --lr is the workers' inner lr (the server's is DiLoCo's)
-        local_lr = self.cfg.lr if self.spec.worker_flags else None
+        local_lr = self.lr if self.spec.worker_flags else None
         return self._data_flags() + self._train_flags(self.procs) + _present({
             "--server": server, "--rank": rank, "--world": self.procs, "--seed": self.seed,
             "--threads": self.threads, "--progress": "off", "--local-lr": local_lr,

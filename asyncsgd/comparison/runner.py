@@ -12,13 +12,14 @@ import json
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, TextIO
 
 from ..analysis.fairness import caveat, fairness_notes
 from ..analysis.publish import publish
-from ..analysis.report import Goal
+from ..analysis.report import BASELINE, Goal
+from ..analysis.tuning import render_tuning
 from ..config import CompareConfig
 from ..core.pacing import Pacing
 from ..core.tasks import task_of
@@ -27,7 +28,7 @@ from ..run.link import Link
 from ..run.process_group import available_cores
 from ..run.rundir import RunDir, environment
 from ..run.signals import sigterm_as_interrupt
-from . import linked
+from . import linked, tuner
 from .mode_run import ModeRun
 from ..config.modes import parse_mode_args, parse_modes
 from .progress import CompareProgress
@@ -38,6 +39,7 @@ class CompareResult:
     out: Path
     table: str
     attempts: list
+    tuning: dict = field(default_factory=dict)  # --tune lr: mode -> analysis.tuning.Choice
 
     @property
     def failed(self) -> list:
@@ -69,6 +71,7 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
     if cfg.stop_at_target and goal.target is None:
         raise ConfigError(f"--stop-at-target needs --target: task {task.name} has no default "
                           f"target (its metric: {task.metric.name})")
+    tuner.check(cfg, goal, task.name)
     if cfg.tensorboard:
         _check_tensorboard()
     out = _compare_dir(cfg.out)
@@ -82,30 +85,50 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
         header["link"] = {"rate": cfg.link, "tbf": Link.parse(cfg.link).tbf(), "runs": {}}
     # what the conditions did to the modes: the report's first lines (analysis/fairness.py)
     procs, cores = cfg.procs or available_cores(), available_cores()
-    notes = fairness_notes(procs, cores, specs, None, lr=cfg.lr or task.lr, shards=cfg.shards,
-                           own_lr=_own_lr(specs, extra))
+    def fairness(tuned: Optional[dict]) -> list:
+        return fairness_notes(procs, cores, specs, tuned, lr=cfg.lr or task.lr,
+                              shards=cfg.shards, own_lr=_own_lr(specs, extra))
+
+    # with --tune lr, the line naming each mode's lr is known once the tuning is done
+    notes = fairness({} if cfg.tune == "lr" else None)
     header["fairness"] = notes
     # each run's directory -> the Unix time its first process was launched: its clock's origin
     header["launched"] = {}
     (out / "compare.json").write_text(json.dumps(header, indent=2, default=str) + "\n")
     total = len(specs) * cfg.repeats
     shown = CompareProgress(total, cfg.progress, stream, goal, len(task.train))
+    base_lr = cfg.lr or task.lr
     for note in notes:
         shown.say(note)
+    if cfg.tune == "lr":
+        tries = sum(map(len, tuner.grids(cfg, specs, base_lr).values()))
+        shown.say(f"compare: --tune lr first: {tries} candidate run(s) of up to "
+                  f"{tuner.tune_budget(cfg):g} s each, stopping at {goal.label}, into "
+                  f"{out / tuner.TUNING_DIR}")
     shown.say(f"compare: {len(specs)} mode(s) x {cfg.repeats} repeat(s) = {total} run(s) of "
               f"{cfg.budget:g} s each on {task.name}, one after another; writing {out}")
     if cfg.tensorboard:
         shown.say(f"TensorBoard: each run writes {out}/<mode>-r<k>/tensorboard; view them "
                   f"together with: tensorboard --logdir {out}")
     attempts: list = []
+    choices: dict = {}
     interrupted = False
     try:
         with sigterm_as_interrupt():
+            if cfg.tune == "lr":
+                choices = tuner.tune_lrs(cfg, specs, out, extra, goal, base_lr, stream,
+                                         len(task.train))
+                header["tuning"] = {mode: {**c.to_dict(), "budget": tuner.tune_budget(cfg)}
+                                    for mode, c in choices.items()}
+                notes = header["fairness"] = fairness({m: c.lr for m, c in choices.items()})
             # Repeats interleave (all modes, then all modes again): drift of a shared
             # machine then spreads over every mode instead of favouring one.
             for repeat in range(cfg.repeats):
                 for spec in specs:
-                    run = ModeRun(cfg, spec, repeat, out, extra, shown, goal)
+                    lr = choices[spec.name].lr if choices else None
+                    run = ModeRun(cfg, spec, repeat, out, extra, shown, goal, lr=lr)
+                    if choices:  # the table's rows say each mode's lr
+                        run.attempt.label = _tuned_label(spec.name, lr)
                     attempts.append(run.attempt)
                     try:
                         run.run()
@@ -119,11 +142,22 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
         raise
     finally:  # also after Ctrl-C or SIGTERM: report what ran
         if attempts:
+            sections = render_tuning(choices, goal, tuner.tune_budget(cfg), cfg.seed) \
+                if choices else []
             table = publish(out, _title(cfg, cfg.task), [*_paragraphs(notes), *_intro(cfg, header)],
-                            attempts, goal, header, caveat=caveat(procs, cores, specs))
+                            attempts, goal, header, caveat=caveat(procs, cores, specs),
+                            sections=tuple(sections),
+                            baseline=_tuned_label(BASELINE, choices[BASELINE].lr)
+                            if BASELINE in choices else BASELINE)
         if interrupted:
-            shown.say(f"interrupted; the report of the runs so far: {out / 'report.md'}")
-    return CompareResult(out, table, attempts)
+            shown.say(f"interrupted; the report of the runs so far: {out / 'report.md'}"
+                      if attempts else f"interrupted while tuning; the candidate runs so "
+                      f"far: {out / tuner.TUNING_DIR}")
+    return CompareResult(out, table, attempts, choices)
+
+
+def _tuned_label(mode: str, lr: float) -> str:
+    return f"{mode} (lr {lr:g})"
 
 
 def _paragraphs(lines: list) -> list:
@@ -160,10 +194,11 @@ def _title(cfg: CompareConfig, task: str) -> str:
 def _intro(cfg: CompareConfig, header: dict) -> list:
     versions, host = header["versions"], header["host"]
     task = header["task"]
+    lr = "lr tuned per mode: see Learning rates" if header.get("tuning") else f"lr {task['lr']:g}"
     return [
         f"Every mode trained `{task['name']}` ({task['train_samples']:,} training / "
         f"{task['test_samples']:,} test samples) for a budget of {cfg.budget:g} s (start-up "
-        f"included), one run after another, with plain SGD (lr {task['lr']:g}, batch "
+        f"included), one run after another, with plain SGD ({lr}, batch "
         f"{task['batch_size']} per process), seeds {cfg.seed}..{cfg.seed + cfg.repeats - 1} "
         f"(same model initialisation and data order in every mode), evaluating every "
         f"{cfg.eval_every:g} s. single steps on the same batch as each process; ddp averages "

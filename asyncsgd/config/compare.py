@@ -36,6 +36,16 @@ CompareConfig = settings(
     knob("stop_at_target", bool, False,
          "End each run once it reaches --target instead of using the whole budget (faster; "
          "final scores are then about the target)."),
+    knob("tune", str, "none",
+         "none: every mode trains with --lr. lr: before the runs, train each mode once per "
+         "candidate lr (--lr or the task's, x0.5, x1, x2 and x4; synchronous modes also x "
+         "--procs, linear scaling) for --tune-budget seconds, stopping at --target, and run "
+         "each mode with the candidate that reached the target soonest (needs a target). "
+         "E.g. --tune lr --target 0.85.", type=click.Choice(["none", "lr"])),
+    knob("tune_budget", Optional[float], None,
+         "Seconds each --tune lr candidate gets (start-up included), e.g. 20; all of them "
+         "take about modes x candidates x this.", type=click.FloatRange(min=0, min_open=True),
+         metavar="SECONDS", show="a quarter of --budget, at least 10 s, at most --budget"),
     knob("repeats", int, 1,
          "Runs of every mode; repeat r uses seed + r for every mode. The report shows each "
          "figure's median and spread (min–max) over repeats, the plots a median curve in a "
