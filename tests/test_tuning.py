@@ -184,7 +184,8 @@ def test_compare_tune_lr_runs_with_the_candidate_its_runs_say_was_best(cli_env, 
     assert row["speed-up (time)"] == "1.00×"  # single is still the baseline
     assert "## Learning rates" in report
     assert f"| single | **{expected:g}** |" in report and report.count("**chosen**") == 1
-    assert f"lr tuned per mode, see Learning rates: single {expected:g}" in report
+    assert f"Learning rate tuned per mode (--tune lr): single {expected:g}." in report
+    assert "lr tuned per mode: see Learning rates" in report
     assert f"tune single: lr {expected:g} chosen" in res.stderr
     assert Path(out / "tuning" / "logs" / f"single-lr{expected:g}").is_dir()
 
