@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from asyncsgd.analysis.report import Goal, parse_table
-from asyncsgd.analysis.tuning import Outcome, choose, is_synchronous, lr_grid, render_tuning
+from asyncsgd.analysis.tuning import (Outcome, choose, edge_note, is_synchronous, lr_grid,
+                                      render_tuning)
 from asyncsgd.comparison import tuner
 from asyncsgd.config import CompareConfig
 from asyncsgd.config.modes import parse_modes
@@ -213,3 +214,15 @@ def test_a_mode_run_takes_its_own_lr_over_the_comparisons(tmp_path, mode, server
     plain = ModeRun(CompareConfig(lr=0.1, procs=2), spec, 1, tmp_path, {}, None)
     assert plain.run_dir == tmp_path / f"{spec.slug}-r2"
     assert flag(plain.command(), "--lr") == ("0.7" if mode.startswith("diloco") else "0.1")
+
+
+def test_a_pick_at_the_grids_edge_says_a_better_lr_may_lie_beyond():
+    """ddp's candidates measured on mnist1d-cnn: the largest one won, so the report says a
+    larger lr may do better; a pick inside the grid says nothing."""
+    edge = choose([_o(0.05, 13.6, 311_456), _o(0.1, 7.0, 127_072), _o(0.4, 4.9, 56_704)])
+    assert edge.lr == 0.4 and edge_note(edge) == (
+        " (the largest lr tried: a larger one may do better; give --lr to move the grid)")
+    low = choose([_o(0.05, 3.0, 10_000), _o(0.1, 7.0, 127_072)])
+    assert "smallest lr tried: a smaller one" in edge_note(low)
+    inside = choose([_o(0.05, 13.6, 311_456), _o(0.1, 4.0, 100_000), _o(0.4, 6.4, 193_536)])
+    assert inside.lr == 0.1 and edge_note(inside) == ""

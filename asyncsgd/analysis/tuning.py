@@ -144,5 +144,17 @@ def render_tuning(choices: dict, goal: Goal, budget: float, seed: int) -> list:
             best = DASH if o.best_metric is None else goal.value(o.best_metric)
             lines.append(f"| {mode} | {lr} | {time} | {samples} | {best} | {mark} |")
     lines.append("")
-    lines += [f"- {mode}: lr {choice.lr:g}, {choice.why}." for mode, choice in choices.items()]
+    lines += [f"- {mode}: lr {choice.lr:g}, {choice.why}{edge_note(choice)}."
+              for mode, choice in choices.items()]
     return lines + [""]
+
+
+def edge_note(choice) -> str:
+    """Said where the chosen lr is the grid's largest or smallest: the best lr may lie
+    beyond the grid, so the mode may be faster than its row shows."""
+    tried = sorted(o.lr for o in choice.outcomes)
+    if len(tried) < 2 or choice.lr not in (tried[0], tried[-1]):
+        return ""
+    side = "largest" if choice.lr == tried[-1] else "smallest"
+    return (f" (the {side} lr tried: a {'larger' if side == 'largest' else 'smaller'} one may "
+            "do better; give --lr to move the grid)")
