@@ -37,10 +37,17 @@ def run_label(config: dict) -> str:
 
 @dataclass(frozen=True)
 class Goal:
-    """What a report ranks by: the task's metric, and the target in it (or None)."""
+    """What a report ranks by: the task's metric, and the target in it (or None); and the
+    clock its runs' times are on: real, or virtual (``asyncsgd simulate``)."""
 
     metric: Metric
     target: Optional[float] = None
+    clock: str = "real"
+
+    @property
+    def unit(self) -> str:
+        """Seconds as the table says them: 's', or 'virtual s'."""
+        return "virtual s" if self.clock == "virtual" else "s"
 
     @property
     def label(self) -> str:
@@ -71,7 +78,12 @@ class Goal:
             metric.check_target(target)
         except ValueError as exc:
             raise ConfigError(f"{exc} (the runs score {metric.name})") from None
-        return cls(metric, target)
+        clocks = sorted({a.run.record.get("clock", "real") for a in attempts
+                         if a.run is not None})
+        if len(clocks) > 1:
+            raise ConfigError("these runs mix the real clock and the virtual one (asyncsgd "
+                              "simulate): their times cannot share a table; plot each apart")
+        return cls(metric, target, clocks[0] if clocks else "real")
 
 
 @dataclass
@@ -236,7 +248,7 @@ def table_cells(row: Row, goal: Goal) -> dict:
     }
     if goal.target is not None:
         ttt = s["time_to_target"]
-        text = _fmt(ttt, _sec, " s") if ttt.n else "not reached"
+        text = _fmt(ttt, _sec, f" {goal.unit}") if ttt.n else "not reached"
         if 0 < ttt.n < row.succeeded:
             text += f" ({ttt.n}/{row.succeeded} reached)"
         cells[f"time to {goal.label}"] = text
@@ -247,9 +259,9 @@ def table_cells(row: Row, goal: Goal) -> dict:
         cells[f"MB to {goal.label}"] = _fmt(s["bytes_to_target"], _mb) \
             if ttt.n and s["bytes_to_target"].n else DASH
     cells.update({
-        "samples/s": _fmt(s["samples_per_second"], _rate),
-        "speed-up (samples/s)": _times(row.speedup_throughput),
-        "start-up s": _fmt(s["startup_seconds"], _sec),
+        f"samples/{goal.unit}": _fmt(s["samples_per_second"], _rate),
+        f"speed-up (samples/{goal.unit})": _times(row.speedup_throughput),
+        f"start-up {goal.unit}": _fmt(s["startup_seconds"], _sec),
         "staleness p50 / p99": (f"{_fmt(s['staleness_p50'], _count)} / "
                                 f"{_fmt(s['staleness_p99'], _count)}"
                                 if s["staleness_p50"].n else DASH),
@@ -265,8 +277,8 @@ def columns(goal: Goal, grouped: bool = False) -> list:
     if goal.target is not None:
         names += [f"time to {goal.label}", "speed-up (time)", f"samples to {goal.label}",
                   f"MB to {goal.label}"]
-    return names + ["samples/s", "speed-up (samples/s)", "start-up s", "staleness p50 / p99",
-                    "runs ok"]
+    return names + [f"samples/{goal.unit}", f"speed-up (samples/{goal.unit})",
+                    f"start-up {goal.unit}", "staleness p50 / p99", "runs ok"]
 
 
 def render_table(rows: list, goal: Goal) -> str:
@@ -322,6 +334,13 @@ How to read this table:
 - With several repeats: mean ± sample standard deviation over the runs that succeeded.
 """
 
+VIRTUAL_NOTE = """\
+On the virtual clock (`asyncsgd simulate`, docs/simulate.md): every time below and in the
+table is in virtual seconds, the simulator's clock under its cost model, not this machine's;
+the samples, scores and staleness are real (every gradient was computed).
+"""
+
+
 def _leader(rows: list, name: str, metric: Metric) -> Row:
     """The row whose mean of ``name`` (a metric column) is best in the metric's direction."""
     leader = rows[0]
@@ -365,11 +384,12 @@ def _verdict(rows: list, goal: Goal) -> str:
                 f"(best {_fmt(best.stats['best_metric'], goal.value)}{unit}).")
     first = reached[0]
     t1, s1 = first.stats["time_to_target"].mean, first.stats["samples_to_target"].mean
-    text = f"{first.label} reached {pct} first, in {t1:.1f} s"
+    text = f"{first.label} reached {pct} first, in {t1:.1f} {goal.unit}"
     if len(reached) > 1:
         second = reached[1]
         t2, s2 = second.stats["time_to_target"].mean, second.stats["samples_to_target"].mean
-        text += (f": {t2 / t1:.2f}x sooner than the next, {second.label} ({t2:.1f} s), "
+        text += (f": {t2 / t1:.2f}x sooner than the next, {second.label} ({t2:.1f} "
+                 f"{goal.unit}), "
                  f"with {s1 / s2:.2f}x its samples ({s1:,.0f} vs {s2:,.0f})")
         thrifty = min(reached, key=lambda r: r.stats["samples_to_target"].mean)
         if thrifty is not first:
@@ -389,7 +409,8 @@ def render_report(title: str, intro: list, rows: list, goal: Goal,
     if warnings:
         parts += [*(f"- **Warning**: {w}" for w in warnings), ""]
     parts += [render_table(rows, goal), "",
-             f"**Verdict** (computed from the table): {verdict(rows, goal)}", "", NOTES]
+             f"**Verdict** (computed from the table): {verdict(rows, goal)}", "",
+             *([VIRTUAL_NOTE] if goal.clock == "virtual" else []), NOTES]
     failed = [a for r in rows for a in r.attempts if not a.ok]
     if failed:
         parts += ["## Failed runs", ""]
