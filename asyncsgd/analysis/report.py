@@ -49,6 +49,10 @@ class Goal:
         """Seconds as the table says them: 's', or 'virtual s'."""
         return "virtual s" if self.clock == "virtual" else "s"
 
+    def seconds(self, x: float) -> str:
+        """A time as the table says it: virtual ones often last milliseconds."""
+        return f"{x:.3g}" if self.clock == "virtual" else _sec(x)
+
     @property
     def label(self) -> str:
         """The target as a column says it: '90%', 'perplexity 1.84'."""
@@ -248,7 +252,7 @@ def table_cells(row: Row, goal: Goal) -> dict:
     }
     if goal.target is not None:
         ttt = s["time_to_target"]
-        text = _fmt(ttt, _sec, f" {goal.unit}") if ttt.n else "not reached"
+        text = _fmt(ttt, goal.seconds, f" {goal.unit}") if ttt.n else "not reached"
         if 0 < ttt.n < row.succeeded:
             text += f" ({ttt.n}/{row.succeeded} reached)"
         cells[f"time to {goal.label}"] = text
@@ -261,7 +265,7 @@ def table_cells(row: Row, goal: Goal) -> dict:
     cells.update({
         f"samples/{goal.unit}": _fmt(s["samples_per_second"], _rate),
         f"speed-up (samples/{goal.unit})": _times(row.speedup_throughput),
-        f"start-up {goal.unit}": _fmt(s["startup_seconds"], _sec),
+        f"start-up {goal.unit}": _fmt(s["startup_seconds"], goal.seconds),
         "staleness p50 / p99": (f"{_fmt(s['staleness_p50'], _count)} / "
                                 f"{_fmt(s['staleness_p99'], _count)}"
                                 if s["staleness_p50"].n else DASH),
@@ -336,8 +340,9 @@ How to read this table:
 
 VIRTUAL_NOTE = """\
 On the virtual clock (`asyncsgd simulate`, docs/simulate.md): every time below and in the
-table is in virtual seconds, the simulator's clock under its cost model, not this machine's;
-the samples, scores and staleness are real (every gradient was computed).
+table is in virtual seconds, the simulator's clock under its cost model, not this machine's,
+counted from the run's simulated start (no process is launched: start-up is the first
+step's); the samples, scores and staleness are real (every gradient was computed).
 """
 
 
@@ -384,12 +389,12 @@ def _verdict(rows: list, goal: Goal) -> str:
                 f"(best {_fmt(best.stats['best_metric'], goal.value)}{unit}).")
     first = reached[0]
     t1, s1 = first.stats["time_to_target"].mean, first.stats["samples_to_target"].mean
-    text = f"{first.label} reached {pct} first, in {t1:.1f} {goal.unit}"
+    text = f"{first.label} reached {pct} first, in {goal.seconds(t1)} {goal.unit}"
     if len(reached) > 1:
         second = reached[1]
         t2, s2 = second.stats["time_to_target"].mean, second.stats["samples_to_target"].mean
-        text += (f": {t2 / t1:.2f}x sooner than the next, {second.label} ({t2:.1f} "
-                 f"{goal.unit}), "
+        text += (f": {t2 / t1:.2f}x sooner than the next, {second.label} "
+                 f"({goal.seconds(t2)} {goal.unit}), "
                  f"with {s1 / s2:.2f}x its samples ({s1:,.0f} vs {s2:,.0f})")
         thrifty = min(reached, key=lambda r: r.stats["samples_to_target"].mean)
         if thrifty is not first:
