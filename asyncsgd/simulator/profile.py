@@ -61,8 +61,9 @@ def _threads(n: int):
 
 def step_seconds(task: Task, batch_size: Optional[int] = None, threads: int = 1,
                  steps: int = MEASURED_STEPS) -> list:
-    """Seconds of each of ``steps`` forward+backward steps on batches of the training
-    data (after ``WARMUP_STEPS`` not counted), as a worker computes its gradient."""
+    """Seconds of each of ``steps`` steps on batches of the training data (after
+    ``WARMUP_STEPS`` not counted), as a worker computes its gradient: the batch's rows,
+    forward, backward and the loss read back."""
     batch = batch_size or task.batch_size
     model = task.build_model()
     order = torch.randperm(len(task.train), generator=torch.Generator().manual_seed(0))
@@ -70,8 +71,8 @@ def step_seconds(task: Task, batch_size: Optional[int] = None, threads: int = 1,
     with _threads(threads):
         for i in range(WARMUP_STEPS + steps):
             start = (i * batch) % max(1, len(task.train) - batch + 1)
-            inputs, targets = task.train.rows(order[start:start + batch])
             began = time.perf_counter()
+            inputs, targets = task.train.rows(order[start:start + batch])
             model.zero_grad(set_to_none=False)
             loss = task.loss_fn(model(*inputs), targets)
             loss.backward()
