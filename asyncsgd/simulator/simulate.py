@@ -29,9 +29,8 @@ from ..errors import AsyncSGDError, ConfigError
 from ..run.reader import Run
 from ..run.rundir import RunDir, environment
 from ..run.signals import sigterm_as_interrupt
-from . import profile
+from . import VirtualSetup, profile, simulate_run  # the engine, as the package re-exports it
 from .costs import Costs, Link, StepTime, parse_duration, parse_rate, parse_size
-from .run import VirtualSetup, simulate_run
 
 NO_EPOCH_LIMIT = 1_000_000  # --target or --budget ends the run
 AUTO_EVAL_STEPS = 50  # --eval-every's default, in median step times
