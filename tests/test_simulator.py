@@ -194,3 +194,30 @@ def test_what_is_not_simulated_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match="--leave names rank 7"):
         simulate_run(load_task(TASK), parse_modes("ps-async")[0], _setup(leave=((0.1, 7),)),
                      out=str(tmp_path))
+
+
+def test_a_diverging_run_fails_with_its_cause_and_keeps_what_it_recorded(tmp_path):
+    """An lr far too large: the server refuses the first NaN gradient, as a real one does;
+    the run ends failed, saying when and what to try, with its directory written."""
+    from asyncsgd.errors import WorkerError
+    with pytest.raises(WorkerError, match=r"diverged at .* virtual s: .*try a smaller --lr"):
+        simulate_run(load_task(TASK), parse_modes("ps-async")[0],
+                     _setup(lr=1e30, max_seconds=1.0, eval_every=0.01),
+                     out=str(tmp_path / "r"), progress="off")
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "diverged" in summary["error"]
+
+
+def test_a_worker_that_leaves_stops_holding_up_sync_rounds(tmp_path):
+    """ps-sync with 3 workers, worker 2 ten times slower, leaving at 20 ms in the middle of
+    its second step (lost). Before, worker 0's pushes were 11.4 ms apart, held by worker 2;
+    after its bye, 4.4 ms: worker 1's push applied 1 ms after worker 0's ends the round,
+    worker 0's reply takes 1 + 0.1 ms, its step 1 ms, its push 0.1 + 1 ms in, 0.2 to apply."""
+    setup = _setup(costs=_costs(slowdown=((2, 10.0),)), leave=((0.02, 2),), max_seconds=0.06)
+    engine, result = _traced(tmp_path, "ps-sync", setup)
+    applies = {rank: [round(t / MS, 6) for what, t, r, *_ in engine.trace
+                      if what == "apply" and r == rank] for rank in range(3)}
+    assert applies[2] == [12.5]  # its second step was lost when it left
+    gaps = [round(b - a, 6) for a, b in zip(applies[0], applies[0][1:])]
+    assert gaps[0] == 11.4 and set(gaps[2:]) == {4.4}
+    assert result.summary["workers"] == 3

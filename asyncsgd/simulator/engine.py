@@ -26,11 +26,11 @@ from ..config.modes import ModeSpec
 from ..core.pacing import Pacing
 from ..core.signature import PS_PARTITION_SEED
 from ..core.tasks import Task, epoch_order, partition_indices
-from ..errors import ConfigError
+from ..errors import ConfigError, WorkerError
 from ..run.recorder import Outcome, Recorder, RunResult
 from ..run.rundir import CONFIG, RunDir, _write_json
 from ..wire.layout import Layout
-from ..wire.protocol import BYE, ERROR, PARAMS, PULL, PUSH, Key, Message, Segment
+from ..wire.protocol import BYE, ERROR, PARAMS, PULL, PUSH, Code, Key, Message, Segment
 from ..wire.stats import percentile
 from .costs import Costs
 from .events import Scheduler
@@ -393,7 +393,13 @@ class _PS(_Engine):
         if self.trace is not None and msg.type == PUSH:
             self.trace.append(("apply", t, w.rank, self.state.version - msg.clock))
         for peer, reply in self.state.handle(w.name.encode(), msg, t):
-            if reply.type == ERROR:
+            if reply.type == ERROR and reply.meta.get("code") == Code.NON_FINITE:
+                raise WorkerError(w.rank, (
+                    f"diverged at {t:.4g} virtual s: worker {w.rank}'s gradient held NaN or "
+                    f"Inf, which the server refuses, as a real one does (lr "
+                    f"{self.lr:g} is too large for {self.setup.workers} workers here: try a "
+                    "smaller --lr, or --tune lr)"))
+            if reply.type == ERROR:  # anything else would be the simulator's own mistake
                 raise RuntimeError(f"the shard refused a simulated {msg.type}: {reply.meta}")
             if reply.type != PARAMS:
                 continue
