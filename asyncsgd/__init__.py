@@ -11,11 +11,13 @@ from .version import __version__
 
 _EXPORTS = {
     "hogwild": "api", "single": "api", "ddp": "api", "compare": "api", "plot": "api",
-    "load_run": "api",
+    "simulate": "api", "load_run": "api",
     "Run": "run.reader", "CompareResult": "comparison.runner",
+    "SimulateResult": "simulator.simulate",
     "HogwildConfig": "config", "TrainConfig": "config",
     "SingleConfig": "config", "DDPConfig": "config", "ServerConfig": "config",
     "WorkerConfig": "config", "CompareConfig": "config", "PlotConfig": "config",
+    "SimulateConfig": "config",
     "AsyncSGDError": "errors", "CheckpointError": "errors", "ConfigError": "errors",
     "DataError": "errors", "SecurityError": "errors", "TaskError": "errors",
     "WorkerError": "errors",

@@ -18,7 +18,8 @@ from typing import Any, Optional, Union
 from .analysis.publish import Plotted, report_runs
 from .comparison.runner import CompareResult
 from .comparison.runner import compare as run_compare
-from .config import CompareConfig, DDPConfig, HogwildConfig, PlotConfig, SingleConfig
+from .config import (CompareConfig, DDPConfig, HogwildConfig, PlotConfig, SimulateConfig,
+                     SingleConfig)
 from .errors import ConfigError
 from .modes import ddp as ddp_mode
 from .modes import hogwild as hogwild_mode
@@ -26,6 +27,8 @@ from .modes import single as single_mode
 from .run.reader import Run
 from .run.recorder import RunResult
 from .run.settings import configure
+from .simulator.simulate import SimulateResult
+from .simulator.simulate import simulate as run_simulate
 
 
 def hogwild(config: Optional[HogwildConfig] = None, /, **settings: Any) -> RunResult:
@@ -48,9 +51,17 @@ def ddp(config: Optional[DDPConfig] = None, /, **settings: Any) -> Optional[RunR
 
 def compare(config: Optional[CompareConfig] = None, /, **settings: Any) -> CompareResult:
     """``asyncsgd compare``: every mode on the same task, seeds and budget, one after
-    another. Returns the report's directory, its table and every attempt (``.failed``:
-    those that failed)."""
+    another (``clock="virtual"``: in the simulator, as ``simulate``). Returns the
+    report's directory, its table and every attempt (``.failed``: those that failed)."""
     return run_compare(configure(CompareConfig, config, settings))
+
+
+def simulate(config: Optional[SimulateConfig] = None, /, **settings: Any) -> SimulateResult:
+    """``asyncsgd simulate``: every mode in this process on a virtual clock, learning for
+    real, under a cost model (the task's profile, or the step time, gradient size and
+    links given). Returns the report's directory, its table, every attempt (``.failed``:
+    those that failed) and the cost model."""
+    return run_simulate(configure(SimulateConfig, config, settings))
 
 
 def plot(*run_dirs: Union[str, Path], config: Optional[PlotConfig] = None,

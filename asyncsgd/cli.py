@@ -18,7 +18,8 @@ from typing import Optional
 import click
 
 from .config import (CompareConfig, DDPConfig, HogwildConfig, JobConfig, PlotConfig,
-                     RayJobConfig, ServerConfig, SingleConfig, WorkerConfig, click_options)
+                     RayJobConfig, ServerConfig, SimulateConfig, SingleConfig, WorkerConfig,
+                     click_options)
 from .errors import AsyncSGDError, ConfigError
 from .run.lifetime import exit_now, start_command_clock
 from .run.signals import defer_sigint, restore_sigint, sigint_now
@@ -366,6 +367,16 @@ def _finish(ctx: click.Context, command: str, result, how: str = "") -> None:
         ctx.exit(INTERRUPTED)
 
 
+def _tabled(result) -> None:
+    """A comparison's table and report; exit status 1 when any of its runs failed."""
+    click.echo(result.table)
+    click.echo(f"report: {result.out / 'report.md'}")
+    if result.failed:
+        raise AsyncSGDError(f"{len(result.failed)} of {len(result.attempts)} run(s) failed: "
+                            + "; ".join(f"{a.label} (repeat {a.repeat + 1}): {a.error}"
+                                        for a in result.failed))
+
+
 @cli.command(epilog="Examples:\n\n\b\n"
              "  asyncsgd compare --task mnist1d-cnn --procs 2 --budget 60 --target 0.9\n"
              "  asyncsgd compare --task lm --modes single,ps-async,ddp --budget 120\n"
@@ -373,7 +384,8 @@ def _finish(ctx: click.Context, command: str, result, how: str = "") -> None:
              "  asyncsgd compare --modes ddp,ps-sync,ps-async --procs 2 --tune lr --target 0.85\n"
              "  asyncsgd compare --modes hogwild,ps-async --mode-args 'ps-async=--optimizer adam'\n"
              "  asyncsgd compare --tensorboard --out runs/cmp && tensorboard --logdir runs/cmp\n"
-             "  asyncsgd compare --link 100mbit --modes ps-async,ddp --procs 2   # as root")
+             "  asyncsgd compare --link 100mbit --modes ps-async,ddp --procs 2   # as root\n"
+             "  asyncsgd compare --clock virtual --procs 64 --modes ps-async,ps-sync,ddp")
 @click_options(CompareConfig)
 @click.pass_context
 def compare(ctx: click.Context, **_: object) -> None:
@@ -393,17 +405,46 @@ def compare(ctx: click.Context, **_: object) -> None:
     from the launch of the run's first process: starting Python and torch and
     loading the task are part of it. With --tensorboard each run writes its
     TensorBoard events into its own directory: tensorboard --logdir OUT shows
-    them all.
+    them all. With --clock virtual the comparison runs in this process on the
+    simulator's virtual clock instead ('asyncsgd simulate').
     """
     from . import api
     sigint_now()
     result = api.compare(**_given(ctx))
-    click.echo(result.table)
-    click.echo(f"report: {result.out / 'report.md'}")
-    if result.failed:
-        raise AsyncSGDError(f"{len(result.failed)} of {len(result.attempts)} run(s) failed: "
-                            + "; ".join(f"{a.label} (repeat {a.repeat + 1}): {a.error}"
-                                        for a in result.failed))
+    _tabled(result)
+
+
+@cli.command(epilog="Examples:\n\n\b\n"
+             "  asyncsgd simulate --task mnist1d-cnn --modes ps-async,ps-sync,ps-backup:4,ddp "
+             "--workers 64 --step-time lognormal:2ms:0.5 --target 0.85\n"
+             "  asyncsgd simulate --modes ddp,diloco:8,ps-async --workers 16 --step-time 120ms "
+             "--gradient-bytes 100MB --link 25gbit --latency 20us --target 0.85\n"
+             "  asyncsgd simulate --modes ps-async,ps-sync --slow-workers 0.25:4 --repeats 3\n"
+             "  asyncsgd simulate --modes ps-sync,ps-backup:2 --leave 5:3 --join 10 "
+             "--target 0.85\n"
+             "  asyncsgd compare --clock virtual --procs 64 --modes ps-async,ddp --target 0.85")
+@click_options(SimulateConfig)
+@click.pass_context
+def simulate(ctx: click.Context, **_: object) -> None:
+    """Run compare's modes on a virtual clock: real learning, simulated time.
+
+    Every mode runs in this process under a discrete-event scheduler: each
+    simulated worker's gradient is computed for real from the parameters it
+    pulled, and the real update rules and consistency apply them in the order
+    the events decide. Time is simulated: a step takes --step-time, a transfer
+    --latency + bytes / --link, the server applies at a cost per byte measured
+    here. What is not given is the task's profile, measured on this machine as
+    the command starts. No process is started and no socket opened.
+
+    OUT gets the same report as compare (report.md, results.json, PNGs) and
+    every run's directory, in the run-directory format with t in virtual
+    seconds and clock: virtual; 'asyncsgd plot' reads them. Exits 1 when any
+    run failed. See docs/simulate.md.
+    """
+    from . import api
+    sigint_now()
+    result = api.simulate(**_given(ctx))
+    _tabled(result)
 
 
 @cli.command(epilog="Examples:\n\n\b\n"

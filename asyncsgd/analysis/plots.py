@@ -158,8 +158,8 @@ def _bytes_curve(goal: Goal):
     return curve
 
 
-def _throughput(groups: list, conditions: str = ""):
-    fig, ax = _figure("Throughput (after start-up)", "mode", "training samples / s",
+def _throughput(groups: list, conditions: str = "", unit: str = "s"):
+    fig, ax = _figure("Throughput (after start-up)", "mode", f"training samples / {unit}",
                       conditions)
     names, medians, below, above = [], [], [], []
     for label, runs in groups:  # a bar at the median, whiskers to the min and max
@@ -201,17 +201,18 @@ def draw_all(groups: list, out_dir: Path, goal: Goal, conditions: str = "") -> l
     unit = " (%)" if metric.percent else ""
     data = figure_data(groups, goal)
     score, by_time, by_samples = data.values()
+    seconds = "virtual seconds" if goal.clock == "virtual" else "training seconds"
     figures = [
-        _lines(score, f"Test {metric.name}", "training seconds",
+        _lines(score, f"Test {metric.name}", seconds,
                f"test {metric.name}{unit}" + ("" if metric.higher_is_better else
                                                " (lower is better)"),
                hline=None if target is None else (target * scale, f"target {goal.label}"),
                conditions=conditions),
-        _lines(by_time, "Training loss", "training seconds", "training loss",
+        _lines(by_time, "Training loss", seconds, "training loss",
                conditions=conditions),
         _lines(by_samples, "Training loss", "samples processed", "training loss",
                conditions=conditions),
-        _throughput(groups, conditions),
+        _throughput(groups, conditions, goal.unit),
     ]
     names = list(PLOTS)
     by_bytes = series(groups, _bytes_curve(goal), 0, 1)
@@ -225,6 +226,8 @@ def draw_all(groups: list, out_dir: Path, goal: Goal, conditions: str = "") -> l
     written = []
     for figure, (name, caption) in zip(figures, names):
         name, caption = name.format(metric=metric.name), caption.format(metric=metric.name)
+        if goal.clock == "virtual":
+            caption = caption.replace("wall-clock", "virtual")
         figure.savefig(out_dir / name, dpi=DPI)
         written.append((name, caption))
         log.info("wrote %s", out_dir / name)

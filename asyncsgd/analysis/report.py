@@ -38,10 +38,21 @@ def run_label(config: dict) -> str:
 
 @dataclass(frozen=True)
 class Goal:
-    """What a report ranks by: the task's metric, and the target in it (or None)."""
+    """What a report ranks by: the task's metric, and the target in it (or None); and the
+    clock its runs' times are on: real, or virtual (``asyncsgd simulate``)."""
 
     metric: Metric
     target: Optional[float] = None
+    clock: str = "real"
+
+    @property
+    def unit(self) -> str:
+        """Seconds as the table says them: 's', or 'virtual s'."""
+        return "virtual s" if self.clock == "virtual" else "s"
+
+    def seconds(self, x: float) -> str:
+        """A time as the table says it: virtual ones often last milliseconds."""
+        return f"{x:.3g}" if self.clock == "virtual" else _sec(x)
 
     @property
     def label(self) -> str:
@@ -72,7 +83,12 @@ class Goal:
             metric.check_target(target)
         except ValueError as exc:
             raise ConfigError(f"{exc} (the runs score {metric.name})") from None
-        return cls(metric, target)
+        clocks = sorted({a.run.record.get("clock", "real") for a in attempts
+                         if a.run is not None})
+        if len(clocks) > 1:
+            raise ConfigError("these runs mix the real clock and the virtual one (asyncsgd "
+                              "simulate): their times cannot share a table; plot each apart")
+        return cls(metric, target, clocks[0] if clocks else "real")
 
 
 @dataclass
@@ -239,10 +255,11 @@ def _times(x: Optional[float]) -> str:
     return DASH if x is None else f"{x:.2f}×"
 
 
-def _time_cell(row: Row) -> str:
-    """'4.0 s (3.0–5.0)', '1.0 s (1/2 reached)' or 'not reached'."""
+def _time_cell(row: Row, goal: Goal) -> str:
+    """'4.0 s (3.0–5.0)', '1.0 s (1/2 reached)' or 'not reached' (virtual s on the virtual
+    clock)."""
     ttt = row.stats["time_to_target"]
-    text = _fmt(ttt, _sec, " s") if ttt.n else "not reached"
+    text = _fmt(ttt, goal.seconds, f" {goal.unit}") if ttt.n else "not reached"
     return text + (f" ({ttt.n}/{row.succeeded} reached)" if 0 < ttt.n < row.succeeded else "")
 
 
@@ -261,7 +278,7 @@ def table_cells(row: Row, goal: Goal) -> dict:
     }
     if goal.target is not None:
         ttt = s["time_to_target"]
-        cells[f"time to {goal.label}"] = _time_cell(row)
+        cells[f"time to {goal.label}"] = _time_cell(row, goal)
         cells["speed-up (time)"] = _times(row.speedup_time)
         cells[f"samples to {goal.label}"] = _fmt(s["samples_to_target"], _rate) \
             if ttt.n else DASH
@@ -269,9 +286,9 @@ def table_cells(row: Row, goal: Goal) -> dict:
         cells[f"MB to {goal.label}"] = _fmt(s["bytes_to_target"], _mb) \
             if ttt.n and s["bytes_to_target"].n else DASH
     cells.update({
-        "samples/s": _fmt(s["samples_per_second"], _rate),
-        "speed-up (samples/s)": _times(row.speedup_throughput),
-        "start-up s": _fmt(s["startup_seconds"], _sec),
+        f"samples/{goal.unit}": _fmt(s["samples_per_second"], _rate),
+        f"speed-up (samples/{goal.unit})": _times(row.speedup_throughput),
+        f"start-up {goal.unit}": _fmt(s["startup_seconds"], goal.seconds),
         "staleness p50 / p99": (f"{_fmt(s['staleness_p50'], _count)} / "
                                 f"{_fmt(s['staleness_p99'], _count)}"
                                 if s["staleness_p50"].n else DASH),
@@ -287,8 +304,8 @@ def columns(goal: Goal, grouped: bool = False) -> list:
     if goal.target is not None:
         names += [f"time to {goal.label}", "speed-up (time)", f"samples to {goal.label}",
                   f"MB to {goal.label}"]
-    return names + ["samples/s", "speed-up (samples/s)", "start-up s", "staleness p50 / p99",
-                    "runs ok"]
+    return names + [f"samples/{goal.unit}", f"speed-up (samples/{goal.unit})",
+                    f"start-up {goal.unit}", "staleness p50 / p99", "runs ok"]
 
 
 def render_table(rows: list, goal: Goal) -> str:
@@ -348,6 +365,13 @@ How to read this table:
   that missed the target in some run has no worst time); else it says the modes are not
   distinguishable at that many seeds. With one seed per mode there is no spread, and
   the verdict says so.
+"""
+
+VIRTUAL_NOTE = """\
+On the virtual clock (`asyncsgd simulate`, docs/simulate.md): every time below and in the
+table is in virtual seconds, the simulator's clock under its cost model, not this machine's,
+counted from the run's simulated start (no process is launched: start-up is the first
+step's); the samples, scores and staleness are real (every gradient was computed).
 """
 
 
@@ -439,17 +463,18 @@ def _verdict(rows: list, goal: Goal) -> str:
         return _interval(row, name, row.stats["time_to_target"].n < row.succeeded)
 
     if rival is not None and not _separated(when(first), when(rival), lower_wins=True):
-        text = _tied(f"Time to {pct}", first, rival, _time_cell) + "."
+        text = _tied(f"Time to {pct}", first, rival, lambda r: _time_cell(r, goal)) + "."
     else:
         time1 = first.stats["time_to_target"]
-        text = f"{first.label} reached {pct} first, in {_fmt(time1, _sec, ' s')}"
+        text = f"{first.label} reached {pct} first, in {_fmt(time1, goal.seconds, f' {goal.unit}')}"
         if len(reached) > 1:
             second = reached[1]
             time2 = second.stats["time_to_target"]
             s1 = first.stats["samples_to_target"].median
             s2 = second.stats["samples_to_target"].median
+            quoted = _quote(time2, goal.seconds, f" {goal.unit}")
             text += (f": {time2.median / time1.median:.2f}x sooner than the next, "
-                     f"{second.label} ({_quote(time2, _sec, ' s')}), with {s1 / s2:.2f}x "
+                     f"{second.label} ({quoted}), with {s1 / s2:.2f}x "
                      f"its samples ({s1:,.0f} vs {s2:,.0f})")
             thrifty = min(reached, key=lambda r: r.stats["samples_to_target"].median)
             if thrifty is not first and _separated(when(thrifty, "samples_to_target"),
@@ -501,8 +526,8 @@ def render_report(title: str, intro: list, rows: list, goal: Goal,
     if warnings:
         parts += [*(f"- **Warning**: {w}" for w in warnings), ""]
     parts += [render_table(rows, goal), "",
-             f"**Verdict** (computed from the table): {verdict(rows, goal, caveat)}", "", NOTES,
-             *sections]
+             f"**Verdict** (computed from the table): {verdict(rows, goal, caveat)}", "",
+             *([VIRTUAL_NOTE] if goal.clock == "virtual" else []), NOTES, *sections]
     failed = [a for r in rows for a in r.attempts if not a.ok]
     if failed:
         parts += ["## Failed runs", ""]

@@ -32,6 +32,7 @@ from . import linked, tuner
 from .mode_run import ModeRun
 from ..config.modes import parse_mode_args, parse_modes
 from .progress import CompareProgress
+from .virtual import compare_virtual
 
 
 @dataclass
@@ -54,7 +55,11 @@ def _compare_dir(out: Optional[str]) -> Path:
 
 def compare(cfg: CompareConfig, argv: Optional[list] = None,
             stream: TextIO = sys.stderr) -> CompareResult:
-    """Run every mode of ``cfg.modes`` ``cfg.repeats`` times and write the report."""
+    """Run every mode of ``cfg.modes`` ``cfg.repeats`` times and write the report; with
+    ``cfg.clock`` virtual, in the simulator (``virtual.py``)."""
+    if cfg.clock == "virtual":
+        result = compare_virtual(cfg, argv, stream)
+        return CompareResult(result.out, result.table, result.attempts)
     specs = parse_modes(cfg.modes)
     extra = parse_mode_args(cfg.mode_args, specs)
     Pacing.parse(cfg.slowdown, cfg.delay).check_ranks(cfg.procs or available_cores(), "--procs")

@@ -6,12 +6,13 @@ from .jobs import JobConfig, RayJobConfig
 from .options import RENAMED, click_options, config_from_dict, identity_fields, make_config
 from .ps import ServerConfig, WorkerConfig
 from .shared import RunConfig, TrainConfig
+from .simulate import SimulateConfig
 from .training import DDPConfig, HogwildConfig, SingleConfig
 from .values import (Compression, Consistency, parse_comm_hook, parse_compress,
                      parse_consistency)
 
 __all__ = ["COMPARE_MODES", "RENAMED", "CompareConfig", "Compression", "Consistency",
            "DDPConfig", "HogwildConfig", "JobConfig", "PlotConfig", "RayJobConfig", "RunConfig",
-           "ServerConfig", "SingleConfig", "TrainConfig", "WorkerConfig", "click_options",
-           "config_from_dict", "identity_fields", "make_config", "parse_comm_hook",
-           "parse_compress", "parse_consistency"]
+           "ServerConfig", "SimulateConfig", "SingleConfig", "TrainConfig", "WorkerConfig",
+           "click_options", "config_from_dict", "identity_fields", "make_config",
+           "parse_comm_hook", "parse_compress", "parse_consistency"]

@@ -15,27 +15,80 @@ from .training import PROCS
 # The modes 'asyncsgd compare' runs by default, in this order.
 COMPARE_MODES = "single,hogwild,ps-async,ps-ssp,ps-sync,ddp"
 
+# The modes 'asyncsgd simulate' runs by default: what the virtual clock is for, synchronous
+# against asynchronous at a scale this machine cannot run for real.
+SIMULATE_MODES = "ps-async,ps-sync,ps-backup,ddp"
+
+# Settings of every command that runs many modes (compare, simulate), each declared once.
+MODES = knob(
+    "modes", str, COMPARE_MODES,
+    "Comma-separated modes to run, in this order: single, hogwild, ps-async, ps-ssp "
+    "(bounded staleness 2; ps-ssp:K for another bound), ps-sync, ps-backup (sync rounds "
+    "that do not wait for 1 worker; ps-backup:B for B), ddp. Communicating less: "
+    "diloco:H (workers --local-steps H, sync rounds through Nesterov lr 0.7, momentum "
+    "0.9; H 8 by default), async-diloco:H (the same, async, delayed Nesterov), ddp+fp16, "
+    "ddp+bf16, ddp+powersgd[:RANK] (PyTorch's comm hooks) and ddp-local:H (post-local "
+    "SGD); --lr is then the workers' inner lr. Any parameter-server mode +bf16 or +fp16 "
+    "(pushes and pulls cast), +int8 or +topk:RATIO (compressed pushes with error "
+    "feedback): ps-async+int8, diloco:8+bf16.", metavar="MODE,...", per_command={
+        "simulate": dict(default=SIMULATE_MODES, help=(
+            "Comma-separated modes to simulate, in this order, named as compare names them: "
+            "ps-async, ps-ssp[:K], ps-sync, ps-backup[:B] (sync rounds that do not wait for "
+            "the last B workers), ddp, diloco[:H], async-diloco[:H], hogwild, single; e.g. "
+            "ps-async,ps-sync,ps-backup:4,ddp. A mode the simulator does not model is "
+            "refused before anything runs."))})
+BUDGET = knob(
+    "budget", float, 60.0,
+    "Seconds each run gets (its --max-seconds; start-up counts, as a user waits for it "
+    "too).", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS", per_command={
+        "simulate": dict(default=600.0, help=(
+            "Virtual seconds each run may last (of simulated time, not of this machine's; "
+            "a run also ends at --target with --stop-at-target, or after --epochs). What a "
+            "run costs here is its real gradients: workers x steps."))})
+STOP_AT_TARGET = knob(
+    "stop_at_target", bool, False,
+    "End each run once it reaches --target instead of using the whole budget (faster; "
+    "final scores are then about the target).", per_command={
+        "simulate": dict(default=True, help=(
+            "End each run once it reaches --target (when there is one). On by default here: "
+            "simulated time is cheap but each simulated step computes a real gradient, so a "
+            "run past its target costs minutes for nothing. --no-stop-at-target runs the "
+            "whole --budget."))})
+REPEATS = knob(
+    "repeats", int, 1,
+    "Runs of every mode; repeat r uses seed + r for every mode. The report shows each "
+    "figure's median and spread (min–max) over repeats, the plots a median curve in a "
+    "min–max band, and the verdict names a winner only where the spreads separate; "
+    "e.g. 3.", type=click.IntRange(min=1))
+LINK = knob(
+    "link", Optional[str], None,
+    "Run the ps-* modes' server and each worker, and each ddp rank, on a host of its own "
+    "(a network namespace; needs root) whose link to one switch is limited to RATE each "
+    "way (tbf): e.g. 100mbit, 1gbit, 500kbit. single and hogwild stay unshaped on one "
+    "host. See also 'asyncsgd hosts up'. With --clock virtual: the simulated links' rate "
+    "instead (no namespace, no root).", metavar="RATE",
+    show="none: every process on this host", per_command={
+        "simulate": dict(show="the loopback's, measured (experiments/README.md)", help=(
+            "Bandwidth of each simulated link, each way: 25gbit, 100mbit, 3GB/s. Every worker "
+            "has its own link to one switch; the server's link is shared, so pushes queue "
+            "on it. A transfer of B bytes takes --latency + B / RATE."))})
+CLOCK = knob(
+    "clock", str, "real",
+    "real: every mode runs as processes on this machine and is timed by the wall clock. "
+    "virtual: every mode runs in this process under the simulator ('asyncsgd simulate', "
+    "docs/simulate.md), with --procs as its workers and the task's cost model measured "
+    "here; times are then virtual seconds, and the flags that start or shape processes "
+    "(--mode-args, --shards, --ddp-backend, --grace, --tensorboard) are refused.",
+    type=click.Choice(["real", "virtual"]))
+
 CompareConfig = settings(
     "CompareConfig", "compare", "Settings of ``asyncsgd compare``: every mode on the same "
     "task, seeds and budget.", TASK,
-    knob("modes", str, COMPARE_MODES,
-         "Comma-separated modes to run, in this order: single, hogwild, ps-async, ps-ssp "
-         "(bounded staleness 2; ps-ssp:K for another bound), ps-sync, ps-backup (sync rounds "
-         "that do not wait for 1 worker; ps-backup:B for B), ddp. Communicating less: "
-         "diloco:H (workers --local-steps H, sync rounds through Nesterov lr 0.7, momentum "
-         "0.9; H 8 by default), async-diloco:H (the same, async, delayed Nesterov), ddp+fp16, "
-         "ddp+bf16, ddp+powersgd[:RANK] (PyTorch's comm hooks) and ddp-local:H (post-local "
-         "SGD); --lr is then the workers' inner lr. Any parameter-server mode +bf16 or +fp16 "
-         "(pushes and pulls cast), +int8 or +topk:RATIO (compressed pushes with error "
-         "feedback): ps-async+int8, diloco:8+bf16.", metavar="MODE,..."),
+    MODES,
     PROCS,
-    knob("budget", float, 60.0,
-         "Seconds each run gets (its --max-seconds; start-up counts, as a user waits for it "
-         "too).", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS"),
+    BUDGET,
     TARGET,
-    knob("stop_at_target", bool, False,
-         "End each run once it reaches --target instead of using the whole budget (faster; "
-         "final scores are then about the target)."),
+    STOP_AT_TARGET,
     knob("tune", str, "none",
          "none: every mode trains with --lr. lr: before the runs, train each mode once per "
          "candidate lr (--lr or the task's, x0.5, x1, x2 and x4; synchronous modes also x "
@@ -46,19 +99,10 @@ CompareConfig = settings(
          "Seconds each --tune lr candidate gets (start-up included), e.g. 20; all of them "
          "take about modes x candidates x this.", type=click.FloatRange(min=0, min_open=True),
          metavar="SECONDS", show="a quarter of --budget, at least 10 s, at most --budget"),
-    knob("repeats", int, 1,
-         "Runs of every mode; repeat r uses seed + r for every mode. The report shows each "
-         "figure's median and spread (min–max) over repeats, the plots a median curve in a "
-         "min–max band, and the verdict names a winner only where the spreads separate; "
-         "e.g. 3.", type=click.IntRange(min=1)),
+    REPEATS,
     SEED, DATA, BATCH_SIZE, LR, EPOCHS, EVAL_EVERY,
     PACING,  # ranks of every parallel mode; single is rank 0
-    knob("link", Optional[str], None,
-         "Run the ps-* modes' server and each worker, and each ddp rank, on a host of its own "
-         "(a network namespace; needs root) whose link to one switch is limited to RATE each "
-         "way (tbf): e.g. 100mbit, 1gbit, 500kbit. single and hogwild stay unshaped on one "
-         "host. See also 'asyncsgd hosts up'.", metavar="RATE",
-         show="none: every process on this host"),
+    LINK,
     SHARDS,
     knob("ddp_backend", str, "auto", "torch.distributed backend of the ddp mode.",
          type=click.Choice(["auto", "nccl", "gloo"])),
@@ -69,7 +113,7 @@ CompareConfig = settings(
     knob("grace", float, 60.0,
          "Seconds a run may take beyond --budget to start up and finish before it is stopped "
          "and marked failed.", type=click.FloatRange(min=1), metavar="SECONDS"),
-    OUT, TENSORBOARD, PROGRESS,
+    CLOCK, OUT, TENSORBOARD, PROGRESS,
     module=__name__)
 
 PlotConfig = settings(

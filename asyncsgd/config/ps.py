@@ -37,7 +37,12 @@ WORKERS = knob(
     "workers", int, 1, "Workers expected: ssp and sync wait for this many before starting.",
     type=click.IntRange(min=1), per_command={
         "ray-job": dict(default=2, help="Worker actors. The server runs in an actor of its "
-                        "own, with its --shards shard processes as its children.")})
+                        "own, with its --shards shard processes as its children."),
+        "simulate": dict(default=16, help="Simulated workers of every parallel mode: "
+                         "parameter-server workers, ddp ranks, Hogwild processes (single "
+                         "trains alone). Each is a schedule and a data partition, not a "
+                         "process: only a worker with a step in flight holds a copy of the "
+                         "parameters, so 256 fit.")})
 CURVE_SECRET = knob(
     "curve_secret", Optional[str], None,
     "The server's secret key (server.key_secret from 'asyncsgd keygen DIR'): turns on CURVE "

@@ -64,7 +64,12 @@ TARGET = knob(
                  "budget unless --stop-at-target.",
             show="the task's own (lm: perplexity 2.0), else none"),
         "plot": "Draw this test metric (0.9 for 90% accuracy) and time each run's first "
-                "crossing of it."})
+                "crossing of it.",
+        "simulate": dict(
+            help="Test metric whose first crossing the report times, in virtual seconds and "
+                 "samples, in the task's metric (0.85 for 85% accuracy); each run ends there "
+                 "(--stop-at-target, on by default).",
+            show="the task's own (lm: perplexity 2.0), else none")})
 EVAL_EVERY = knob(
     "eval_every", float, 2.0, "Seconds between evaluations of the model on the test set.",
     type=click.FloatRange(min=0.05), per_command={
@@ -77,7 +82,12 @@ EVAL_EVERY = knob(
         "ps": "Seconds between evaluations of the current parameters on the test set; the "
               "shards keep serving meanwhile.",
         "compare": dict(default=1.0, help="Seconds between test-set evaluations in every run "
-                        "(the resolution of the time to target).")})
+                        "(the resolution of the time to target)."),
+        "simulate": dict(annotation=Optional[float], default=None,
+                         show="50 x the median step time",
+                         help="Virtual seconds between test-set evaluations in every run (the "
+                              "resolution of the time to target; each costs real time to "
+                              "compute, none of the virtual clock's), e.g. 0.5.")})
 SEED = knob(
     "seed", int, 0, "Random seed of the model's initial weights, the data order and torch.",
     per_command={
@@ -95,7 +105,10 @@ SEED = knob(
                   "data with it, so give such a task the server's --seed. The partition "
                   "always uses seed 0, whatever the seeds, so workers given different seeds "
                   "still split the data disjointly.",
-        "compare": "Seed of the first repeat: model initialisation and data order."})
+        "compare": "Seed of the first repeat: model initialisation and data order.",
+        "simulate": "Seed of the first repeat (repeat r uses seed + r): the model's "
+                    "initialisation, data order and every draw of the virtual clock (step "
+                    "times, delays, slow workers). The same seed gives the same run."})
 
 # Where a run computes.
 DEVICE = knob(
@@ -142,7 +155,9 @@ OUT = knob(
         "compare": dict(help="Directory for the report, the plots and every run's directory.",
                         show="runs/<time>-compare"),
         "plot": dict(annotation=str, default="plots", show=None,
-                     help="Directory for the PNGs and report.md.")})
+                     help="Directory for the PNGs and report.md."),
+        "simulate": dict(help="Directory for the report, the plots and every run's "
+                         "directory (OUT/<mode>-r<k>).", show="runs/<time>-simulate")})
 RESUME = knob(
     "resume", Optional[str], None, "Continue the run in this run directory from its checkpoint.",
     metavar="RUN_DIR", show="none")
@@ -168,7 +183,10 @@ PROGRESS = knob(
         "compare": "Progress display: a live line on a terminal and log lines otherwise "
                    "(auto), or force bar, log or off; each shows the run's time since its "
                    "launch, its ETA (its budget, or --epochs at its pace, whichever ends "
-                   "first) and the comparison's."})
+                   "first) and the comparison's.",
+        "simulate": "Progress display: a line per run as it starts and ends, and each run's "
+                    "progress in virtual seconds, as a live line on a terminal and log lines "
+                    "otherwise (auto), or force bar, log or off."})
 
 RUN = (TASK, *DATA, MAX_SECONDS, TARGET, EVAL_EVERY, SEED, DEVICE, THREADS, OUT, RESUME,
        CHECKPOINT_EVERY, TENSORBOARD, PROGRESS)
@@ -179,13 +197,18 @@ BATCH_SIZE = knob(
     type=click.IntRange(min=1), show="task's default", per_command={
         "worker": "Samples per gradient.",
         "compare": "Samples per step in each process or worker, single's one process "
-                   "included (ddp then averages one such batch per rank into each update)."})
+                   "included (ddp then averages one such batch per rank into each update).",
+        "simulate": "Samples per step of each simulated worker (ddp averages one such batch "
+                    "per worker into each update); the profile's step time is measured at "
+                    "this batch."})
 LR = knob(
     "lr", Optional[float], None, "SGD learning rate (of every process).",
     type=click.FloatRange(min=0, min_open=True), show="task's default", per_command={
         "ps": "Learning rate of the shards' update rule.",
         "compare": "Learning rate of plain SGD in every mode (the parameter server applies "
-                   "it with its 'sgd' rule)."})
+                   "it with its 'sgd' rule).",
+        "simulate": "Learning rate of plain SGD in every mode, as compare's --lr (the "
+                    "simulated server applies it with the real 'sgd' rule)."})
 MOMENTUM = knob(
     "momentum", float, 0.0,
     "SGD momentum (adam has its own: give it none). 0: plain SGD, the update every mode makes "
@@ -210,7 +233,10 @@ EPOCHS = knob(
         "worker": "Passes over this worker's partition.",
         "compare": dict(annotation=Optional[int], default=None, show="no limit: the budget "
                         "ends every run", help="Passes over the training data after which a "
-                        "run ends early.")})
+                        "run ends early."),
+        "simulate": dict(annotation=Optional[int], default=None, show="no limit: --target or "
+                         "--budget ends every run", help="Passes over the training data (all "
+                         "workers together) after which a run ends early.")})
 PACING = (  # the stragglers of every mode that trains (core.pacing says how they work)
     knob("slowdown", Optional[str], None,
          "Make ranks stragglers: RANK:FACTOR[,...]; e.g. 1:4 has rank 1 wait 3x its step's "

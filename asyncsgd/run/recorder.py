@@ -117,12 +117,17 @@ class Recorder:
                                  seconds=cfg.max_seconds, since=self.t_offset)
         self.best_score: Optional[float] = None
         self.last_eval: Optional[dict] = None
-        self.clock, self._origin = clock_origin(started_at)
+        self.clock, self._origin = self._start_clock(started_at)
         self._next_eval = 0.0
         self._next_checkpoint = cfg.checkpoint_every or math.inf
         self.metrics.write("start" if not cfg.resume else "resume", self.t(), self.samples_offset,
                            mode=self.mode, clock=self.clock,
                            resumed_from_t=self.t_offset if cfg.resume else None)
+
+    def _start_clock(self, started_at: Optional[float]) -> tuple:
+        """(kind, origin) of the run's clock (``clock_origin``); the virtual clock's
+        recorder has its own."""
+        return clock_origin(started_at)
 
     def _restore(self) -> None:
         saved = self.run.read_config()

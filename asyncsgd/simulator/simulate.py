@@ -1,0 +1,296 @@
+"""``asyncsgd simulate``: every mode × repeat on the virtual clock, one after another, and
+their compare-style report.
+
+The cost model is parsed once, as the command starts (the parts not given are the task's
+profile); then each run goes through ``simulate_run`` into OUT/<mode>-r<k>/, and the
+report is written even after Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, TextIO
+
+from ..analysis.publish import publish
+from ..analysis.report import Attempt, Goal
+from ..config import SimulateConfig
+from ..config.modes import parse_modes
+from ..config.simulate import check_ranks, parse_join, parse_leave, parse_slow_workers
+from ..core.pacing import Pacing, parse_slowdown
+from ..core.tasks import load_task
+from ..errors import AsyncSGDError, ConfigError
+from ..run.reader import Run
+from ..run.rundir import RunDir, environment
+from ..run.signals import sigterm_as_interrupt
+from . import VirtualSetup, profile, simulate_run  # the engine, as the package re-exports it
+from .costs import Costs, Link, StepTime, parse_duration, parse_rate, parse_size
+
+NO_EPOCH_LIMIT = 1_000_000  # --target or --budget ends the run
+AUTO_EVAL_STEPS = 50  # --eval-every's default, in median step times
+
+
+@dataclass
+class SimulateResult:
+    """The report's directory, its table, every attempt, and the cost model they ran under."""
+
+    out: Path
+    table: str
+    attempts: list
+    costs: Costs
+
+    @property
+    def failed(self) -> list:
+        return [a for a in self.attempts if not a.ok]
+
+
+def _given(parse, text: Optional[str], flag: str):
+    """``text`` parsed, or None when not given; a bad value names ``flag``."""
+    if text is None:
+        return None
+    try:
+        return parse(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag} {text!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Given:
+    """The parts of the cost model given on the command line, parsed (None: profile it)."""
+
+    step: Optional[StepTime]
+    nbytes: Optional[int]
+    rate: Optional[float]
+    latency: Optional[float]
+
+    @classmethod
+    def of(cls, cfg: SimulateConfig) -> "Given":
+        return cls(_given(StepTime.parse, cfg.step_time, "--step-time"),
+                   _given(parse_size, cfg.gradient_bytes, "--gradient-bytes"),
+                   _given(parse_rate, cfg.link, "--link"),
+                   _given(parse_duration, cfg.latency, "--latency"))
+
+
+def cost_model(cfg: SimulateConfig, given: Given, task) -> tuple:
+    """(Costs, the parts profiled here): what was ``given``, the rest measured."""
+    step, nbytes, rate, latency = given.step, given.nbytes, given.rate, given.latency
+    share, factor = parse_slow_workers(cfg.slow_workers)
+    measured = {"apply"}
+    if step is None:
+        step = StepTime(statistics.median(profile.step_seconds(task, cfg.batch_size)))
+        measured.add("step")
+    if nbytes is None:
+        nbytes = profile.gradient_bytes(task)
+        measured.add("bytes")
+    if rate is None and latency is None:
+        measured.add("link")
+    link = Link(bandwidth=profile.LOOPBACK_BANDWIDTH if rate is None else rate,
+                latency=profile.LOOPBACK_LATENCY if latency is None else latency)
+    costs = Costs(step=step, link=link, apply_per_byte=profile.apply_seconds_per_byte(nbytes),
+                  gradient_bytes=nbytes, slow_share=share, slow_factor=factor,
+                  slowdown=parse_slowdown(cfg.slowdown), delay=cfg.delay)
+    return costs, frozenset(measured)
+
+
+def costs_record(costs: Costs, measured: frozenset) -> dict:
+    """The cost model as the report's header keeps it (seconds, bytes, bytes/s)."""
+    return {"step_median": costs.step.median, "step_sigma": costs.step.sigma,
+            "gradient_bytes": costs.gradient_bytes, "bandwidth": costs.link.bandwidth,
+            "latency": costs.link.latency, "apply_per_byte": costs.apply_per_byte,
+            "slow_share": costs.slow_share, "slow_factor": costs.slow_factor,
+            "slowdown": list(costs.slowdown), "delay": costs.delay,
+            "profiled": sorted(measured)}
+
+
+def check_modes(specs: list) -> None:
+    """Refuse, before anything runs, a mode the simulator does not model: what changes
+    the bytes on the wire or DDP's communication (+int8, +topk, +bf16, +fp16, ddp's comm
+    hooks and post-local SGD) has no cost model here."""
+    for spec in specs:
+        if "+" in spec.name or spec.name.startswith("ddp-local"):
+            raise ConfigError(f"--modes: the virtual clock does not model {spec.name} (no cost "
+                              "model for compressed or cast traffic, DDP's comm hooks or "
+                              "post-local SGD); simulate single, hogwild, ps-async, ps-ssp[:K], "
+                              "ps-sync, ps-backup[:B], ddp, diloco[:H] or async-diloco[:H], "
+                              "or run it with the real clock")
+
+
+def _out_dir(out: Optional[str], command: str) -> Path:
+    if out is not None and Path(out).exists() and any(Path(out).iterdir()):
+        raise ConfigError(f"--out {out} exists and is not empty; choose a new directory")
+    return RunDir.create(out, command).path
+
+
+class Shown:
+    """A line per run as it starts and as it ends (each run draws its own progress)."""
+
+    def __init__(self, total: int, style: str, stream: TextIO):
+        self.total, self.stream, self.index = total, stream, 0
+        self.quiet = style == "off"
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def starting(self, attempt: Attempt, repeats: int) -> None:
+        self.index += 1
+        self.say(f"[{self.index}/{self.total}] {attempt.label}"
+                 + (f", repeat {attempt.repeat + 1}/{repeats}" if repeats > 1 else "")
+                 + f" (seed {attempt.seed}): simulating")
+
+    def finished(self, attempt: Attempt, goal: Goal) -> None:
+        took = f"in {attempt.seconds:.1f} s of real time"
+        if not attempt.ok:
+            self.say(f"[{self.index}/{self.total}] {attempt.label} {attempt.status.upper()} "
+                     f"{took}: {attempt.error}")
+            return
+        numbers, metric = attempt.run.numbers(goal), goal.metric
+        reached = numbers["time_to_target"]
+        score = ("" if numbers["final_metric"] is None else
+                 f": final test {metric.name} {metric.format(numbers['final_metric'])}")
+        if reached is not None:
+            score += f", {goal.label} at {reached:.2f} virtual s"
+        self.say(f"[{self.index}/{self.total}] {attempt.label} done {took}{score}")
+
+
+def simulate(cfg: SimulateConfig, argv: Optional[list] = None, stream: TextIO = sys.stderr,
+             command: str = "simulate") -> SimulateResult:
+    """Simulate every mode of ``cfg.modes`` ``cfg.repeats`` times and write the report.
+    ``command``: what the report and its directory are named after (``compare`` hands
+    its --clock virtual here)."""
+    specs = parse_modes(cfg.modes)
+    check_modes(specs)
+    Pacing.parse(cfg.slowdown, cfg.delay).check_ranks(cfg.workers, "--workers")
+    leave, join = parse_leave(cfg.leave), parse_join(cfg.join)
+    check_ranks(leave, cfg.workers)
+    given = Given.of(cfg)
+    task = _task(cfg, cfg.seed)
+    goal = Goal(task.metric, cfg.target if cfg.target is not None else task.default_target,
+                clock="virtual")
+    try:
+        task.metric.check_target(goal.target)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} (task {task.name} scores {task.metric.name})") from None
+    costs, measured = cost_model(cfg, given, task)
+    eval_every = cfg.eval_every or AUTO_EVAL_STEPS * costs.step.median
+    out = _out_dir(cfg.out, command)
+    header = {"command": argv if argv is not None else sys.argv, "clock": "virtual",
+              "config": dataclasses.asdict(cfg),
+              "task": {"name": cfg.task, "train_samples": len(task.train),
+                       "test_samples": len(task.test), "lr": cfg.lr or task.lr,
+                       "batch_size": cfg.batch_size or task.batch_size,
+                       "metric": task.metric.describe(), "target": goal.target},
+              "costs": costs_record(costs, measured),
+              "eval_every": eval_every,
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **environment()}
+    (out / f"{command}.json").write_text(json.dumps(header, indent=2, default=str) + "\n")
+    total = len(specs) * cfg.repeats
+    shown = Shown(total, cfg.progress, stream)
+    shown.say(f"{command}: {len(specs)} mode(s) x {cfg.repeats} repeat(s) = {total} run(s) "
+              f"of {cfg.workers} simulated workers on {task.name}, virtual clock, budget "
+              f"{cfg.budget:g} virtual s each; writing {out}")
+    attempts: list = []
+    table, interrupted = "", False
+    try:
+        with sigterm_as_interrupt():
+            for repeat in range(cfg.repeats):  # interleaved, as compare's
+                seed = cfg.seed + repeat
+                setup = VirtualSetup(
+                    workers=cfg.workers, seed=seed, costs=costs, lr=cfg.lr, target=goal.target,
+                    max_seconds=cfg.budget, epochs=cfg.epochs or NO_EPOCH_LIMIT,
+                    eval_every=eval_every, batch_size=cfg.batch_size,
+                    stop_at_target=cfg.stop_at_target and goal.target is not None,
+                    leave=leave, join=join)
+                run_task = task if seed == cfg.seed else _task(cfg, seed)
+                for spec in specs:
+                    attempt = Attempt(spec.name, repeat, seed,
+                                      run_dir=str(out / f"{spec.slug}-r{repeat + 1}"))
+                    attempts.append(attempt)
+                    _run(attempt, run_task, spec, setup, cfg, argv, shown, goal)
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
+    finally:  # also after Ctrl-C or SIGTERM: report what ran
+        if attempts:
+            table = publish(out, title(cfg, command), intro(cfg, header, costs, measured),
+                            attempts, goal, header)
+        if interrupted:
+            shown.say(f"interrupted; the report of the runs so far: {out / 'report.md'}")
+    return SimulateResult(out, table, attempts, costs)
+
+
+def _task(cfg: SimulateConfig, seed: int):
+    return load_task(cfg.task, samples=cfg.samples, data_dir=cfg.data_dir,
+                     cache_dir=cfg.cache_dir, seed=seed)
+
+
+def _run(attempt: Attempt, task, spec, setup: VirtualSetup, cfg: SimulateConfig,
+         argv: Optional[list], shown: Shown, goal: Goal) -> None:
+    """One run into ``attempt.run_dir``; ``attempt`` says how it went, even if interrupted.
+    A run that fails (its task raised) is recorded and the others go on; a bad setting
+    stops them all."""
+    shown.starting(attempt, cfg.repeats)
+    began = time.monotonic()
+    try:
+        simulate_run(task, spec, setup, out=attempt.run_dir, progress=cfg.progress,
+                     argv=argv)
+    except KeyboardInterrupt:
+        attempt.status, attempt.error = "interrupted", "interrupted by the user"
+        raise
+    except ConfigError:
+        attempt.status, attempt.error = "failed", "refused its settings"
+        raise
+    except AsyncSGDError as exc:
+        attempt.status, attempt.error = "failed", str(exc)
+    finally:
+        attempt.seconds = time.monotonic() - began
+        if (Path(attempt.run_dir) / "config.json").is_file():
+            try:
+                attempt.run = Run.read(attempt.run_dir)
+            except AsyncSGDError as exc:
+                attempt.status, attempt.error = "failed", str(exc)
+        elif attempt.status == "ok":
+            attempt.status, attempt.error = "failed", "it wrote no run directory"
+        shown.finished(attempt, goal)
+
+
+def title(cfg: SimulateConfig, command: str = "simulate") -> str:
+    pacing = Pacing.parse(cfg.slowdown, cfg.delay)
+    return (f"asyncsgd {command}: {cfg.task}, {cfg.workers} simulated workers, virtual clock"
+            + (f", {pacing.describe()}" if pacing.active else "")
+            + (", {:g} of the workers {:g}x slower".format(*parse_slow_workers(
+                cfg.slow_workers)) if cfg.slow_workers else ""))
+
+
+def intro(cfg: SimulateConfig, header: dict, costs: Costs, measured: frozenset) -> list:
+    task, host, versions = header["task"], header["host"], header["versions"]
+    last = cfg.seed + cfg.repeats - 1
+    faults = [f"worker {rank} leaves at {t:g} virtual s" for t, rank in parse_leave(cfg.leave)]
+    faults += [f"a worker joins at {t:g} virtual s" for (t,) in parse_join(cfg.join)]
+    return [
+        f"Virtual clock: every mode ran in one process under the simulator, {cfg.workers} "
+        f"simulated workers each, training `{task['name']}` ({task['train_samples']:,} "
+        f"training / {task['test_samples']:,} test samples) for real with plain SGD (lr "
+        f"{task['lr']:g}, batch {task['batch_size']} per worker), seeds {cfg.seed}..{last}; "
+        f"only time is simulated. Every time in this report is in virtual seconds: a budget "
+        f"of {cfg.budget:g} virtual s a run, an evaluation every {header['eval_every']:.3g} "
+        "virtual s" + (", each run ending at the target" if cfg.stop_at_target and
+                       task["target"] is not None else "") + ".",
+        "",
+        "The cost model (docs/simulate.md says how each part is used):",
+        "",
+        *profile.describe(costs, measured),
+        *([f"- faults: {'; '.join(faults)}"] if faults else []),
+        "",
+        f"Host: {host['hostname']}, {host['cpus']} CPUs; torch {versions['torch']}, asyncsgd "
+        f"{versions['asyncsgd']}.",
+        "",
+        "Command: `" + " ".join(shlex.quote(str(a)) for a in header["command"]) + "`",
+    ]
