@@ -143,3 +143,29 @@ def test_compare_clock_virtual_runs_in_the_simulator(run_cli_here, tmp_path):
     assert (out / "compare.json").is_file() and (out / "ps-async-r1" / "config.json").is_file()
     assert _clock(out / "ddp-r1") == ("virtual", "virtual")
     assert "virtual clock" in (out / "report.md").read_text().splitlines()[0]
+
+
+def test_simulate_tune_lr_runs_each_mode_with_its_soonest_candidate(run_cli_here, tmp_path):
+    """Every candidate is simulated into tuning/; the chosen lr is the one whose own run
+    directory reached the target soonest (an oracle read from those directories), the
+    real runs use it, and the report's first line names it."""
+    out = tmp_path / "sim"
+    res = run_cli_here("simulate", *SMALL, "--modes", "ps-sync", "--workers", 3, "--target",
+                       0.5, "--budget", 5, "--tune", "lr", "--out", out)
+    assert res.returncode == 0, res.stderr
+    results = json.loads((out / "results.json").read_text())
+    tuning = results["tuning"]["ps-sync"]
+    assert [c["lr"] for c in tuning["candidates"]] == [0.05, 0.1, 0.2, 0.3, 0.4]
+    times = {}
+    for c in tuning["candidates"]:
+        evals = [json.loads(line) for line in (out / c["run_dir"] / "metrics.jsonl")
+                 .read_text().splitlines()]
+        hit = [e["t"] for e in evals if e["event"] == "eval" and e["accuracy"] >= 0.5]
+        times[c["lr"]] = hit[0] if hit else float("inf")
+    best = min(times.values())
+    assert best < float("inf") and tuning["chosen"] == min(lr for lr, t in times.items()
+                                                           if t == best)
+    run = json.loads((out / "ps-sync-r1" / "config.json").read_text())
+    assert run["config"]["lr"] == tuning["chosen"]
+    report = (out / "report.md").read_text().splitlines()
+    assert report[2] == f"Learning rate tuned per mode (--tune lr): ps-sync {tuning['chosen']:g}."

@@ -75,7 +75,8 @@ class Choice:
                 "candidates": [o.to_dict() for o in self.outcomes]}
 
 
-def choose(outcomes, criterion: str = "time", higher_is_better: bool = True) -> Choice:
+def choose(outcomes, criterion: str = "time", higher_is_better: bool = True,
+           unit: str = "s") -> Choice:
     """The best of ``outcomes`` by ``criterion`` ("time" or "samples" to the target, the other
     breaking ties): a candidate that reached the target beats every one that did not; among
     those that did not, the better best score wins (``higher_is_better``: the metric's
@@ -93,7 +94,7 @@ def choose(outcomes, criterion: str = "time", higher_is_better: bool = True) -> 
                                            o.lr))
         figure = getattr(best, first)
         why = (f"the {'soonest' if criterion == 'time' else 'fewest samples'} to the target "
-               f"({_figure(criterion, figure)})")
+               f"({_figure(criterion, figure, unit)})")
     else:
         sign = -1.0 if higher_is_better else 1.0
         scored = [o for o in outcomes if o.best_metric is not None]
@@ -116,8 +117,11 @@ def _same(a: Outcome, b: Outcome, first: str, second: str) -> bool:
     return a.best_metric == b.best_metric
 
 
-def _figure(criterion: str, value: float) -> str:
-    return f"{value:.1f} s" if criterion == "time" else f"{value:,.0f} samples"
+def _figure(criterion: str, value: float, unit: str = "s") -> str:
+    """A time in ``unit`` ('s', or 'virtual s': those often last milliseconds), or samples."""
+    if criterion != "time":
+        return f"{value:,.0f} samples"
+    return f"{value:.1f} s" if unit == "s" else f"{value:.3g} {unit}"
 
 
 def render_tuning(choices: dict, goal: Goal, budget: float, seed: int) -> list:
@@ -128,7 +132,8 @@ def render_tuning(choices: dict, goal: Goal, budget: float, seed: int) -> list:
                                                                  "less time")
     lines = ["## Learning rates", "",
              f"Each mode's learning rate was tuned before the runs (--tune lr): every candidate "
-             f"trained once, seed {seed}, for up to {budget:g} s, stopping at {goal.label}; the "
+             f"trained once, seed {seed}, for up to {budget:g} {goal.unit}, stopping at "
+             f"{goal.label}; the "
              f"mode then ran with the one that reached {goal.label} {best} ({other} breaking "
              "ties; a candidate that reached it beats every one that did not, which are ranked "
              "by their best score; ties go to the smaller lr). Candidate runs: `tuning/`.", "",
@@ -138,7 +143,7 @@ def render_tuning(choices: dict, goal: Goal, budget: float, seed: int) -> list:
         for o in choice.outcomes:
             mark = "**chosen**" if o is choice.chosen else ""
             lr = f"**{o.lr:g}**" if mark else f"{o.lr:g}"
-            time = f"{o.time_to_target:.1f} s" if o.reached else (
+            time = f"{goal.seconds(o.time_to_target)} {goal.unit}" if o.reached else (
                 "not reached" if o.status == "ok" else o.status)
             samples = f"{o.samples_to_target:,.0f}" if o.reached else DASH
             best = DASH if o.best_metric is None else goal.value(o.best_metric)

@@ -72,6 +72,27 @@ LINK = knob(
             "Bandwidth of each simulated link, each way: 25gbit, 100mbit, 3GB/s. Every worker "
             "has its own link to one switch; the server's link is shared, so pushes queue "
             "on it. A transfer of B bytes takes --latency + B / RATE."))})
+TUNE = knob(
+    "tune", str, "none",
+    "none: every mode trains with --lr. lr: before the runs, train each mode once per "
+    "candidate lr (--lr or the task's, x0.5, x1, x2 and x4; synchronous modes also x "
+    "--procs, linear scaling) for --tune-budget seconds, stopping at --target, and run "
+    "each mode with the candidate that reached the target soonest (needs a target). "
+    "E.g. --tune lr --target 0.85.", type=click.Choice(["none", "lr"]), per_command={
+        "simulate": (
+            "none: every mode trains with --lr. lr: before the runs, simulate each mode once "
+            "per candidate lr (--lr or the task's, x0.5, x1, x2 and x4; synchronous modes "
+            "also x --workers, linear scaling) for up to --tune-budget virtual seconds, "
+            "stopping at --target, and run each mode with the candidate that reached the "
+            "target soonest (needs a target). E.g. --tune lr --target 0.85.")})
+TUNE_BUDGET = knob(
+    "tune_budget", Optional[float], None,
+    "Seconds each --tune lr candidate gets (start-up included), e.g. 20; all of them "
+    "take about modes x candidates x this.", type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS", show="a quarter of --budget, at least 10 s, at most --budget",
+    per_command={"simulate": dict(
+        help="Virtual seconds each --tune lr candidate may last, e.g. 30.",
+        show="a quarter of --budget")})
 CLOCK = knob(
     "clock", str, "real",
     "real: every mode runs as processes on this machine and is timed by the wall clock. "
@@ -89,16 +110,7 @@ CompareConfig = settings(
     BUDGET,
     TARGET,
     STOP_AT_TARGET,
-    knob("tune", str, "none",
-         "none: every mode trains with --lr. lr: before the runs, train each mode once per "
-         "candidate lr (--lr or the task's, x0.5, x1, x2 and x4; synchronous modes also x "
-         "--procs, linear scaling) for --tune-budget seconds, stopping at --target, and run "
-         "each mode with the candidate that reached the target soonest (needs a target). "
-         "E.g. --tune lr --target 0.85.", type=click.Choice(["none", "lr"])),
-    knob("tune_budget", Optional[float], None,
-         "Seconds each --tune lr candidate gets (start-up included), e.g. 20; all of them "
-         "take about modes x candidates x this.", type=click.FloatRange(min=0, min_open=True),
-         metavar="SECONDS", show="a quarter of --budget, at least 10 s, at most --budget"),
+    TUNE, TUNE_BUDGET,
     REPEATS,
     SEED, DATA, BATCH_SIZE, LR, EPOCHS, EVAL_EVERY,
     PACING,  # ranks of every parallel mode; single is rank 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..errors import ConfigError
-from .compare import BUDGET, LINK, MODES, REPEATS, STOP_AT_TARGET
+from .compare import BUDGET, LINK, MODES, REPEATS, STOP_AT_TARGET, TUNE, TUNE_BUDGET
 from .knobs import knob, settings
 from .ps import WORKERS
 from .shared import (BATCH_SIZE, DATA, EPOCHS, EVAL_EVERY, LR, OUT, PACING, PROGRESS, SEED,
@@ -115,5 +115,6 @@ SimulateConfig = settings(
     "SimulateConfig", "simulate", "Settings of ``asyncsgd simulate``: compare's modes in "
     "one process on a virtual clock, learning for real.", TASK, *DATA, MODES, WORKERS,
     STEP_TIME, GRADIENT_BYTES, LINK, LATENCY, SLOW_WORKERS, PACING, LEAVE, JOIN, BUDGET,
-    TARGET, STOP_AT_TARGET, REPEATS, SEED, BATCH_SIZE, LR, EPOCHS, EVAL_EVERY, OUT, PROGRESS,
+    TARGET, STOP_AT_TARGET, TUNE, TUNE_BUDGET, REPEATS, SEED, BATCH_SIZE, LR, EPOCHS,
+    EVAL_EVERY, OUT, PROGRESS,
     module=__name__)

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, TextIO
 
+from ..analysis.fairness import fairness_notes
 from ..analysis.publish import publish
+from ..analysis.tuning import Outcome, choose, is_synchronous, lr_grid, render_tuning
 from ..analysis.report import Attempt, Goal
 from ..config import SimulateConfig
 from ..config.modes import parse_modes
@@ -178,6 +180,12 @@ def simulate(cfg: SimulateConfig, argv: Optional[list] = None, stream: TextIO = 
         task.metric.check_target(goal.target)
     except ValueError as exc:
         raise ConfigError(f"{exc} (task {task.name} scores {task.metric.name})") from None
+    if cfg.tune == "lr" and goal.target is None:
+        raise ConfigError(f"--tune lr picks the lr that reaches the target soonest, and task "
+                          f"{task.name} has no default target: give --target")
+    if cfg.tune == "none" and cfg.tune_budget is not None:
+        raise ConfigError("--tune-budget is the budget of --tune lr's candidates: add --tune "
+                          "lr, or drop --tune-budget")
     costs, measured = cost_model(cfg, given, task)
     eval_every = cfg.eval_every or AUTO_EVAL_STEPS * costs.step.median
     out = _out_dir(cfg.out, command)
@@ -197,33 +205,83 @@ def simulate(cfg: SimulateConfig, argv: Optional[list] = None, stream: TextIO = 
               f"of {cfg.workers} simulated workers on {task.name}, virtual clock, budget "
               f"{cfg.budget:g} virtual s each; writing {out}")
     attempts: list = []
+    choices: dict = {}
     table, interrupted = "", False
+    base = VirtualSetup(workers=cfg.workers, seed=cfg.seed, costs=costs, lr=cfg.lr,
+                        target=goal.target, max_seconds=cfg.budget,
+                        epochs=cfg.epochs or NO_EPOCH_LIMIT, eval_every=eval_every,
+                        batch_size=cfg.batch_size,
+                        stop_at_target=cfg.stop_at_target and goal.target is not None,
+                        leave=leave, join=join)
     try:
         with sigterm_as_interrupt():
+            if cfg.tune == "lr":
+                choices = _tune(cfg, specs, task, base, out, argv, goal, stream)
+                header["tuning"] = {m: {**c.to_dict(), "budget": base.max_seconds}
+                                    for m, c in choices.items()}
             for repeat in range(cfg.repeats):  # interleaved, as compare's
                 seed = cfg.seed + repeat
-                setup = VirtualSetup(
-                    workers=cfg.workers, seed=seed, costs=costs, lr=cfg.lr, target=goal.target,
-                    max_seconds=cfg.budget, epochs=cfg.epochs or NO_EPOCH_LIMIT,
-                    eval_every=eval_every, batch_size=cfg.batch_size,
-                    stop_at_target=cfg.stop_at_target and goal.target is not None,
-                    leave=leave, join=join)
                 run_task = task if seed == cfg.seed else _task(cfg, seed)
                 for spec in specs:
-                    attempt = Attempt(spec.name, repeat, seed,
+                    lr = choices[spec.name].lr if choices else cfg.lr
+                    label = f"{spec.name} (lr {lr:g})" if choices else spec.name
+                    attempt = Attempt(label, repeat, seed,
                                       run_dir=str(out / f"{spec.slug}-r{repeat + 1}"))
                     attempts.append(attempt)
-                    _run(attempt, run_task, spec, setup, cfg, argv, shown, goal)
+                    _run(attempt, run_task, spec, dataclasses.replace(base, seed=seed, lr=lr),
+                         cfg, argv, shown, goal)
     except KeyboardInterrupt:
         interrupted = True
         raise
     finally:  # also after Ctrl-C or SIGTERM: report what ran
         if attempts:
-            table = publish(out, title(cfg, command), intro(cfg, header, costs, measured),
-                            attempts, goal, header)
+            notes = fairness_notes(cfg.workers, cfg.workers, specs,
+                                   {m: c.lr for m, c in choices.items()} if choices else None,
+                                   lr=cfg.lr or task.lr, real_clock=False)
+            header["fairness"] = notes
+            sections = render_tuning(choices, goal, _tune_budget(cfg), cfg.seed) \
+                if choices else []
+            table = publish(out, title(cfg, command),
+                            [*(p for n in notes for p in (n, "")),
+                             *intro(cfg, header, costs, measured)],
+                            attempts, goal, header, sections=tuple(sections))
         if interrupted:
             shown.say(f"interrupted; the report of the runs so far: {out / 'report.md'}")
     return SimulateResult(out, table, attempts, costs)
+
+
+def _tune_budget(cfg: SimulateConfig) -> float:
+    """Virtual seconds of each --tune lr candidate: --tune-budget, else a quarter of
+    --budget."""
+    return cfg.tune_budget if cfg.tune_budget is not None else cfg.budget / 4
+
+
+def _tune(cfg: SimulateConfig, specs: list, task, base: VirtualSetup, out: Path,
+          argv: Optional[list], goal: Goal, stream: TextIO) -> dict:
+    """Simulate every candidate lr of every mode once (seed --seed, ``_tune_budget``,
+    stopping at the target) into OUT/tuning/, and pick each mode's: mode -> Choice."""
+    short = dataclasses.replace(base, max_seconds=_tune_budget(cfg), stop_at_target=True)
+    grids = {s.name: lr_grid(cfg.lr or task.lr, is_synchronous(s), cfg.workers)
+             for s in specs}
+    shown = Shown(sum(map(len, grids.values())), cfg.progress, stream)
+    choices = {}
+    for spec in specs:
+        outcomes = []
+        for lr in grids[spec.name]:
+            where = out / "tuning" / f"{spec.slug}-lr{lr:g}"
+            attempt = Attempt(f"{spec.name} lr {lr:g}", 0, cfg.seed, run_dir=str(where))
+            _run(attempt, task, spec, dataclasses.replace(short, lr=lr), cfg, argv, shown,
+                 goal)
+            numbers = attempt.run.numbers(goal) if attempt.ok else {}
+            outcomes.append(Outcome(lr, numbers.get("time_to_target"),
+                                    numbers.get("samples_to_target"),
+                                    numbers.get("final_metric"), numbers.get("best_metric"),
+                                    attempt.status, str(where.relative_to(out))))
+        choices[spec.name] = choose(outcomes, "time", goal.metric.higher_is_better,
+                                    unit=goal.unit)
+        shown.say(f"tune {spec.name}: lr {choices[spec.name].lr:g} chosen, "
+                  f"{choices[spec.name].why}")
+    return choices
 
 
 def _task(cfg: SimulateConfig, seed: int):
