@@ -12,7 +12,7 @@ import pytest
 
 from asyncsgd.analysis.report import Goal, parse_table
 from asyncsgd.analysis.tuning import (Outcome, choose, edge_note, is_synchronous, lr_grid,
-                                      render_tuning)
+                                      render_tuning, tried_first)
 from asyncsgd.comparison import tuner
 from asyncsgd.config import CompareConfig
 from asyncsgd.config.modes import parse_modes
@@ -156,13 +156,16 @@ def test_compare_tune_lr_runs_with_the_candidate_its_runs_say_was_best(cli_env, 
         env=cli_env, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
     assert res.returncode == 0, res.stderr
     grid = [0.00025, 0.0005, 0.001, 0.002]
-    figures = {}
-    for lr in grid:
+    figures, budget = {}, TUNE_BUDGET
+    for lr in tried_first(grid, BASE_LR):  # nearest the base lr first: 0.0005, 0.001, ...
         run_dir = out / "tuning" / f"single-lr{lr:g}"
         config = json.loads((run_dir / "config.json").read_text())["config"]
-        assert config["lr"] == lr and config["max_seconds"] == TUNE_BUDGET
+        # once one reached the target, the next run no longer than it took (+ one eval)
+        assert config["lr"] == lr and config["max_seconds"] == pytest.approx(budget)
         assert config["target"] == TARGET  # stopped at the target
         figures[lr] = _reached(run_dir, TARGET)
+        if figures[lr][0]:
+            budget = min(budget, figures[lr][0][0] + 0.2)
         assert f"tune single: lr {lr:g} " in res.stderr
     # the oracle: the soonest (then fewest samples, then smaller lr) of those that reached
     # the target, else the best score
@@ -226,3 +229,9 @@ def test_a_pick_at_the_grids_edge_says_a_better_lr_may_lie_beyond():
     assert "smallest lr tried: a smaller one" in edge_note(low)
     inside = choose([_o(0.05, 13.6, 311_456), _o(0.1, 4.0, 100_000), _o(0.4, 6.4, 193_536)])
     assert inside.lr == 0.1 and edge_note(inside) == ""
+
+
+def test_a_tuner_tries_the_lrs_nearest_the_base_first():
+    """So the likeliest winner sets the bar the later candidates are stopped at."""
+    assert tried_first([0.05, 0.1, 0.2, 0.4, 6.4], 0.1) == [0.1, 0.2, 0.05, 0.4, 6.4]
+    assert tried_first([0.25, 0.5, 1.0, 2.0], 0.5) == [0.5, 1.0, 0.25, 2.0]

@@ -5,6 +5,8 @@ Pure: the candidates' figures come from whoever ran them (real processes or a vi
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -115,6 +117,13 @@ def _same(a: Outcome, b: Outcome, first: str, second: str) -> bool:
     if a.reached or b.reached:
         return (getattr(a, first), getattr(a, second)) == (getattr(b, first), getattr(b, second))
     return a.best_metric == b.best_metric
+
+
+def tried_first(grid: list, base: float) -> list:
+    """The grid in the order a tuner tries it: nearest the base lr first (by factor, the
+    larger of two equally near first). Once a candidate reaches the target, the later ones
+    need run no longer than it took, so the likeliest winners go first."""
+    return sorted(grid, key=lambda lr: (abs(math.log(lr / base)), -lr))
 
 
 def _figure(criterion: str, value: float, unit: str = "s") -> str:

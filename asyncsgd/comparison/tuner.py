@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from ..analysis.report import Attempt, Goal
-from ..analysis.tuning import Outcome, choose, is_synchronous, lr_grid
+from ..analysis.tuning import Outcome, choose, is_synchronous, lr_grid, tried_first
 from ..config import CompareConfig
 from ..errors import ConfigError
 from ..run.process_group import available_cores
@@ -67,15 +67,21 @@ def tune_lrs(cfg: CompareConfig, specs: list, out: Path, extra: dict, goal: Goal
                             train_samples)
     choices = {}
     for spec in specs:
-        outcomes = []
-        for lr in candidates[spec.name]:
-            run = ModeRun(short, spec, 0, out / TUNING_DIR, extra, shown, goal, lr=lr,
+        outcomes, soonest = [], short.budget
+        for lr in tried_first(candidates[spec.name], base_lr):
+            # a candidate still short of the target when an earlier one had reached it
+            # cannot win: it stops there (one evaluation later, so a tie is seen)
+            run = ModeRun(dataclasses.replace(short, budget=soonest), spec, 0,
+                          out / TUNING_DIR, extra, shown, goal, lr=lr,
                           name=f"{spec.slug}-lr{lr:g}")
             run.attempt.label = f"{spec.name} lr {lr:g}"
             run.run()
             outcome = outcome_of(lr, run.attempt, goal, out)
             outcomes.append(outcome)
             shown.say(f"tune {spec.name}: lr {lr:g} {_told(outcome, goal)}")
+            if outcome.reached:
+                soonest = min(soonest, outcome.time_to_target + cfg.eval_every)
+        outcomes.sort(key=lambda o: o.lr)
         choice = choose(outcomes, "time", goal.metric.higher_is_better)
         shown.say(f"tune {spec.name}: lr {choice.lr:g} chosen, {choice.why}")
         choices[spec.name] = choice

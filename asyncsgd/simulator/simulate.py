@@ -20,7 +20,8 @@ from typing import Optional, TextIO
 
 from ..analysis.fairness import fairness_notes
 from ..analysis.publish import publish
-from ..analysis.tuning import Outcome, choose, is_synchronous, lr_grid, render_tuning
+from ..analysis.tuning import (Outcome, choose, is_synchronous, lr_grid, render_tuning,
+                               tried_first)
 from ..analysis.report import Attempt, Goal
 from ..config import SimulateConfig
 from ..config.modes import parse_modes
@@ -267,16 +268,22 @@ def _tune(cfg: SimulateConfig, specs: list, task, base: VirtualSetup, out: Path,
     choices = {}
     for spec in specs:
         outcomes = []
-        for lr in grids[spec.name]:
+        soonest = short.max_seconds
+        for lr in tried_first(grids[spec.name], cfg.lr or task.lr):
             where = out / "tuning" / f"{spec.slug}-lr{lr:g}"
             attempt = Attempt(f"{spec.name} lr {lr:g}", 0, cfg.seed, run_dir=str(where))
-            _run(attempt, task, spec, dataclasses.replace(short, lr=lr), cfg, argv, shown,
-                 goal)
+            # a candidate still short of the target when an earlier one had reached it
+            # cannot win: it stops there (ties included), which bounds what tuning costs
+            _run(attempt, task, spec, dataclasses.replace(short, lr=lr, max_seconds=soonest),
+                 cfg, argv, shown, goal)
             numbers = attempt.run.numbers(goal) if attempt.ok else {}
             outcomes.append(Outcome(lr, numbers.get("time_to_target"),
                                     numbers.get("samples_to_target"),
                                     numbers.get("final_metric"), numbers.get("best_metric"),
                                     attempt.status, str(where.relative_to(out))))
+            if outcomes[-1].reached:
+                soonest = min(soonest, outcomes[-1].time_to_target + base.eval_every)
+        outcomes.sort(key=lambda o: o.lr)
         choices[spec.name] = choose(outcomes, "time", goal.metric.higher_is_better,
                                     unit=goal.unit)
         shown.say(f"tune {spec.name}: lr {choices[spec.name].lr:g} chosen, "
