@@ -29,7 +29,7 @@ from asyncsgd.config.modes import parse_modes
 from asyncsgd.core.tasks import load_task
 from asyncsgd.run.reader import Run
 from asyncsgd.simulator import VirtualSetup, simulate_run
-from asyncsgd.simulator.profile import profile
+from asyncsgd.simulator import profile
 from results import RESULTS
 
 NAME = "simulator_fidelity"
@@ -126,7 +126,7 @@ def main() -> None:
     args = parser.parse_args()
     modes = args.modes.split(",")
     started = time.time()
-    costs = profile(load_task(TASK), batch_size=None)
+    costs = profile.profile(load_task(TASK))
     with tempfile.TemporaryDirectory(prefix="fidelity-") as tmp:
         tmp = Path(tmp)
         real = real_runs(modes, args.seeds, None, tmp / "real")
@@ -137,8 +137,8 @@ def main() -> None:
     text = "\n".join([
         f"# Virtual clock against real runs: {TASK} to {TARGET:.0%}, {WORKERS} workers on "
         f"{WORKERS} cores", "",
-        f"Medians over {args.seeds} seed(s); ps-backup:1 with rank 1 4x slower. Cost model: "
-        + "; ".join(costs.describe() if hasattr(costs, "describe") else [repr(costs)]) + ".",
+        f"Medians over {args.seeds} seed(s); ps-backup:1 with rank 1 4x slower. Cost model "
+        "of the simulations:", "", *profile.describe(costs), "",
         "Cells in bold are more than 20% away from the real run.", "", *lines, "",
         f"{len(misses)} cell(s) outside ±20%: {', '.join(misses) or 'none'}. "
         f"Took {time.time() - started:.0f} s."])
