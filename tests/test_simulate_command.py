@@ -160,11 +160,12 @@ def test_simulate_tune_lr_runs_each_mode_with_its_soonest_candidate(run_cli_here
     for c in tuning["candidates"]:
         evals = [json.loads(line) for line in (out / c["run_dir"] / "metrics.jsonl")
                  .read_text().splitlines()]
-        hit = [e["t"] for e in evals if e["event"] == "eval" and e["accuracy"] >= 0.5]
-        times[c["lr"]] = hit[0] if hit else float("inf")
-    best = min(times.values())
-    assert best < float("inf") and tuning["chosen"] == min(lr for lr, t in times.items()
-                                                           if t == best)
+        hit = [(e["t"], e["samples"]) for e in evals
+               if e["event"] == "eval" and e["accuracy"] >= 0.5]
+        times[c["lr"]] = hit[0] if hit else (float("inf"), 0)
+    # the soonest, then the fewest samples, then the smaller lr
+    best = min((t, samples, lr) for lr, (t, samples) in times.items())
+    assert best[0] < float("inf") and tuning["chosen"] == best[2]
     run = json.loads((out / "ps-sync-r1" / "config.json").read_text())
     assert run["config"]["lr"] == tuning["chosen"]
     report = (out / "report.md").read_text().splitlines()

@@ -22,7 +22,8 @@ from conftest import asyncsgd_cmd, one_line_error, read_events
 
 
 def test_the_grid_is_x05_to_x4_and_synchronous_modes_add_linear_scaling():
-    assert lr_grid(0.1, False, 2) == [0.05, 0.1, 0.2, 0.4]
+    assert lr_grid(0.1, False, 4) == [0.025, 0.05, 0.1, 0.2, 0.4]  # / 2 is in the grid
+    assert lr_grid(0.1, False, 64) == [0.0015625, 0.0125, 0.05, 0.1, 0.2, 0.4]  # / N, / sqrt N
     assert lr_grid(0.1, True, 2) == [0.05, 0.1, 0.2, 0.4]  # x2 is in the grid already
     assert lr_grid(0.1, True, 8) == [0.05, 0.1, 0.2, 0.4, 0.8]
     assert lr_grid(0.1, True, 3) == [0.05, 0.1, 0.2, 0.3, 0.4]  # 0.1 * 3 named as 0.3

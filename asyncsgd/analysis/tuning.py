@@ -31,10 +31,19 @@ def _clean(x: float) -> float:
     return float(f"{x:.12g}")
 
 
+def grid_of(spec, base_lr: float, workers: int) -> list:
+    """``lr_grid`` of a mode (a ``config.modes.ModeSpec``): single is one process, whatever
+    the others' workers."""
+    return lr_grid(base_lr, is_synchronous(spec), 1 if spec.command == "single" else workers)
+
+
 def lr_grid(base_lr: float, synchronous: bool, workers: int) -> list:
-    """base x {0.5, 1, 2, 4}, and for a synchronous mode base x workers (linear scaling);
-    sorted, each lr once."""
-    factors = GRID_FACTORS + ((float(workers),) if synchronous else ())
+    """base x {0.5, 1, 2, 4}; for a synchronous mode also base x workers (linear scaling),
+    for an asynchronous one base / workers and base / sqrt(workers) (a gradient N - 1
+    updates stale wants a smaller step: Zhang et al. 2016's staleness-aware lr divides by
+    the staleness; the square root is the middle ground); sorted, each lr once."""
+    factors = GRID_FACTORS + ((float(workers),) if synchronous else
+                              (1.0 / workers, workers ** -0.5))
     return sorted({_clean(base_lr * f) for f in factors})
 
 

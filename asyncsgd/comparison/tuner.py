@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from ..analysis.report import Attempt, Goal
-from ..analysis.tuning import Outcome, choose, is_synchronous, lr_grid, tried_first
+from ..analysis.tuning import Outcome, choose, grid_of, tried_first
 from ..config import CompareConfig
 from ..errors import ConfigError
 from ..run.process_group import available_cores
@@ -45,7 +45,7 @@ def tune_budget(cfg: CompareConfig) -> float:
 def grids(cfg: CompareConfig, specs: list, base_lr: float) -> dict:
     """mode -> its candidate lrs."""
     workers = cfg.procs or available_cores()
-    return {s.name: lr_grid(base_lr, is_synchronous(s), workers) for s in specs}
+    return {s.name: grid_of(s, base_lr, workers) for s in specs}
 
 
 def outcome_of(lr: float, attempt: Attempt, goal: Goal, out: Path) -> Outcome:

@@ -9,8 +9,10 @@ events, so the staleness each gradient meets, follows from them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import math
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -221,13 +223,17 @@ class _Engine(ABC):
     def epoch(self) -> int:
         return min(w.epoch for w in self.workers)
 
-    def run(self) -> str:
-        """Play events until the target, the budget or the last step: what stopped it."""
+    def begin(self) -> None:
+        """Set the first events: the workers', the evaluations', the budget's."""
         self.start()
         self.sched.at(0.0, "eval")
         if self.setup.max_seconds:
             self.sched.at(self.setup.max_seconds, "budget")
-        while self.stopped_by is None and len(self.sched):
+
+    def advance(self, until: float = math.inf) -> Optional[str]:
+        """Play the events up to virtual time ``until``: what stopped the run (the target,
+        the budget, the last step), or None while it goes on."""
+        while self.stopped_by is None and len(self.sched) and self.sched.next_time() <= until:
             t, kind, *args = self.sched.pop()
             if kind == "eval":
                 self.evaluate(t)
@@ -240,10 +246,26 @@ class _Engine(ABC):
             else:
                 self.work -= 1
                 getattr(self, "on_" + kind)(t, *args)
+        if self.stopped_by is None and not len(self.sched):
+            self.stopped_by = "epochs"
+        return self.stopped_by
+
+    def stop_at(self, t: float) -> None:
+        """End the run at virtual time ``t`` (a tuning race another candidate won)."""
+        self.sched.at(max(t, self.sched.now), "budget")
+
+    def end(self) -> str:
+        """The parameters where an evaluation reads them, and what stopped the run."""
         self.rec.now = self.sched.now
         with torch.no_grad():
             self.flat.copy_(self.params())
         return self.stopped_by or "epochs"
+
+    def run(self) -> str:
+        """Play events until the target, the budget or the last step: what stopped it."""
+        self.begin()
+        self.advance()
+        return self.end()
 
     def summary(self) -> dict:
         return {}
@@ -500,10 +522,19 @@ def simulate_run(task: Task, spec: ModeSpec, setup: VirtualSetup, out: Optional[
                  progress: str = "auto", argv: Optional[list] = None) -> RunResult:
     """Run ``spec`` on the virtual clock into a run directory (``out``, or runs/<time>-<mode>)
     written as real runs write theirs, with ``t`` in virtual seconds and clock "virtual"."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: the same seed gives the same sums, bit for bit
-    try:
+    with one_thread():
         return finish(prepare(task, spec, setup, out, progress, argv))
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Torch on one thread while simulating: the same seed gives the same sums, bit for bit,
+    and a small model's steps run faster than on two (experiments/README.md, "Worker
+    threads")."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
     finally:
         torch.set_num_threads(threads)
 
@@ -532,11 +563,17 @@ def prepare(task: Task, spec: ModeSpec, setup: VirtualSetup, out: Optional[str] 
     return _engine_of(spec)(task, spec, setup, rec, model, layout, flat, grads)
 
 
-def finish(engine: _Engine) -> RunResult:
-    """Play the run to its end and write its summary."""
+def finish(engine: _Engine, played: bool = False,
+           error: Optional[WorkerError] = None) -> RunResult:
+    """Play the run to its end (unless ``played``: a race did, and ``error`` is what
+    failed it there) and write its summary; a failure is raised once it is written."""
     outcome = Outcome(stopped_by="epochs")
-    with outcome.watch():
-        outcome.stopped_by = engine.run()
+    if error is not None:
+        engine.end()
+        outcome.failed(error)
+    else:
+        with outcome.watch():
+            outcome.stopped_by = engine.end() if played else engine.run()
     rec = engine.rec
     return rec.conclude(engine.samples, engine.epoch(), outcome,
                         rate=engine.samples / max(rec.now, 1e-12), clock="virtual",

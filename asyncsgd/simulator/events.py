@@ -26,5 +26,9 @@ class Scheduler:
         self.now = t
         return (t, *what)
 
+    def next_time(self) -> float:
+        """The time of the earliest event (the queue is not empty)."""
+        return self._heap[0][0]
+
     def __len__(self) -> int:
         return len(self._heap)

@@ -20,19 +20,19 @@ from typing import Optional, TextIO
 
 from ..analysis.fairness import fairness_notes
 from ..analysis.publish import publish
-from ..analysis.tuning import (Outcome, choose, is_synchronous, lr_grid, render_tuning,
-                               tried_first)
+from ..analysis.tuning import Outcome, choose, grid_of, render_tuning
 from ..analysis.report import Attempt, Goal
 from ..config import SimulateConfig
 from ..config.modes import parse_modes
 from ..config.simulate import check_ranks, parse_join, parse_leave, parse_slow_workers
 from ..core.pacing import Pacing, parse_slowdown
 from ..core.tasks import load_task
-from ..errors import AsyncSGDError, ConfigError
+from ..errors import AsyncSGDError, ConfigError, WorkerError
 from ..run.reader import Run
 from ..run.rundir import RunDir, environment
 from ..run.signals import sigterm_as_interrupt
 from . import VirtualSetup, profile, simulate_run  # the engine, as the package re-exports it
+from .engine import finish, one_thread, prepare
 from .costs import Costs, Link, StepTime, parse_duration, parse_rate, parse_size
 
 NO_EPOCH_LIMIT = 1_000_000  # --target or --budget ends the run
@@ -259,36 +259,67 @@ def _tune_budget(cfg: SimulateConfig) -> float:
 
 def _tune(cfg: SimulateConfig, specs: list, task, base: VirtualSetup, out: Path,
           argv: Optional[list], goal: Goal, stream: TextIO) -> dict:
-    """Simulate every candidate lr of every mode once (seed --seed, ``_tune_budget``,
-    stopping at the target) into OUT/tuning/, and pick each mode's: mode -> Choice."""
+    """Each mode's candidate lrs race on the virtual clock (seed --seed, up to
+    ``_tune_budget``, into OUT/tuning/): they advance together, an evaluation interval at a
+    time, and once one reaches the target the others stop there, so a mode's tuning costs
+    about its candidates x the winner's run, however hopeless the others. -> mode -> Choice"""
     short = dataclasses.replace(base, max_seconds=_tune_budget(cfg), stop_at_target=True)
-    grids = {s.name: lr_grid(cfg.lr or task.lr, is_synchronous(s), cfg.workers)
-             for s in specs}
-    shown = Shown(sum(map(len, grids.values())), cfg.progress, stream)
+    shown = Shown(len(specs), cfg.progress, stream)
     choices = {}
     for spec in specs:
+        grid = grid_of(spec, cfg.lr or task.lr, cfg.workers)
+        shown.say(f"tune {spec.name}: lr {', '.join(f'{lr:g}' for lr in grid)} race for up "
+                  f"to {short.max_seconds:g} virtual s, stopping at {goal.label}")
+        racers = {lr: prepare(task, spec, dataclasses.replace(short, lr=lr),
+                              out=str(out / "tuning" / f"{spec.slug}-lr{lr:g}"),
+                              progress="off", argv=argv) for lr in grid}
+        with one_thread():
+            errors = _race(racers, base.eval_every)
         outcomes = []
-        soonest = short.max_seconds
-        for lr in tried_first(grids[spec.name], cfg.lr or task.lr):
+        for lr, engine in racers.items():
             where = out / "tuning" / f"{spec.slug}-lr{lr:g}"
-            attempt = Attempt(f"{spec.name} lr {lr:g}", 0, cfg.seed, run_dir=str(where))
-            # a candidate still short of the target when an earlier one had reached it
-            # cannot win: it stops there (ties included), which bounds what tuning costs
-            _run(attempt, task, spec, dataclasses.replace(short, lr=lr, max_seconds=soonest),
-                 cfg, argv, shown, goal)
-            numbers = attempt.run.numbers(goal) if attempt.ok else {}
+            status = "ok"
+            try:
+                with one_thread():
+                    finish(engine, played=True, error=errors.get(lr))
+            except AsyncSGDError:
+                status = "failed"
+            numbers = Run.read(where).numbers(goal) if status == "ok" else {}
             outcomes.append(Outcome(lr, numbers.get("time_to_target"),
                                     numbers.get("samples_to_target"),
                                     numbers.get("final_metric"), numbers.get("best_metric"),
-                                    attempt.status, str(where.relative_to(out))))
-            if outcomes[-1].reached:
-                soonest = min(soonest, outcomes[-1].time_to_target + base.eval_every)
-        outcomes.sort(key=lambda o: o.lr)
+                                    status, str(where.relative_to(out))))
+            shown.say(f"tune {spec.name}: lr {lr:g} " + (
+                f"reached {goal.label} at {outcomes[-1].time_to_target:.3g} virtual s"
+                if outcomes[-1].reached else "failed: " + str(errors[lr]).split(":")[0]
+                if lr in errors else f"did not reach {goal.label}"))
         choices[spec.name] = choose(outcomes, "time", goal.metric.higher_is_better,
                                     unit=goal.unit)
         shown.say(f"tune {spec.name}: lr {choices[spec.name].lr:g} chosen, "
                   f"{choices[spec.name].why}")
     return choices
+
+
+def _race(racers: dict, step: float) -> dict:
+    """Advance every engine of ``racers`` (lr -> engine) ``step`` virtual seconds at a
+    time until each has stopped; the first to reach the target stops the rest at that
+    time, after their evaluation there. -> lr -> the WorkerError that failed it."""
+    for engine in racers.values():
+        engine.begin()
+    live, errors, t = dict(racers), {}, 0.0
+    while live:
+        t += step
+        for lr, engine in list(live.items()):
+            try:
+                stopped = engine.advance(t)
+            except WorkerError as exc:  # it diverged: out of the race
+                errors[lr], stopped = exc, "error"
+            if stopped:
+                del live[lr]
+                if stopped == "target":
+                    for other in live.values():
+                        other.stop_at(engine.sched.now)
+    return errors
 
 
 def _task(cfg: SimulateConfig, seed: int):
