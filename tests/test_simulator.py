@@ -18,7 +18,7 @@ from asyncsgd.run.checkpoint import load_checkpoint
 from asyncsgd.servers.shard import ShardConfig, ShardState
 from asyncsgd.simulator import (Costs, Link, StepTime, VirtualSetup, parse_duration, parse_rate,
                                 parse_size, simulate_run)
-from asyncsgd.simulator.engine import finish, prepare
+from asyncsgd.simulator.run import finish, prepare
 from asyncsgd.simulator.events import Scheduler
 from asyncsgd.wire.layout import Layout
 from asyncsgd.wire.protocol import PUSH, Message, Segment

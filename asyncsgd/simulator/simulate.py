@@ -32,7 +32,7 @@ from ..run.reader import Run
 from ..run.rundir import RunDir, environment
 from ..run.signals import sigterm_as_interrupt
 from . import VirtualSetup, profile, simulate_run  # the engine, as the package re-exports it
-from .engine import finish, one_thread, prepare
+from .run import finish, one_thread, prepare
 from .costs import Costs, Link, StepTime, parse_duration, parse_rate, parse_size
 
 NO_EPOCH_LIMIT = 1_000_000  # --target or --budget ends the run

@@ -1,0 +1,93 @@
+"""The modes without a server on the virtual clock: single and Hogwild (interleaved applies)
+and ddp (lock-step rounds and a ring all-reduce)."""
+
+from __future__ import annotations
+
+import torch
+
+from asyncsgd.servers.rules import make_rule
+
+from .engine import Engine, SimWorker
+
+
+class AloneEngine(Engine):
+    """single and hogwild: workers step the shared parameters, read at each step's start
+    and written at its end (Hogwild's races as interleaved applies); no link, no server."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.shared = self.flat.detach().clone()
+        self.rule = make_rule("sgd", len(self.shared), self.lr)
+        self.steps = 0
+
+    def params(self) -> torch.Tensor:
+        return self.shared
+
+    def start(self) -> None:
+        for w in self.workers[:self.setup.workers]:
+            self.on_begin(0.0, w)
+
+    def on_begin(self, t: float, w: SimWorker) -> None:
+        index = w.next_batch()
+        if index is None:
+            return
+        grad, loss, n = self.gradient(self.shared, index)
+        self.at(t + self.step_time(w), "apply", w, grad, loss, n)
+
+    def on_apply(self, t: float, w: SimWorker, grad: torch.Tensor, loss: float, n: int) -> None:
+        self.rule.apply(self.shared, [(0, grad)])
+        self.steps += 1
+        self.trained(n, loss)
+        self.on_begin(t, w)
+
+    def summary(self) -> dict:
+        return {"updates": self.steps}
+
+
+class DDPEngine(Engine):
+    """ddp: lock-step rounds; each ends when the slowest rank computed its gradient and
+    the ring all-reduce of the gradients is done, then every rank applies their mean."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.shared = self.flat.detach().clone()
+        self.rule = make_rule("sgd", len(self.shared), self.lr)
+        self.rounds = 0
+
+    def params(self) -> torch.Tensor:
+        return self.shared
+
+    def start(self) -> None:
+        self.on_round(0.0)
+
+    def on_round(self, t: float) -> None:
+        ranks = self.workers[:self.setup.workers]
+        batches = [w.next_batch() for w in ranks]
+        if any(b is None for b in batches):
+            return  # a rank's epochs are over: so are everyone's (equal partitions)
+        total, losses, samples, slowest = None, 0.0, 0, 0.0
+        for w, index in zip(ranks, batches):
+            grad, loss, n = self.gradient(self.shared, index)
+            total = grad if total is None else total.add_(grad)
+            losses, samples = losses + loss * n, samples + n
+            slowest = max(slowest, self.step_time(w))
+        total.div_(len(ranks))
+        allreduce = self.costs.link.ring_allreduce(self.nbytes, len(ranks))
+        self.at(t + slowest + allreduce, "applied", total, losses / samples, samples,
+                len(ranks))
+
+    def on_applied(self, t: float, mean: torch.Tensor, loss: float, samples: int,
+                   ranks: int) -> None:
+        if self.trace is not None:
+            self.trace.append(("round", t, None))
+        self.rule.apply(self.shared, [(0, mean)])
+        self.rounds += 1
+        n = self.setup.workers
+        self.bytes += int(2 * (n - 1) * self.nbytes) if n > 1 else 0
+        self.trained(samples, loss, ranks)
+        self.on_round(t)
+
+    def summary(self) -> dict:
+        return {"updates": self.rounds}
+
+

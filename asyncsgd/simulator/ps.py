@@ -1,0 +1,159 @@
+"""The parameter-server modes on the virtual clock: workers pull, step and push through the
+real ``ShardState``; the server's link and its applies queue in arrival order."""
+
+from __future__ import annotations
+
+import torch
+
+from asyncsgd.servers.shard import ShardConfig, ShardState
+
+from ..config import ServerConfig
+from ..errors import WorkerError
+from ..wire.protocol import BYE, ERROR, PARAMS, PULL, PUSH, Code, Key, Message, Segment
+from ..wire.stats import percentile
+from .engine import Engine, SimWorker, local_steps
+
+
+class PSEngine(Engine):
+    """The parameter-server modes: workers pull, step and push through the real
+    ``ShardState``. The server's link is shared: pushes arrive one after another on it,
+    and its replies leave one after another; it applies in arrival order."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        server = ServerConfig()
+        flags = dict(zip(self.spec.flags[::2], self.spec.flags[1::2]))
+        hyper = {"weight_decay": server.weight_decay}
+        if self.spec.optimizer in ("momentum", "nesterov", "delayed-nesterov"):
+            hyper["momentum"] = float(flags.get("--momentum", server.momentum))
+        if self.spec.optimizer == "delayed-nesterov":
+            hyper["period"] = self.setup.workers
+        self.H = local_steps(self.spec)
+        server_lr = float(flags["--lr"]) if "--lr" in flags else self.lr
+        self.state = ShardState(ShardConfig(
+            index=0, start=0, end=len(self.flat), rule=self.spec.optimizer, lr=server_lr,
+            hyper=hyper, consistency=self.spec.consistency or "async",
+            expected_workers=self.setup.workers, heartbeat_timeout=float("inf"),
+            sync_reduce=server.sync_reduce, backup_workers=self.spec.backup_workers),
+            self.flat.detach().clone())
+        self.link = self.costs.link
+        self.ingress = self.egress = self.server = 0.0  # when each is free again
+        self.by_peer = {w.name.encode(): w for w in self.workers}
+
+    def params(self) -> torch.Tensor:
+        return self.state.params
+
+    def start(self) -> None:
+        for w in self.workers[:self.setup.workers]:
+            self.send(0.0, w, Message(type=PULL, worker=w.name, incarnation=1, seq=0), 0)
+        for t, rank in self.setup.leave:
+            self.at(t, "leave", self.workers[rank])
+        for k, (t,) in enumerate(self.setup.join):
+            w = self.workers[self.setup.workers + k]
+            self.at(t, "join", w)
+
+    def send(self, t: float, w: SimWorker, msg: Message, nbytes: int) -> None:
+        """``msg`` leaves ``w`` at ``t``; it reaches the server once its bytes have come in
+        on the server's link, after those of every push before it."""
+        arrive = t + self.link.latency
+        if nbytes:
+            arrive = max(arrive, self.ingress) + nbytes / self.link.bandwidth
+            self.ingress = arrive
+            self.bytes += nbytes
+        self.at(arrive, "arrive", w, msg, nbytes)
+
+    def on_arrive(self, t: float, w: SimWorker, msg: Message, nbytes: int) -> None:
+        done = max(t, self.server) + nbytes * self.costs.apply_per_byte
+        self.server = done
+        self.at(done, "handle", w, msg)
+
+    def on_handle(self, t: float, w: SimWorker, msg: Message) -> None:
+        if self.trace is not None and msg.type == PUSH:
+            self.trace.append(("apply", t, w.rank, self.state.version - msg.clock))
+        for peer, reply in self.state.handle(w.name.encode(), msg, t):
+            if reply.type == ERROR and reply.meta.get("code") == Code.NON_FINITE:
+                raise WorkerError(w.rank, (
+                    f"diverged at {t:.4g} virtual s: worker {w.rank}'s gradient held NaN or "
+                    f"Inf, which the server refuses, as a real one does (lr "
+                    f"{self.lr:g} is too large for {self.setup.workers} workers here: try a "
+                    "smaller --lr, or --tune lr)"))
+            if reply.type == ERROR:  # anything else would be the simulator's own mistake
+                raise RuntimeError(f"the shard refused a simulated {msg.type}: {reply.meta}")
+            if reply.type != PARAMS:
+                continue
+            params = torch.cat([s.data.float() for s in sorted(reply.segments,
+                                                                  key=lambda s: s.offset)])
+            start = max(t, self.egress)
+            self.egress = start + self.nbytes / self.link.bandwidth
+            self.bytes += self.nbytes
+            self.at(self.egress + self.link.latency, "pulled", self.by_peer[peer], params,
+                    reply.meta[Key.VERSION])
+
+    def on_pulled(self, t: float, w: SimWorker, params: torch.Tensor, version: int) -> None:
+        """New parameters reached ``w``: it computes its next push from them, for real."""
+        if w.gone:
+            return
+        if self.trace is not None:
+            self.trace.append(("pulled", t, w.rank))
+        if self.H > 1:
+            # --local-steps H: H inner SGD steps on its own copy, then the pseudo-gradient
+            local, seconds, samples, losses, steps = params.clone(), 0.0, 0, 0.0, 0
+            for _ in range(self.H):
+                index = w.next_batch()
+                if index is None:
+                    break
+                grad, loss, n = self.gradient(local, index)
+                local.add_(grad, alpha=-self.lr)
+                seconds, samples = seconds + self.step_time(w), samples + n
+                losses, steps = losses + loss, steps + 1
+            grad, loss = params.sub_(local), losses / max(1, steps)
+        else:
+            index = w.next_batch()
+            samples = 0
+            if index is not None:
+                grad, loss, samples = self.gradient(params, index)
+                seconds = self.step_time(w)
+        del params
+        if not samples:
+            self.leave(t, w)
+            return
+        self.at(t + seconds, "push", w, grad, version, loss, samples)
+
+    def on_push(self, t: float, w: SimWorker, grad: torch.Tensor, version: int, loss: float,
+                samples: int) -> None:
+        if w.gone:
+            return  # it left while computing: its step is lost
+        w.seq += 1
+        self.send(t, w, Message(type=PUSH, worker=w.name, incarnation=1, seq=w.seq,
+                                clock=version, meta={Key.PULL: True, Key.SAMPLES: samples,
+                                                     Key.LOSS: loss},
+                                segments=[Segment(0, grad)]), self.nbytes)
+
+    def leave(self, t: float, w: SimWorker) -> None:
+        if not w.gone:
+            w.gone = True
+            w.seq += 1
+            self.send(t, w, Message(type=BYE, worker=w.name, incarnation=1, seq=w.seq), 0)
+
+    def on_leave(self, t: float, w: SimWorker) -> None:
+        self.leave(t, w)
+
+    def on_join(self, t: float, w: SimWorker) -> None:
+        self.send(t, w, Message(type=PULL, worker=w.name, incarnation=1, seq=0), 0)
+
+    def evaluate(self, t: float) -> None:
+        """Samples and loss as the shard counted them from the pushes it took (each push
+        reports its mean loss), as a real server's evaluator reads them."""
+        self.loss_sum, self.loss_steps, self.samples = (
+            sum(v[i] for v in self.state.train.values()) + self.state.train_forgotten[i]
+            for i in range(3))
+        super().evaluate(t)
+
+    def summary(self) -> dict:
+        hist = list(self.state.staleness)
+        return {"updates": self.state.counters["updates"], "staleness_hist": hist,
+                "staleness_p50": percentile(hist, 0.5), "staleness_p99": percentile(hist, 0.99),
+                "stale_pushes": self.state.counters["stale"],
+                "consistency": str(self.state.cfg.consistency)}
+
+
