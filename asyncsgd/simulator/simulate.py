@@ -274,7 +274,8 @@ def _tune(cfg: SimulateConfig, specs: list, task, base: VirtualSetup, out: Path,
                               out=str(out / "tuning" / f"{spec.slug}-lr{lr:g}"),
                               progress="off", argv=argv) for lr in grid}
         with one_thread():
-            errors = _race(racers, base.eval_every)
+            errors = _race(racers, base.eval_every,
+                           lambda text: shown.say(f"tune {spec.name}: {text}"))
         outcomes = []
         for lr, engine in racers.items():
             where = out / "tuning" / f"{spec.slug}-lr{lr:g}"
@@ -300,14 +301,23 @@ def _tune(cfg: SimulateConfig, specs: list, task, base: VirtualSetup, out: Path,
     return choices
 
 
-def _race(racers: dict, step: float) -> dict:
+RACE_NOTE_SECONDS = 10.0  # how often a race says where it stands, in real seconds
+
+
+def _race(racers: dict, step: float, say=None) -> dict:
     """Advance every engine of ``racers`` (lr -> engine) ``step`` virtual seconds at a
     time until each has stopped; the first to reach the target stops the rest at that
-    time, after their evaluation there. -> lr -> the WorkerError that failed it."""
+    time, after their evaluation there. ``say``: told where the race stands now and
+    then. -> lr -> the WorkerError that failed it."""
     for engine in racers.values():
         engine.begin()
     live, errors, t = dict(racers), {}, 0.0
+    noted = time.monotonic()
     while live:
+        if say is not None and time.monotonic() - noted >= RACE_NOTE_SECONDS:
+            noted = time.monotonic()
+            say(f"{t:.3g} virtual s: " + ", ".join(
+                f"lr {lr:g} {_score(e)}" for lr, e in live.items()))
         t += step
         for lr, engine in list(live.items()):
             try:
@@ -320,6 +330,12 @@ def _race(racers: dict, step: float) -> dict:
                     for other in live.values():
                         other.stop_at(engine.sched.now)
     return errors
+
+
+def _score(engine) -> str:
+    """The latest evaluation of a racing engine, as its metric prints it."""
+    last, metric = engine.rec.last_eval, engine.rec.metric
+    return "not evaluated" if last is None else f"{metric.format(last[metric.name])}"
 
 
 def _task(cfg: SimulateConfig, seed: int):
