@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -25,15 +24,17 @@ from ..analysis.report import Attempt, Goal
 from ..config import SimulateConfig
 from ..config.modes import parse_modes
 from ..config.simulate import check_ranks, parse_join, parse_leave, parse_slow_workers
-from ..core.pacing import Pacing, parse_slowdown
+from ..core.pacing import Pacing
 from ..core.tasks import load_task
-from ..errors import AsyncSGDError, ConfigError, WorkerError
+from ..errors import AsyncSGDError, ConfigError
 from ..run.reader import Run
 from ..run.rundir import RunDir, environment
 from ..run.signals import sigterm_as_interrupt
 from . import VirtualSetup, profile, simulate_run  # the engine, as the package re-exports it
+from .cost_model import Given, cost_model, costs_record
+from .race import race
 from .run import finish, one_thread, prepare
-from .costs import Costs, Link, StepTime, parse_duration, parse_rate, parse_size
+from .costs import Costs
 
 NO_EPOCH_LIMIT = 1_000_000  # --target or --budget ends the run
 AUTO_EVAL_STEPS = 50  # --eval-every's default, in median step times
@@ -51,64 +52,6 @@ class SimulateResult:
     @property
     def failed(self) -> list:
         return [a for a in self.attempts if not a.ok]
-
-
-def _given(parse, text: Optional[str], flag: str):
-    """``text`` parsed, or None when not given; a bad value names ``flag``."""
-    if text is None:
-        return None
-    try:
-        return parse(text)
-    except ConfigError as exc:
-        raise ConfigError(f"{flag} {text!r}: {exc}") from None
-
-
-@dataclass(frozen=True)
-class Given:
-    """The parts of the cost model given on the command line, parsed (None: profile it)."""
-
-    step: Optional[StepTime]
-    nbytes: Optional[int]
-    rate: Optional[float]
-    latency: Optional[float]
-
-    @classmethod
-    def of(cls, cfg: SimulateConfig) -> "Given":
-        return cls(_given(StepTime.parse, cfg.step_time, "--step-time"),
-                   _given(parse_size, cfg.gradient_bytes, "--gradient-bytes"),
-                   _given(parse_rate, cfg.link, "--link"),
-                   _given(parse_duration, cfg.latency, "--latency"))
-
-
-def cost_model(cfg: SimulateConfig, given: Given, task) -> tuple:
-    """(Costs, the parts profiled here): what was ``given``, the rest measured."""
-    step, nbytes, rate, latency = given.step, given.nbytes, given.rate, given.latency
-    share, factor = parse_slow_workers(cfg.slow_workers)
-    measured = {"apply"}
-    if step is None:
-        step = StepTime(statistics.median(profile.step_seconds(task, cfg.batch_size)))
-        measured.add("step")
-    if nbytes is None:
-        nbytes = profile.gradient_bytes(task)
-        measured.add("bytes")
-    if rate is None and latency is None:
-        measured.add("link")
-    link = Link(bandwidth=profile.LOOPBACK_BANDWIDTH if rate is None else rate,
-                latency=profile.LOOPBACK_LATENCY if latency is None else latency)
-    costs = Costs(step=step, link=link, apply_per_byte=profile.apply_seconds_per_byte(nbytes),
-                  gradient_bytes=nbytes, slow_share=share, slow_factor=factor,
-                  slowdown=parse_slowdown(cfg.slowdown), delay=cfg.delay)
-    return costs, frozenset(measured)
-
-
-def costs_record(costs: Costs, measured: frozenset) -> dict:
-    """The cost model as the report's header keeps it (seconds, bytes, bytes/s)."""
-    return {"step_median": costs.step.median, "step_sigma": costs.step.sigma,
-            "gradient_bytes": costs.gradient_bytes, "bandwidth": costs.link.bandwidth,
-            "latency": costs.link.latency, "apply_per_byte": costs.apply_per_byte,
-            "slow_share": costs.slow_share, "slow_factor": costs.slow_factor,
-            "slowdown": list(costs.slowdown), "delay": costs.delay,
-            "profiled": sorted(measured)}
 
 
 def check_modes(specs: list) -> None:
@@ -274,7 +217,7 @@ def _tune(cfg: SimulateConfig, specs: list, task, base: VirtualSetup, out: Path,
                               out=str(out / "tuning" / f"{spec.slug}-lr{lr:g}"),
                               progress="off", argv=argv) for lr in grid}
         with one_thread():
-            errors = _race(racers, base.eval_every,
+            errors = race(racers, base.eval_every,
                            lambda text: shown.say(f"tune {spec.name}: {text}"))
         outcomes = []
         for lr, engine in racers.items():
@@ -299,43 +242,6 @@ def _tune(cfg: SimulateConfig, specs: list, task, base: VirtualSetup, out: Path,
         shown.say(f"tune {spec.name}: lr {choices[spec.name].lr:g} chosen, "
                   f"{choices[spec.name].why}")
     return choices
-
-
-RACE_NOTE_SECONDS = 10.0  # how often a race says where it stands, in real seconds
-
-
-def _race(racers: dict, step: float, say=None) -> dict:
-    """Advance every engine of ``racers`` (lr -> engine) ``step`` virtual seconds at a
-    time until each has stopped; the first to reach the target stops the rest at that
-    time, after their evaluation there. ``say``: told where the race stands now and
-    then. -> lr -> the WorkerError that failed it."""
-    for engine in racers.values():
-        engine.begin()
-    live, errors, t = dict(racers), {}, 0.0
-    noted = time.monotonic()
-    while live:
-        if say is not None and time.monotonic() - noted >= RACE_NOTE_SECONDS:
-            noted = time.monotonic()
-            say(f"{t:.3g} virtual s: " + ", ".join(
-                f"lr {lr:g} {_score(e)}" for lr, e in live.items()))
-        t += step
-        for lr, engine in list(live.items()):
-            try:
-                stopped = engine.advance(t)
-            except WorkerError as exc:  # it diverged: out of the race
-                errors[lr], stopped = exc, "error"
-            if stopped:
-                del live[lr]
-                if stopped == "target":
-                    for other in live.values():
-                        other.stop_at(engine.sched.now)
-    return errors
-
-
-def _score(engine) -> str:
-    """The latest evaluation of a racing engine, as its metric prints it."""
-    last, metric = engine.rec.last_eval, engine.rec.metric
-    return "not evaluated" if last is None else f"{metric.format(last[metric.name])}"
 
 
 def _task(cfg: SimulateConfig, seed: int):
