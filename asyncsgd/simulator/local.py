@@ -10,18 +10,26 @@ from asyncsgd.servers.rules import make_rule
 from .engine import Engine, SimWorker
 
 
-class AloneEngine(Engine):
-    """single and hogwild: workers step the shared parameters, read at each step's start
-    and written at its end (Hogwild's races as interleaved applies); no link, no server."""
+class _SharedEngine(Engine):
+    """A mode without a server: one copy of the parameters, stepped by plain SGD, and the
+    count of its updates."""
 
     def __init__(self, *args):
         super().__init__(*args)
         self.shared = self.flat.detach().clone()
         self.rule = make_rule("sgd", len(self.shared), self.lr)
-        self.steps = 0
+        self.updates = 0
 
     def params(self) -> torch.Tensor:
         return self.shared
+
+    def summary(self) -> dict:
+        return {"updates": self.updates}
+
+
+class AloneEngine(_SharedEngine):
+    """single and hogwild: workers step the shared parameters, read at each step's start
+    and written at its end (Hogwild's races as interleaved applies); no link, no server."""
 
     def start(self) -> None:
         for w in self.workers[:self.setup.workers]:
@@ -36,26 +44,14 @@ class AloneEngine(Engine):
 
     def on_apply(self, t: float, w: SimWorker, grad: torch.Tensor, loss: float, n: int) -> None:
         self.rule.apply(self.shared, [(0, grad)])
-        self.steps += 1
+        self.updates += 1
         self.trained(n, loss)
         self.on_begin(t, w)
 
-    def summary(self) -> dict:
-        return {"updates": self.steps}
 
-
-class DDPEngine(Engine):
+class DDPEngine(_SharedEngine):
     """ddp: lock-step rounds; each ends when the slowest rank computed its gradient and
     the ring all-reduce of the gradients is done, then every rank applies their mean."""
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.shared = self.flat.detach().clone()
-        self.rule = make_rule("sgd", len(self.shared), self.lr)
-        self.rounds = 0
-
-    def params(self) -> torch.Tensor:
-        return self.shared
 
     def start(self) -> None:
         self.on_round(0.0)
@@ -81,13 +77,10 @@ class DDPEngine(Engine):
         if self.trace is not None:
             self.trace.append(("round", t, None))
         self.rule.apply(self.shared, [(0, mean)])
-        self.rounds += 1
+        self.updates += 1
         n = self.setup.workers
         self.bytes += int(2 * (n - 1) * self.nbytes) if n > 1 else 0
         self.trained(samples, loss, ranks)
         self.on_round(t)
-
-    def summary(self) -> dict:
-        return {"updates": self.rounds}
 
 
