@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..core.scoring import Metric
-from ..errors import ConfigError
+from ..errors import AsyncSGDError, ConfigError
 from ..run.reader import Run
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,17 @@ class Attempt:
     @property
     def ok(self) -> bool:
         return self.status == "ok" and self.run is not None
+
+    def read_back(self) -> None:
+        """Once the run ended: the run its directory holds. A directory that cannot be read,
+        or no run directory from a run that said nothing failed, fails the attempt."""
+        if self.run_dir is not None and (Path(self.run_dir) / "config.json").is_file():
+            try:
+                self.run = Run.read(self.run_dir)
+            except AsyncSGDError as exc:
+                self.status, self.error = "failed", str(exc)
+        elif self.status == "ok":
+            self.status, self.error = "failed", "it wrote no run directory"
 
     def to_dict(self, goal: Goal) -> dict:
         record = {"mode": self.label, "repeat": self.repeat, "seed": self.seed,

@@ -6,12 +6,13 @@ Pure: the candidates' figures come from whoever ran them (real processes or a vi
 from __future__ import annotations
 
 import math
+import os
 
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 from ..config.modes import ModeSpec
-from .report import DASH, Goal
+from .report import DASH, Attempt, Goal
 
 # A log grid around the task's lr: x0.5 .. x4 (issue 37's measured optimum for ddp was x2-4).
 GRID_FACTORS = (0.5, 1.0, 2.0, 4.0)
@@ -84,6 +85,16 @@ class Choice:
     def to_dict(self) -> dict:
         return {"chosen": self.lr, "criterion": self.criterion, "why": self.why,
                 "candidates": [o.to_dict() for o in self.outcomes]}
+
+
+def outcome_of(lr: float, attempt: Attempt, goal: Goal, out) -> Outcome:
+    """A candidate's figures from its ended ``attempt`` (none when it failed), its
+    directory named relative to the report's ``out``."""
+    numbers = attempt.run.numbers(goal) if attempt.ok else {}
+    where = os.path.relpath(attempt.run_dir, out) if attempt.run_dir else None
+    return Outcome(lr, numbers.get("time_to_target"), numbers.get("samples_to_target"),
+                   numbers.get("final_metric"), numbers.get("best_metric"), attempt.status,
+                   where)
 
 
 def choose(outcomes, criterion: str = "time", higher_is_better: bool = True,

@@ -16,11 +16,9 @@ from typing import Optional
 from ..analysis.report import Attempt, Goal
 from ..config import CompareConfig
 from ..core.pacing import Pacing
-from ..errors import AsyncSGDError
 from ..run.hosts import Hosts
 from ..run.link import Link
 from ..run.process_group import available_cores
-from ..run.reader import Run
 from . import linked
 from .cli_launcher import Child, free_port, stop_all
 from ..config.modes import ModeSpec
@@ -144,13 +142,7 @@ class ModeRun:
             attempt.seconds = time.monotonic() - self.started
             if attempt.status == "ok":
                 attempt.status, attempt.error = ("failed", error) if error else ("ok", None)
-            if (self.run_dir / "config.json").is_file():
-                try:
-                    attempt.run = Run.read(self.run_dir)
-                except AsyncSGDError as exc:
-                    attempt.status, attempt.error = "failed", str(exc)
-            elif attempt.status == "ok":
-                attempt.status, attempt.error = "failed", "it wrote no run directory"
+            attempt.read_back()
             self.shown.finished(attempt)
         return attempt
 

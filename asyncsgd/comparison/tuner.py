@@ -5,12 +5,11 @@ once on a short budget in ``OUT/tuning/<mode>-lr<value>/``, and the pick (``anal
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Optional, TextIO
 
-from ..analysis.report import Attempt, Goal
-from ..analysis.tuning import Outcome, choose, grid_of, tried_first
+from ..analysis.report import Goal
+from ..analysis.tuning import Outcome, choose, grid_of, outcome_of, tried_first
 from ..config import CompareConfig
 from ..errors import ConfigError
 from ..run.process_group import available_cores
@@ -46,15 +45,6 @@ def grids(cfg: CompareConfig, specs: list, base_lr: float) -> dict:
     """mode -> its candidate lrs."""
     workers = cfg.procs or available_cores()
     return {s.name: grid_of(s, base_lr, workers) for s in specs}
-
-
-def outcome_of(lr: float, attempt: Attempt, goal: Goal, out: Path) -> Outcome:
-    """A candidate's figures, from its run directory (none when it failed)."""
-    numbers = attempt.run.numbers(goal) if attempt.ok else {}
-    where = os.path.relpath(attempt.run_dir, out) if attempt.run_dir else None
-    return Outcome(lr, numbers.get("time_to_target"), numbers.get("samples_to_target"),
-                   numbers.get("final_metric"), numbers.get("best_metric"), attempt.status,
-                   where)
 
 
 def tune_lrs(cfg: CompareConfig, specs: list, out: Path, extra: dict, goal: Goal,

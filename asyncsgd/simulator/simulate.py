@@ -19,7 +19,7 @@ from typing import Optional, TextIO
 
 from ..analysis.fairness import fairness_notes
 from ..analysis.publish import publish
-from ..analysis.tuning import Outcome, choose, grid_of, render_tuning
+from ..analysis.tuning import choose, grid_of, outcome_of, render_tuning
 from ..analysis.report import Attempt, Goal
 from ..config import SimulateConfig
 from ..config.modes import parse_modes
@@ -27,7 +27,6 @@ from ..config.simulate import check_ranks, parse_join, parse_leave, parse_slow_w
 from ..core.pacing import Pacing
 from ..core.tasks import load_task
 from ..errors import AsyncSGDError, ConfigError
-from ..run.reader import Run
 from ..run.rundir import RunDir, environment
 from ..run.signals import sigterm_as_interrupt
 from . import VirtualSetup, profile, simulate_run  # the engine, as the package re-exports it
@@ -221,18 +220,15 @@ def _tune(cfg: SimulateConfig, specs: list, task, base: VirtualSetup, out: Path,
                            lambda text: shown.say(f"tune {spec.name}: {text}"))
         outcomes = []
         for lr, engine in racers.items():
-            where = out / "tuning" / f"{spec.slug}-lr{lr:g}"
-            status = "ok"
+            attempt = Attempt(f"{spec.name} lr {lr:g}", 0, cfg.seed,
+                              run_dir=str(out / "tuning" / f"{spec.slug}-lr{lr:g}"))
             try:
                 with one_thread():
                     finish(engine, played=True, error=errors.get(lr))
-            except AsyncSGDError:
-                status = "failed"
-            numbers = Run.read(where).numbers(goal) if status == "ok" else {}
-            outcomes.append(Outcome(lr, numbers.get("time_to_target"),
-                                    numbers.get("samples_to_target"),
-                                    numbers.get("final_metric"), numbers.get("best_metric"),
-                                    status, str(where.relative_to(out))))
+            except AsyncSGDError as exc:
+                attempt.status, attempt.error = "failed", str(exc)
+            attempt.read_back()
+            outcomes.append(outcome_of(lr, attempt, goal, out))
             shown.say(f"tune {spec.name}: lr {lr:g} " + (
                 f"reached {goal.label} at {outcomes[-1].time_to_target:.3g} virtual s"
                 if outcomes[-1].reached else "failed: " + str(errors[lr]).split(":")[0]
@@ -269,13 +265,7 @@ def _run(attempt: Attempt, task, spec, setup: VirtualSetup, cfg: SimulateConfig,
         attempt.status, attempt.error = "failed", str(exc)
     finally:
         attempt.seconds = time.monotonic() - began
-        if (Path(attempt.run_dir) / "config.json").is_file():
-            try:
-                attempt.run = Run.read(attempt.run_dir)
-            except AsyncSGDError as exc:
-                attempt.status, attempt.error = "failed", str(exc)
-        elif attempt.status == "ok":
-            attempt.status, attempt.error = "failed", "it wrote no run directory"
+        attempt.read_back()
         shown.finished(attempt, goal)
 
 
