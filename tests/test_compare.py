@@ -449,7 +449,10 @@ def test_modes_parse_into_commands():
 def test_communication_modes_parse_into_their_flags():
     specs = {s.name: s for s in parse_modes(
         "diloco,diloco:16,async-diloco:4,ddp+fp16,ddp+powersgd:2,ddp-local:4,"
-        "ps-async+int8,ps-sync+bf16,diloco:4+topk:0.1")}
+        "ps-async+int8,ps-sync+bf16,diloco:4+topk:0.1,ps-dc-asgd,ps-dc-asgd+bf16")}
+    assert (specs["ps-dc-asgd"].command, specs["ps-dc-asgd"].consistency,
+            specs["ps-dc-asgd"].flags) == ("ps-server", "async", ("--dc-asgd", "0.04"))
+    assert specs["ps-dc-asgd+bf16"].flags == ("--dc-asgd", "0.04")
     assert (specs["diloco"].consistency, specs["diloco"].optimizer,
             specs["diloco"].worker_flags) == ("sync", "nesterov", ("--local-steps", "8"))
     assert specs["diloco:16"].worker_flags == ("--local-steps", "16")

@@ -221,3 +221,36 @@ def test_a_worker_that_leaves_stops_holding_up_sync_rounds(tmp_path):
     gaps = [round(b - a, 6) for a, b in zip(applies[0], applies[0][1:])]
     assert gaps[0] == 11.4 and set(gaps[2:]) == {4.4}
     assert result.summary["workers"] == 3
+
+
+def test_staleness_past_the_shards_histogram_is_counted_in_full(tmp_path):
+    """70 async workers see staleness near 69: the shard's histogram stops at 63, the
+    summary's percentiles and mean come from every push's own staleness, as traced."""
+    setup = _setup(workers=70, costs=_costs(nbytes=10, apply=0.0), max_seconds=8 * MS)
+    engine, result = _traced(tmp_path, "ps-async", setup)
+    seen = sorted(e[3] for e in engine.trace if e[0] == "apply")
+    assert seen[-1] > 63
+    assert result.summary["staleness_p50"] == seen[(len(seen) - 1) // 2]
+    assert result.summary["staleness_mean"] == pytest.approx(sum(seen) / len(seen))
+    assert sum(result.summary["staleness_hist"]) == len(seen)
+
+
+def test_dc_asgd_compensates_stale_pushes_only(tmp_path):
+    """ps-dc-asgd is ps-async with the shard's delay compensation (lambda 0.04): one
+    worker is never stale, so its run equals ps-async's bit for bit; three workers are,
+    so theirs differs, and every push was compensated against the worker's own pull."""
+    def final(mode, workers):
+        name = f"{mode}-{workers}"
+        engine, _ = _traced(tmp_path, mode, _setup(workers=workers, max_seconds=20 * MS),
+                            name=name)
+        return engine, engine.params().clone()
+
+    _, alone_async = final("ps-async", 1)
+    dc_engine, alone_dc = final("ps-dc-asgd", 1)
+    assert dc_engine.state.cfg.dc_lambda == 0.04
+    assert torch.equal(alone_async, alone_dc)
+    _, three_async = final("ps-async", 3)
+    dc_engine, three_dc = final("ps-dc-asgd", 3)
+    assert dc_engine.state.counters["dc_uncompensated"] == 0
+    assert any(e[3] > 0 for e in dc_engine.trace if e[0] == "apply")
+    assert not torch.equal(three_async, three_dc)

@@ -22,7 +22,8 @@ SIMULATE_MODES = "ps-async,ps-sync,ps-backup,ddp"
 # Settings of every command that runs many modes (compare, simulate), each declared once.
 MODES = knob(
     "modes", str, COMPARE_MODES,
-    "Comma-separated modes to run, in this order: single, hogwild, ps-async, ps-ssp "
+    "Comma-separated modes to run, in this order: single, hogwild, ps-async, ps-dc-asgd "
+    "(async, delay-compensated, lambda 0.04), ps-ssp "
     "(bounded staleness 2; ps-ssp:K for another bound), ps-sync, ps-backup (sync rounds "
     "that do not wait for 1 worker; ps-backup:B for B), ddp. Communicating less: "
     "diloco:H (workers --local-steps H, sync rounds through Nesterov lr 0.7, momentum "
@@ -33,10 +34,10 @@ MODES = knob(
     "feedback): ps-async+int8, diloco:8+bf16.", metavar="MODE,...", per_command={
         "simulate": dict(default=SIMULATE_MODES, help=(
             "Comma-separated modes to simulate, in this order, named as compare names them: "
-            "ps-async, ps-ssp[:K], ps-sync, ps-backup[:B] (sync rounds that do not wait for "
-            "the last B workers), ddp, diloco[:H], async-diloco[:H], hogwild, single; e.g. "
-            "ps-async,ps-sync,ps-backup:4,ddp. A mode the simulator does not model is "
-            "refused before anything runs."))})
+            "ps-async, ps-dc-asgd, ps-ssp[:K], ps-sync, ps-backup[:B] (sync rounds that do "
+            "not wait for the last B workers), ddp, diloco[:H], async-diloco[:H], hogwild, "
+            "single; e.g. ps-async,ps-sync,ps-backup:4,ddp. A mode the simulator does not "
+            "model is refused before anything runs."))})
 BUDGET = knob(
     "budget", float, 60.0,
     "Seconds each run gets (its --max-seconds; start-up counts, as a user waits for it "

@@ -37,6 +37,8 @@ class ModeSpec:
 
 # DiLoCo's outer optimizer (Douillard et al. 2023): Nesterov, lr 0.7, momentum 0.9
 OUTER = ("--lr", "0.7", "--momentum", "0.9")
+# ps-dc-asgd: Zheng et al. 2017's lambda_0, also MXNet's DCASGD default
+DC_ASGD = ("--dc-asgd", "0.04")
 LOCAL_STEPS_DEFAULT = 8
 # What a parameter-server mode's +SUFFIX adds to its workers (topk:RATIO too)
 WIRE_FLAGS = {"bf16": ("--push-dtype", "bf16", "--pull-dtype", "bf16"),
@@ -54,7 +56,7 @@ def parse_modes(text: str) -> list:
         spec = _mode(name)
         if spec is None:
             raise ConfigError(f"--modes: unknown mode {name!r}; choose from single, hogwild, "
-                              "ps-async, ps-ssp (or ps-ssp:K), ps-sync, ps-backup (or "
+                              "ps-async, ps-dc-asgd, ps-ssp (or ps-ssp:K), ps-sync, ps-backup (or "
                               "ps-backup:B), ddp, diloco (or diloco:H), async-diloco (or "
                               "async-diloco:H), ddp+fp16, ddp+bf16, ddp+powersgd (or "
                               "ddp+powersgd:RANK), ddp-local (or ddp-local:H); a "
@@ -90,6 +92,8 @@ def _mode(name: str) -> Optional[ModeSpec]:
         return ModeSpec(name, name)
     if name in ("ps-async", "ps-sync"):
         return ModeSpec(name, "ps-server", name[3:])
+    if name == "ps-dc-asgd":
+        return ModeSpec(name, "ps-server", "async", flags=DC_ASGD)
     if number("ps-ssp", SSP_DEFAULT) is not None:
         return ModeSpec(name, "ps-server", f"ssp:{number('ps-ssp', SSP_DEFAULT)}")
     if number("ps-backup", 1):

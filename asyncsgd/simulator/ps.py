@@ -3,6 +3,8 @@ real ``ShardState``; the server's link and its applies queue in arrival order.""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from asyncsgd.servers.shard import ShardConfig, ShardState
@@ -34,8 +36,12 @@ class PSEngine(Engine):
             index=0, start=0, end=len(self.flat), rule=self.spec.optimizer, lr=server_lr,
             hyper=hyper, consistency=self.spec.consistency or "async",
             expected_workers=self.setup.workers, heartbeat_timeout=float("inf"),
-            sync_reduce=server.sync_reduce, backup_workers=self.spec.backup_workers),
+            sync_reduce=server.sync_reduce, backup_workers=self.spec.backup_workers,
+            dc_lambda=float(flags["--dc-asgd"]) if "--dc-asgd" in flags else None),
             self.flat.detach().clone())
+        # the staleness of every push the shard took, uncapped: the shard's histogram ends
+        # at 63, and 256 async workers see about 255
+        self.staleness = Counter()
         self.link = self.costs.link
         self.ingress = self.egress = self.server = 0.0  # when each is free again
         self.by_peer = {w.name.encode(): w for w in self.workers}
@@ -68,9 +74,13 @@ class PSEngine(Engine):
         self.at(done, "handle", w, msg)
 
     def on_handle(self, t: float, w: SimWorker, msg: Message) -> None:
+        staleness, taken = self.state.version - msg.clock, sum(self.state.staleness)
         if self.trace is not None and msg.type == PUSH:
-            self.trace.append(("apply", t, w.rank, self.state.version - msg.clock))
-        for peer, reply in self.state.handle(w.name.encode(), msg, t):
+            self.trace.append(("apply", t, w.rank, staleness))
+        replies = self.state.handle(w.name.encode(), msg, t)
+        if sum(self.state.staleness) > taken:  # the shard took it (applied, or into a round)
+            self.staleness[staleness] += 1
+        for peer, reply in replies:
             if reply.type == ERROR and reply.meta.get("code") == Code.NON_FINITE:
                 raise WorkerError(w.rank, (
                     f"diverged at {t:.4g} virtual s: worker {w.rank}'s gradient held NaN or "
@@ -150,9 +160,14 @@ class PSEngine(Engine):
         super().evaluate(t)
 
     def summary(self) -> dict:
-        hist = list(self.state.staleness)
-        return {"updates": self.state.counters["updates"], "staleness_hist": hist,
-                "staleness_p50": percentile(hist, 0.5), "staleness_p99": percentile(hist, 0.99),
+        uncapped = [self.staleness[k] for k in range(max(self.staleness, default=-1) + 1)]
+        pushes = sum(uncapped)
+        return {"updates": self.state.counters["updates"],
+                "staleness_hist": list(self.state.staleness),
+                "staleness_p50": percentile(uncapped, 0.5),
+                "staleness_p99": percentile(uncapped, 0.99),
+                "staleness_mean": (sum(k * n for k, n in enumerate(uncapped)) / pushes
+                                   if pushes else None),
                 "stale_pushes": self.state.counters["stale"],
                 "consistency": str(self.state.cfg.consistency)}
 

@@ -61,7 +61,8 @@ def check_modes(specs: list) -> None:
         if "+" in spec.name or spec.name.startswith("ddp-local"):
             raise ConfigError(f"--modes: the virtual clock does not model {spec.name} (no cost "
                               "model for compressed or cast traffic, DDP's comm hooks or "
-                              "post-local SGD); simulate single, hogwild, ps-async, ps-ssp[:K], "
+                              "post-local SGD); simulate single, hogwild, ps-async, "
+                              "ps-dc-asgd, ps-ssp[:K], "
                               "ps-sync, ps-backup[:B], ddp, diloco[:H] or async-diloco[:H], "
                               "or run it with the real clock")
 
@@ -160,7 +161,7 @@ def simulate(cfg: SimulateConfig, argv: Optional[list] = None, stream: TextIO = 
         with sigterm_as_interrupt():
             if cfg.tune == "lr":
                 choices = _tune(cfg, specs, task, base, out, argv, goal, stream)
-                header["tuning"] = {m: {**c.to_dict(), "budget": base.max_seconds}
+                header["tuning"] = {m: {**c.to_dict(), "budget": _tune_budget(cfg)}
                                     for m, c in choices.items()}
             for repeat in range(cfg.repeats):  # interleaved, as compare's
                 seed = cfg.seed + repeat
