@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from asyncsgd.analysis.report import Attempt, Goal, columns, parse_table
+from asyncsgd.analysis.tuning import REFINE_ROUNDS, refined
 from asyncsgd.comparison.virtual import settings_of
 from asyncsgd.config import CompareConfig, SimulateConfig
 from asyncsgd.config.simulate import parse_join, parse_leave, parse_slow_workers
@@ -155,16 +156,25 @@ def test_simulate_tune_lr_runs_each_mode_with_its_soonest_candidate(run_cli_here
     assert res.returncode == 0, res.stderr
     results = json.loads((out / "results.json").read_text())
     tuning = results["tuning"]["ps-sync"]
-    assert [c["lr"] for c in tuning["candidates"]] == [0.05, 0.1, 0.2, 0.3, 0.4]
     times = {}
-    for c in tuning["candidates"]:
-        evals = [json.loads(line) for line in (out / c["run_dir"] / "metrics.jsonl")
-                 .read_text().splitlines()]
-        hit = [(e["t"], e["samples"]) for e in evals
-               if e["event"] == "eval" and e["accuracy"] >= 0.5]
-        times[c["lr"]] = hit[0] if hit else (float("inf"), 0)
-    # the soonest, then the fewest samples, then the smaller lr
-    best = min((t, samples, lr) for lr, (t, samples) in times.items())
+
+    def tried(lrs):
+        for lr in lrs:
+            evals = [json.loads(line) for line in (out / "tuning" / f"ps-sync-lr{lr:g}" /
+                                                   "metrics.jsonl").read_text().splitlines()]
+            hit = [(e["t"], e["samples"]) for e in evals
+                   if e["event"] == "eval" and e["accuracy"] >= 0.5]
+            times[lr] = hit[0] if hit else (float("inf"), 0)
+        # the soonest, then the fewest samples, then the smaller lr
+        return min((t, samples, lr) for lr, (t, samples) in times.items())
+
+    best = tried([0.05, 0.1, 0.2, 0.3, 0.4])  # x0.5..x4 and x3 workers
+    for _ in range(REFINE_ROUNDS):  # then x2 and /2 of the leader where the grid has a gap
+        more = refined(list(times), best[2])
+        if not more:
+            break
+        best = tried(more)
+    assert [c["lr"] for c in tuning["candidates"]] == sorted(times)
     assert best[0] < float("inf") and tuning["chosen"] == best[2]
     run = json.loads((out / "ps-sync-r1" / "config.json").read_text())
     assert run["config"]["lr"] == tuning["chosen"]

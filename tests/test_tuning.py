@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from asyncsgd.analysis.report import Goal, parse_table
-from asyncsgd.analysis.tuning import (Outcome, choose, edge_note, is_synchronous, lr_grid,
+from asyncsgd.analysis.tuning import (REFINE_ROUNDS, Outcome, choose, edge_note,
+                                      is_synchronous, lr_grid, refined,
                                       render_tuning, tried_first)
 from asyncsgd.comparison import tuner
 from asyncsgd.config import CompareConfig
@@ -157,25 +158,41 @@ def test_compare_tune_lr_runs_with_the_candidate_its_runs_say_was_best(cli_env, 
         env=cli_env, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
     assert res.returncode == 0, res.stderr
     grid = [0.00025, 0.0005, 0.001, 0.002]
-    figures, budget = {}, TUNE_BUDGET
-    for lr in tried_first(grid, BASE_LR):  # nearest the base lr first: 0.0005, 0.001, ...
-        run_dir = out / "tuning" / f"single-lr{lr:g}"
-        config = json.loads((run_dir / "config.json").read_text())["config"]
-        # once one reached the target, the next run no longer than it took (+ one eval)
-        assert config["lr"] == lr and config["max_seconds"] == pytest.approx(budget)
-        assert config["target"] == TARGET  # stopped at the target
-        figures[lr] = _reached(run_dir, TARGET)
-        if figures[lr][0]:
-            budget = min(budget, figures[lr][0][0] + 0.2)
-        assert f"tune single: lr {lr:g} " in res.stderr
-    # the oracle: the soonest (then fewest samples, then smaller lr) of those that reached
-    # the target, else the best score
-    reached = [(hit[0], hit[1], lr) for lr, (hit, _) in figures.items() if hit]
-    expected = min(reached)[2] if reached else max(grid, key=lambda lr: (figures[lr][1], -lr))
+    figures, budget = {}, [TUNE_BUDGET]
+
+    def tried(lrs):
+        for lr in lrs:
+            run_dir = out / "tuning" / f"single-lr{lr:g}"
+            config = json.loads((run_dir / "config.json").read_text())["config"]
+            # once one reached the target, the next run no longer than it took (+ one eval)
+            assert config["lr"] == lr and config["max_seconds"] == pytest.approx(budget[0])
+            assert config["target"] == TARGET  # stopped at the target
+            figures[lr] = _reached(run_dir, TARGET)
+            if figures[lr][0]:
+                budget[0] = min(budget[0], figures[lr][0][0] + 0.2)
+            assert f"tune single: lr {lr:g} " in res.stderr
+
+    def best():
+        # the soonest (then fewest samples, then smaller lr) of those that reached the
+        # target, else the best score
+        reached = [(hit[0], hit[1], lr) for lr, (hit, _) in figures.items() if hit]
+        return min(reached)[2] if reached else max(figures, key=lambda lr: (figures[lr][1],
+                                                                           -lr))
+
+    tried(tried_first(grid, BASE_LR))  # nearest the base lr first: 0.0005, 0.001, ...
+    expected = best()
+    for _ in range(REFINE_ROUNDS):  # then x2 and /2 of the leader where the grid has a gap
+        more = refined(list(figures), expected)
+        if not more:
+            break
+        assert f"tune single: lr {expected:g} leads; refining with lr" in res.stderr
+        tried(more)
+        expected = best()
     results = json.loads((out / "results.json").read_text())
     tuning = results["tuning"]["single"]
     assert tuning["chosen"] == expected and tuning["criterion"] == "time"
-    assert [c["lr"] for c in tuning["candidates"]] == grid
+    assert [c["lr"] for c in tuning["candidates"]] == sorted(figures)
+    assert set(grid) <= set(figures)
     for c in tuning["candidates"]:
         hit = figures[c["lr"]][0]
         assert (c["time_to_target"], c["samples_to_target"]) == (hit or (None, None))
@@ -236,3 +253,16 @@ def test_a_tuner_tries_the_lrs_nearest_the_base_first():
     """So the likeliest winner sets the bar the later candidates are stopped at."""
     assert tried_first([0.05, 0.1, 0.2, 0.4, 6.4], 0.1) == [0.1, 0.2, 0.05, 0.4, 6.4]
     assert tried_first([0.25, 0.5, 1.0, 2.0], 0.5) == [0.5, 1.0, 0.25, 2.0]
+
+
+def test_refinement_doubles_and_halves_the_leader_where_the_grid_leaves_a_gap():
+    sync_64 = [0.05, 0.1, 0.2, 0.4, 6.4]  # ps-sync's grid at 64 workers
+    assert refined(sync_64, 0.4) == [0.8]
+    assert refined(sync_64 + [0.8], 0.8) == [1.6]
+    assert refined(sync_64, 0.1) == []
+    async_64 = [0.0015625, 0.0125, 0.05, 0.1, 0.2, 0.4]
+    assert refined(async_64, 0.0125) == [0.00625, 0.025]
+    assert refined([0.05, 0.1, 0.2, 0.3, 0.4], 0.05) == [0.025]  # the smallest, at the edge
+    assert refined([0.1], 0.1) == [0.05, 0.2]
+    assert refined([0.1, 0.3], 0.1) == [0.05, 0.2]  # 0.3 is more than x2 above
+    assert refined([0.06, 0.1, 0.15], 0.1) == []  # both neighbours within x2

@@ -48,6 +48,23 @@ def lr_grid(base_lr: float, synchronous: bool, workers: int) -> list:
     return sorted({_clean(base_lr * f) for f in factors})
 
 
+def refined(tried, chosen: float) -> list:
+    """What to try next around the ``chosen`` lr: twice it, and half it, on each side where
+    no lr ``tried`` lies within that factor. The grid is coarse where its rules leave gaps
+    (at 64 workers a synchronous mode's candidates jump from x4 to x64) and ends somewhere:
+    a best lr between or beyond them would otherwise go unseen. Empty once the chosen lr
+    has a tried neighbour within 2x on both sides."""
+    above = any(chosen < lr <= 2 * chosen * (1 + 1e-9) for lr in tried)
+    below = any(chosen / 2 * (1 - 1e-9) <= lr < chosen for lr in tried)
+    return [_clean(x) for x, covered in ((chosen / 2, below), (chosen * 2, above))
+            if not covered]
+
+
+# Rounds of refinement after the grid, each trying at most two lrs: three doublings cross
+# most of the grid's widest gap at 64 workers (a synchronous mode's x4 to x64).
+REFINE_ROUNDS = 3
+
+
 @dataclass(frozen=True)
 class Outcome:
     """One candidate lr's short run: its figures to the target (None: not reached) and its

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from ..analysis.report import Goal
-from ..analysis.tuning import Outcome, choose, grid_of, outcome_of, tried_first
+from ..analysis.tuning import (REFINE_ROUNDS, Outcome, choose, grid_of, outcome_of,
+                               refined, tried_first)
 from ..config import CompareConfig
 from ..errors import ConfigError
 from ..run.process_group import available_cores
@@ -57,25 +58,39 @@ def tune_lrs(cfg: CompareConfig, specs: list, out: Path, extra: dict, goal: Goal
                             train_samples)
     choices = {}
     for spec in specs:
-        outcomes, soonest = [], short.budget
+        outcomes, soonest = [], [short.budget]
         for lr in tried_first(candidates[spec.name], base_lr):
-            # a candidate still short of the target when an earlier one had reached it
-            # cannot win: it stops there (one evaluation later, so a tie is seen)
-            run = ModeRun(dataclasses.replace(short, budget=soonest), spec, 0,
-                          out / TUNING_DIR, extra, shown, goal, lr=lr,
-                          name=f"{spec.slug}-lr{lr:g}")
-            run.attempt.label = f"{spec.name} lr {lr:g}"
-            run.run()
-            outcome = outcome_of(lr, run.attempt, goal, out)
-            outcomes.append(outcome)
-            shown.say(f"tune {spec.name}: lr {lr:g} {_told(outcome, goal)}")
-            if outcome.reached:
-                soonest = min(soonest, outcome.time_to_target + cfg.eval_every)
-        outcomes.sort(key=lambda o: o.lr)
+            outcomes.append(_candidate(spec, lr, short, soonest, out, extra, shown, goal))
         choice = choose(outcomes, "time", goal.metric.higher_is_better)
+        for _ in range(REFINE_ROUNDS):
+            more = refined([o.lr for o in outcomes], choice.lr)
+            if not more:
+                break
+            shown.say(f"tune {spec.name}: lr {choice.lr:g} leads; refining with lr "
+                      f"{', '.join(f'{lr:g}' for lr in more)}")
+            shown.total += len(more)
+            outcomes += [_candidate(spec, lr, short, soonest, out, extra, shown, goal)
+                         for lr in more]
+            choice = choose(outcomes, "time", goal.metric.higher_is_better)
         shown.say(f"tune {spec.name}: lr {choice.lr:g} chosen, {choice.why}")
         choices[spec.name] = choice
     return choices
+
+
+def _candidate(spec, lr: float, short: CompareConfig, soonest: list, out: Path, extra: dict,
+               shown: CompareProgress, goal: Goal) -> Outcome:
+    """Train one candidate lr; ``soonest[0]``, the budget left to beat the leader, shrinks
+    when it reaches the target: a candidate still short of the target when an earlier one
+    had reached it cannot win, so it stops there (one evaluation later, so a tie is seen)."""
+    run = ModeRun(dataclasses.replace(short, budget=soonest[0]), spec, 0, out / TUNING_DIR,
+                  extra, shown, goal, lr=lr, name=f"{spec.slug}-lr{lr:g}")
+    run.attempt.label = f"{spec.name} lr {lr:g}"
+    run.run()
+    outcome = outcome_of(lr, run.attempt, goal, out)
+    shown.say(f"tune {spec.name}: lr {lr:g} {_told(outcome, goal)}")
+    if outcome.reached:
+        soonest[0] = min(soonest[0], outcome.time_to_target + short.eval_every)
+    return outcome
 
 
 def _told(o: Outcome, goal: Goal) -> str:

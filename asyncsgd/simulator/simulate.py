@@ -19,7 +19,7 @@ from typing import Optional, TextIO
 
 from ..analysis.fairness import fairness_notes
 from ..analysis.publish import publish
-from ..analysis.tuning import choose, grid_of, outcome_of, render_tuning
+from ..analysis.tuning import REFINE_ROUNDS, choose, grid_of, outcome_of, refined, render_tuning
 from ..analysis.report import Attempt, Goal
 from ..config import SimulateConfig
 from ..config.modes import parse_modes
@@ -205,7 +205,9 @@ def _tune(cfg: SimulateConfig, specs: list, task, base: VirtualSetup, out: Path,
     """Each mode's candidate lrs race on the virtual clock (seed --seed, up to
     ``_tune_budget``, into OUT/tuning/): they advance together, an evaluation interval at a
     time, and once one reaches the target the others stop there, so a mode's tuning costs
-    about its candidates x the winner's run, however hopeless the others. -> mode -> Choice"""
+    about its candidates x the winner's run, however hopeless the others. Then up to
+    REFINE_ROUNDS races of the leader's x2 and /2 where the grid has no lr that near
+    (``analysis.tuning.refined``). -> mode -> Choice"""
     short = dataclasses.replace(base, max_seconds=_tune_budget(cfg), stop_at_target=True)
     shown = Shown(len(specs), cfg.progress, stream)
     choices = {}
@@ -213,32 +215,52 @@ def _tune(cfg: SimulateConfig, specs: list, task, base: VirtualSetup, out: Path,
         grid = grid_of(spec, cfg.lr or task.lr, cfg.workers)
         shown.say(f"tune {spec.name}: lr {', '.join(f'{lr:g}' for lr in grid)} race for up "
                   f"to {short.max_seconds:g} virtual s, stopping at {goal.label}")
-        racers = {lr: prepare(task, spec, dataclasses.replace(short, lr=lr),
-                              out=str(out / "tuning" / f"{spec.slug}-lr{lr:g}"),
-                              progress="off", argv=argv) for lr in grid}
-        with one_thread():
-            errors = race(racers, base.eval_every,
-                           lambda text: shown.say(f"tune {spec.name}: {text}"))
-        outcomes = []
-        for lr, engine in racers.items():
-            attempt = Attempt(f"{spec.name} lr {lr:g}", 0, cfg.seed,
-                              run_dir=str(out / "tuning" / f"{spec.slug}-lr{lr:g}"))
-            try:
-                with one_thread():
-                    finish(engine, played=True, error=errors.get(lr))
-            except AsyncSGDError as exc:
-                attempt.status, attempt.error = "failed", str(exc)
-            attempt.read_back()
-            outcomes.append(outcome_of(lr, attempt, goal, out))
-            shown.say(f"tune {spec.name}: lr {lr:g} " + (
-                f"reached {goal.label} at {outcomes[-1].time_to_target:.3g} virtual s"
-                if outcomes[-1].reached else "failed: " + str(errors[lr]).split(":")[0]
-                if lr in errors else f"did not reach {goal.label}"))
-        choices[spec.name] = choose(outcomes, "time", goal.metric.higher_is_better,
-                                    unit=goal.unit)
-        shown.say(f"tune {spec.name}: lr {choices[spec.name].lr:g} chosen, "
-                  f"{choices[spec.name].why}")
+        outcomes = _race(spec, grid, task, short, out, argv, goal, shown)
+        choice = choose(outcomes, "time", goal.metric.higher_is_better, unit=goal.unit)
+        for _ in range(REFINE_ROUNDS):
+            more = refined([o.lr for o in outcomes], choice.lr)
+            if not more:
+                break
+            # a candidate still short of the target one evaluation after the leader had
+            # reached it cannot win: it stops there
+            cap = (choice.chosen.time_to_target + base.eval_every if choice.chosen.reached
+                   else short.max_seconds)
+            shown.say(f"tune {spec.name}: lr {choice.lr:g} leads; refining with lr "
+                      f"{', '.join(f'{lr:g}' for lr in more)}")
+            outcomes += _race(spec, more, task,
+                              dataclasses.replace(short, max_seconds=min(cap, short.max_seconds)),
+                              out, argv, goal, shown)
+            choice = choose(outcomes, "time", goal.metric.higher_is_better, unit=goal.unit)
+        choices[spec.name] = choice
+        shown.say(f"tune {spec.name}: lr {choice.lr:g} chosen, {choice.why}")
     return choices
+
+
+def _race(spec, lrs: list, task, short: VirtualSetup, out: Path, argv: Optional[list],
+          goal: Goal, shown: Shown) -> list:
+    """Race the candidates ``lrs`` of ``spec`` into OUT/tuning/: their Outcomes."""
+    racers = {lr: prepare(task, spec, dataclasses.replace(short, lr=lr),
+                          out=str(out / "tuning" / f"{spec.slug}-lr{lr:g}"),
+                          progress="off", argv=argv) for lr in lrs}
+    with one_thread():
+        errors = race(racers, short.eval_every,
+                      lambda text: shown.say(f"tune {spec.name}: {text}"))
+    outcomes = []
+    for lr, engine in racers.items():
+        attempt = Attempt(f"{spec.name} lr {lr:g}", 0, short.seed,
+                          run_dir=str(out / "tuning" / f"{spec.slug}-lr{lr:g}"))
+        try:
+            with one_thread():
+                finish(engine, played=True, error=errors.get(lr))
+        except AsyncSGDError as exc:
+            attempt.status, attempt.error = "failed", str(exc)
+        attempt.read_back()
+        outcomes.append(outcome_of(lr, attempt, goal, out))
+        shown.say(f"tune {spec.name}: lr {lr:g} " + (
+            f"reached {goal.label} at {outcomes[-1].time_to_target:.3g} virtual s"
+            if outcomes[-1].reached else "failed: " + str(errors[lr]).split(":")[0]
+            if lr in errors else f"did not reach {goal.label}"))
+    return outcomes
 
 
 def _task(cfg: SimulateConfig, seed: int):
