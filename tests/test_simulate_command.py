@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from asyncsgd.analysis.report import Attempt, Goal, columns, parse_table
-from asyncsgd.analysis.tuning import REFINE_ROUNDS, refined
+from asyncsgd.analysis.tuning import refined
+from asyncsgd.config.compare import REFINE_ROUNDS
 from asyncsgd.comparison.virtual import settings_of
 from asyncsgd.config import CompareConfig, SimulateConfig
 from asyncsgd.config.simulate import parse_join, parse_leave, parse_slow_workers
@@ -22,6 +23,7 @@ from asyncsgd.simulator import profile
 from conftest import one_line_error
 
 TASK = "tasks_for_tests:blob_dataset"  # 160 training rows, a 8-32-4 MLP: steps take µs
+TUNE_TARGET = 0.8
 SMALL = ("--task", TASK, "--samples", 200, "--progress", "off")
 
 
@@ -147,12 +149,13 @@ def test_compare_clock_virtual_runs_in_the_simulator(run_cli_here, tmp_path):
 
 
 def test_simulate_tune_lr_runs_each_mode_with_its_soonest_candidate(run_cli_here, tmp_path):
-    """Every candidate is simulated into tuning/; the chosen lr is the one whose own run
-    directory reached the target soonest (an oracle read from those directories), the
-    real runs use it, and the report's first line names it."""
+    """Every candidate is simulated into tuning/, the grid and then the refinement around
+    its leader; the chosen lr is the one whose own run directory reached the target
+    soonest (an oracle read from those directories), the real runs use it, and the
+    report's first line names it."""
     out = tmp_path / "sim"
     res = run_cli_here("simulate", *SMALL, "--modes", "ps-sync", "--workers", 3, "--target",
-                       0.5, "--budget", 5, "--tune", "lr", "--out", out)
+                       0.8, "--budget", 5, "--tune", "lr", "--lr", 0.001, "--out", out)
     assert res.returncode == 0, res.stderr
     results = json.loads((out / "results.json").read_text())
     tuning = results["tuning"]["ps-sync"]
@@ -163,12 +166,12 @@ def test_simulate_tune_lr_runs_each_mode_with_its_soonest_candidate(run_cli_here
             evals = [json.loads(line) for line in (out / "tuning" / f"ps-sync-lr{lr:g}" /
                                                    "metrics.jsonl").read_text().splitlines()]
             hit = [(e["t"], e["samples"]) for e in evals
-                   if e["event"] == "eval" and e["accuracy"] >= 0.5]
+                   if e["event"] == "eval" and e["accuracy"] >= TUNE_TARGET]
             times[lr] = hit[0] if hit else (float("inf"), 0)
         # the soonest, then the fewest samples, then the smaller lr
         return min((t, samples, lr) for lr, (t, samples) in times.items())
 
-    best = tried([0.05, 0.1, 0.2, 0.3, 0.4])  # x0.5..x4 and x3 workers
+    best = tried([0.0005, 0.001, 0.002, 0.003, 0.004])  # x0.5..x4 and x3 workers
     for _ in range(REFINE_ROUNDS):  # then x2 and /2 of the leader where the grid has a gap
         more = refined(list(times), best[2])
         if not more:
@@ -176,6 +179,12 @@ def test_simulate_tune_lr_runs_each_mode_with_its_soonest_candidate(run_cli_here
         best = tried(more)
     assert [c["lr"] for c in tuning["candidates"]] == sorted(times)
     assert best[0] < float("inf") and tuning["chosen"] == best[2]
+    assert tuning["budget"] == 5 / 4  # the candidates' budget: a quarter of --budget
+    # the grid's largest led, so the leader was refined over 3 rounds, x2 each time
+    assert sorted(times) == [0.0005, 0.001, 0.002, 0.003, 0.004, 0.008, 0.016, 0.032]
+    # a candidate stopped by the race at the leader's first evaluation still recorded the
+    # samples it had trained (not 0)
+    assert all(samples > 0 for t, samples in times.values() if t < float("inf"))
     run = json.loads((out / "ps-sync-r1" / "config.json").read_text())
     assert run["config"]["lr"] == tuning["chosen"]
     report = (out / "report.md").read_text().splitlines()

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from asyncsgd.analysis.report import Goal, parse_table
-from asyncsgd.analysis.tuning import (REFINE_ROUNDS, Outcome, choose, edge_note,
-                                      is_synchronous, lr_grid, refined,
+from asyncsgd.analysis.tuning import (Outcome, choose, edge_note, is_synchronous, lr_grid,
+                                      refined,
                                       render_tuning, tried_first)
 from asyncsgd.comparison import tuner
 from asyncsgd.config import CompareConfig
+from asyncsgd.config.compare import REFINE_ROUNDS
 from asyncsgd.config.modes import parse_modes
 from asyncsgd.core.scoring import ACCURACY, PERPLEXITY
 from asyncsgd.errors import ConfigError

@@ -60,10 +60,6 @@ def refined(tried, chosen: float) -> list:
             if not covered]
 
 
-# Rounds of refinement after the grid, each trying at most two lrs: three doublings cross
-# most of the grid's widest gap at 64 workers (a synchronous mode's x4 to x64).
-REFINE_ROUNDS = 3
-
 
 @dataclass(frozen=True)
 class Outcome:

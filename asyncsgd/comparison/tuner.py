@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from ..analysis.report import Goal
-from ..analysis.tuning import (REFINE_ROUNDS, Outcome, choose, grid_of, outcome_of,
-                               refined, tried_first)
+from ..analysis.tuning import Outcome, choose, grid_of, outcome_of, refined, tried_first
 from ..config import CompareConfig
+from ..config.compare import REFINE_ROUNDS
 from ..errors import ConfigError
 from ..run.process_group import available_cores
 from .mode_run import ModeRun

@@ -7,6 +7,7 @@ from typing import Optional
 import click
 
 from .knobs import knob, settings
+from .modes import DC_ASGD
 from .ps import SHARDS
 from .shared import (BATCH_SIZE, DATA, EPOCHS, EVAL_EVERY, LR, OUT, PACING, PROGRESS, SEED,
                      TARGET, TASK, TENSORBOARD)
@@ -19,11 +20,16 @@ COMPARE_MODES = "single,hogwild,ps-async,ps-ssp,ps-sync,ddp"
 # against asynchronous at a scale this machine cannot run for real.
 SIMULATE_MODES = "ps-async,ps-sync,ps-backup,ddp"
 
+# Rounds of --tune lr's refinement after its grid, each trying at most two lrs (the
+# leader's x2 and /2): three doublings cross most of the grid's widest gap at 64 workers
+# (a synchronous mode's x4 to x64).
+REFINE_ROUNDS = 3
+
 # Settings of every command that runs many modes (compare, simulate), each declared once.
 MODES = knob(
     "modes", str, COMPARE_MODES,
     "Comma-separated modes to run, in this order: single, hogwild, ps-async, ps-dc-asgd "
-    "(async, delay-compensated, lambda 0.04), ps-ssp "
+    f"(async, delay-compensated, lambda {DC_ASGD[1]}), ps-ssp "
     "(bounded staleness 2; ps-ssp:K for another bound), ps-sync, ps-backup (sync rounds "
     "that do not wait for 1 worker; ps-backup:B for B), ddp. Communicating less: "
     "diloco:H (workers --local-steps H, sync rounds through Nesterov lr 0.7, momentum "
@@ -79,17 +85,17 @@ TUNE = knob(
     "candidate lr (--lr or the task's, x0.5, x1, x2 and x4; synchronous modes also x "
     "--procs, asynchronous ones / --procs and / sqrt(--procs)) for --tune-budget seconds, "
     "stopping at --target, then the leader's x2 and /2 where the grid leaves a gap (up to "
-    "3 rounds), and run each mode with the candidate that reached the target soonest "
-    "(needs a target). E.g. --tune lr --target 0.85.", type=click.Choice(["none", "lr"]),
-    per_command={
+    f"{REFINE_ROUNDS} rounds), and run each mode with the candidate that reached the "
+    "target soonest (needs a target). E.g. --tune lr --target 0.85.",
+    type=click.Choice(["none", "lr"]), per_command={
         "simulate": (
             "none: every mode trains with --lr. lr: before the runs, simulate each mode once "
             "per candidate lr (--lr or the task's, x0.5, x1, x2 and x4; synchronous modes "
             "also x --workers, asynchronous ones / --workers and / sqrt(--workers)) for up to "
             "--tune-budget virtual seconds, stopping at --target, then the leader's x2 and "
-            "/2 where the grid leaves a gap (up to 3 rounds), and run each mode with the "
-            "candidate that reached the target soonest (needs a target). E.g. --tune lr "
-            "--target 0.85.")})
+            f"/2 where the grid leaves a gap (up to {REFINE_ROUNDS} rounds), and run each "
+            "mode with the candidate that reached the target soonest (needs a target). E.g. "
+            "--tune lr --target 0.85.")})
 TUNE_BUDGET = knob(
     "tune_budget", Optional[float], None,
     "Seconds each --tune lr candidate gets (start-up included), e.g. 20; all of them "

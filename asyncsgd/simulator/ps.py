@@ -78,7 +78,7 @@ class PSEngine(Engine):
         if self.trace is not None and msg.type == PUSH:
             self.trace.append(("apply", t, w.rank, staleness))
         replies = self.state.handle(w.name.encode(), msg, t)
-        if sum(self.state.staleness) > taken:  # the shard took it (applied, or into a round)
+        if sum(self.state.staleness) > taken:  # counted: applied, in a round, or late
             self.staleness[staleness] += 1
         for peer, reply in replies:
             if reply.type == ERROR and reply.meta.get("code") == Code.NON_FINITE:
@@ -152,12 +152,19 @@ class PSEngine(Engine):
         self.send(t, w, Message(type=PULL, worker=w.name, incarnation=1, seq=0), 0)
 
     def evaluate(self, t: float) -> None:
+        self.count()
+        super().evaluate(t)
+
+    def end(self) -> str:
+        self.count()  # the final evaluation reports the samples trained until the end
+        return super().end()
+
+    def count(self) -> None:
         """Samples and loss as the shard counted them from the pushes it took (each push
         reports its mean loss), as a real server's evaluator reads them."""
         self.loss_sum, self.loss_steps, self.samples = (
             sum(v[i] for v in self.state.train.values()) + self.state.train_forgotten[i]
             for i in range(3))
-        super().evaluate(t)
 
     def summary(self) -> dict:
         uncapped = [self.staleness[k] for k in range(max(self.staleness, default=-1) + 1)]

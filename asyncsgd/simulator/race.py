@@ -26,6 +26,7 @@ def race(racers: dict, step: float, say=None) -> dict:
             say(f"{t:.3g} virtual s: " + ", ".join(
                 f"lr {lr:g} {score(e)}" for lr, e in live.items()))
         t += step
+        reached = []
         for lr, engine in list(live.items()):
             try:
                 stopped = engine.advance(t)
@@ -34,8 +35,11 @@ def race(racers: dict, step: float, say=None) -> dict:
             if stopped:
                 del live[lr]
                 if stopped == "target":
-                    for other in live.values():
-                        other.stop_at(engine.sched.now)
+                    reached.append(engine.sched.now)
+        # only once every engine has played up to t, its evaluation there included: one
+        # stopped earlier in this loop would miss an evaluation it had not yet scheduled
+        for other in live.values() if reached else ():
+            other.stop_at(min(reached))
     return errors
 
 

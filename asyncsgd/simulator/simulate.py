@@ -19,9 +19,10 @@ from typing import Optional, TextIO
 
 from ..analysis.fairness import fairness_notes
 from ..analysis.publish import publish
-from ..analysis.tuning import REFINE_ROUNDS, choose, grid_of, outcome_of, refined, render_tuning
+from ..analysis.tuning import choose, grid_of, outcome_of, refined, render_tuning
 from ..analysis.report import Attempt, Goal
 from ..config import SimulateConfig
+from ..config.compare import REFINE_ROUNDS
 from ..config.modes import parse_modes
 from ..config.simulate import check_ranks, parse_join, parse_leave, parse_slow_workers
 from ..core.pacing import Pacing
