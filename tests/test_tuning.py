@@ -204,7 +204,9 @@ def test_compare_tune_lr_runs_with_the_candidate_its_runs_say_was_best(cli_env, 
     assert real["lr"] == expected and real["max_seconds"] == TUNE_BUDGET
     report = (out / "report.md").read_text()
     row = next(r for r in parse_table(report) if r["mode"] == label)
-    assert row["speed-up (time)"] == "1.00×"  # single is still the baseline
+    # single is still the baseline: its speed-ups are 1.00x, or undefined where its 3-s run
+    # missed the target or a steady rate (as under load)
+    assert {row["speed-up (time)"], row["speed-up (samples/s)"]} <= {"1.00×", "—"}
     assert "## Learning rates" in report
     assert f"| single | **{expected:g}** |" in report and report.count("**chosen**") == 1
     assert f"Learning rate tuned per mode (--tune lr): single {expected:g}." in report
