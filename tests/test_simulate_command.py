@@ -154,8 +154,11 @@ def test_simulate_tune_lr_runs_each_mode_with_its_soonest_candidate(run_cli_here
     soonest (an oracle read from those directories), the real runs use it, and the
     report's first line names it."""
     out = tmp_path / "sim"
+    # a given step time and evaluation interval: the profile's, measured as the command
+    # starts, varies with the machine's load, and with it which candidate leads
     res = run_cli_here("simulate", *SMALL, "--modes", "ps-sync", "--workers", 3, "--target",
-                       0.8, "--budget", 5, "--tune", "lr", "--lr", 0.001, "--out", out)
+                       0.8, "--budget", 5, "--tune", "lr", "--lr", 0.0005, "--step-time",
+                       "1ms", "--eval-every", 0.05, "--out", out)
     assert res.returncode == 0, res.stderr
     results = json.loads((out / "results.json").read_text())
     tuning = results["tuning"]["ps-sync"]
@@ -171,7 +174,7 @@ def test_simulate_tune_lr_runs_each_mode_with_its_soonest_candidate(run_cli_here
         # the soonest, then the fewest samples, then the smaller lr
         return min((t, samples, lr) for lr, (t, samples) in times.items())
 
-    best = tried([0.0005, 0.001, 0.002, 0.003, 0.004])  # x0.5..x4 and x3 workers
+    best = tried([0.00025, 0.0005, 0.001, 0.0015, 0.002])  # x0.5..x4 and x3 workers
     for _ in range(REFINE_ROUNDS):  # then x2 and /2 of the leader where the grid has a gap
         more = refined(list(times), best[2])
         if not more:
@@ -181,7 +184,7 @@ def test_simulate_tune_lr_runs_each_mode_with_its_soonest_candidate(run_cli_here
     assert best[0] < float("inf") and tuning["chosen"] == best[2]
     assert tuning["budget"] == 5 / 4  # the candidates' budget: a quarter of --budget
     # the grid's largest led, so the leader was refined over 3 rounds, x2 each time
-    assert sorted(times) == [0.0005, 0.001, 0.002, 0.003, 0.004, 0.008, 0.016, 0.032]
+    assert sorted(times) == [0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.004, 0.008, 0.016]
     # a candidate stopped by the race at the leader's first evaluation still recorded the
     # samples it had trained (not 0)
     assert all(samples > 0 for t, samples in times.values() if t < float("inf"))
