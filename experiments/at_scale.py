@@ -27,7 +27,7 @@ A run costs its real gradients: about 1 ms of this machine's CPU per simulated s
 N x steps. The N of --extra-workers (default 256) are not tuned: each mode's lr is
 carried from the largest tuned N by the rule of the candidate it chose there (x N, / N,
 / sqrt(N), or the same factor of the task's lr), and they run the seeds of
---extra-seeds, a cell each: a 256-worker run is 4-6 minutes of this machine's CPU, and
+--extra-seeds, a cell each: a 256-worker run that reaches 85% took 1-6 minutes here, and
 tuning there would cost about an hour a mode.
 
 Each cell is one ``simulate`` into SCRATCH/<part>/<cell> (default runs/at_scale), kept
