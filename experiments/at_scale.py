@@ -44,11 +44,11 @@ import math
 import os
 import re
 import shutil
-import statistics
 import sys
 import time
 from pathlib import Path
 
+from asyncsgd.analysis.report import Spread
 from asyncsgd.config import SimulateConfig
 from asyncsgd.config.modes import DC_ASGD, parse_modes
 from asyncsgd.simulator.simulate import simulate
@@ -242,11 +242,9 @@ def merge(cells: dict, key, got: dict) -> None:
 # ---- the report --------------------------------------------------------------------------
 
 def spread(values: list) -> dict:
-    values = [v for v in values if v is not None]
-    if not values:
-        return {"median": None, "min": None, "max": None, "n": 0}
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "n": len(values)}
+    """The report's Spread of ``values`` (those that exist), as at_scale.json keeps it."""
+    s = Spread.of(values)
+    return {"median": s.median, "min": s.lo, "max": s.hi, "n": s.n}
 
 
 ORDER = ("ps-async", "ps-dc-asgd", "ps-sync", "ps-backup", *GPU_MODES)

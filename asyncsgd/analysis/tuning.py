@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from ..config.compare import REFINE_ROUNDS
 from ..config.modes import ModeSpec
 from .report import DASH, Attempt, Goal
 
@@ -58,6 +59,21 @@ def refined(tried, chosen: float) -> list:
     below = any(chosen / 2 * (1 - 1e-9) <= lr < chosen for lr in tried)
     return [_clean(x) for x, covered in ((chosen / 2, below), (chosen * 2, above))
             if not covered]
+
+
+def refine(outcomes: list, pick, trial, say) -> "Choice":
+    """The grid's ``outcomes`` picked (``pick``: outcomes -> Choice), then up to
+    REFINE_ROUNDS rounds of ``trial(lrs, leader)`` -> the outcomes of the lrs ``refined``
+    names around the leader, until it names none. ``say`` tells each round."""
+    choice = pick(outcomes)
+    for _ in range(REFINE_ROUNDS):
+        more = refined([o.lr for o in outcomes], choice.lr)
+        if not more:
+            break
+        say(f"lr {choice.lr:g} leads; refining with lr {', '.join(f'{lr:g}' for lr in more)}")
+        outcomes = outcomes + trial(more, choice)
+        choice = pick(outcomes)
+    return choice
 
 
 

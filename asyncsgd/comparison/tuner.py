@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from ..analysis.report import Goal
-from ..analysis.tuning import Outcome, choose, grid_of, outcome_of, refined, tried_first
+from ..analysis.tuning import Outcome, choose, grid_of, outcome_of, refine, tried_first
 from ..config import CompareConfig
-from ..config.compare import REFINE_ROUNDS
 from ..errors import ConfigError
 from ..run.process_group import available_cores
 from .mode_run import ModeRun
@@ -58,20 +57,19 @@ def tune_lrs(cfg: CompareConfig, specs: list, out: Path, extra: dict, goal: Goal
                             train_samples)
     choices = {}
     for spec in specs:
-        outcomes, soonest = [], [short.budget]
-        for lr in tried_first(candidates[spec.name], base_lr):
-            outcomes.append(_candidate(spec, lr, short, soonest, out, extra, shown, goal))
-        choice = choose(outcomes, "time", goal.metric.higher_is_better)
-        for _ in range(REFINE_ROUNDS):
-            more = refined([o.lr for o in outcomes], choice.lr)
-            if not more:
-                break
-            shown.say(f"tune {spec.name}: lr {choice.lr:g} leads; refining with lr "
-                      f"{', '.join(f'{lr:g}' for lr in more)}")
-            shown.total += len(more)
-            outcomes += [_candidate(spec, lr, short, soonest, out, extra, shown, goal)
-                         for lr in more]
-            choice = choose(outcomes, "time", goal.metric.higher_is_better)
+        soonest = [short.budget]
+
+        def run(lrs: list, spec=spec) -> list:
+            return [_candidate(spec, lr, short, soonest, out, extra, shown, goal)
+                    for lr in lrs]
+
+        def trial(lrs: list, leader) -> list:  # the refinement's runs, beyond the grid's
+            shown.total += len(lrs)
+            return run(lrs)
+
+        choice = refine(run(tried_first(candidates[spec.name], base_lr)),
+                        lambda outcomes: choose(outcomes, "time", goal.metric.higher_is_better),
+                        trial, lambda text: shown.say(f"tune {spec.name}: {text}"))
         shown.say(f"tune {spec.name}: lr {choice.lr:g} chosen, {choice.why}")
         choices[spec.name] = choice
     return choices

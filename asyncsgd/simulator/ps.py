@@ -74,11 +74,11 @@ class PSEngine(Engine):
         self.at(done, "handle", w, msg)
 
     def on_handle(self, t: float, w: SimWorker, msg: Message) -> None:
-        staleness, taken = self.state.version - msg.clock, sum(self.state.staleness)
+        staleness, taken = self.state.version - msg.clock, self.state.counters["pushes"]
         if self.trace is not None and msg.type == PUSH:
             self.trace.append(("apply", t, w.rank, staleness))
         replies = self.state.handle(w.name.encode(), msg, t)
-        if sum(self.state.staleness) > taken:  # counted: applied, in a round, or late
+        if self.state.counters["pushes"] > taken:  # counted: applied, in a round, or late
             self.staleness[staleness] += 1
         for peer, reply in replies:
             if reply.type == ERROR and reply.meta.get("code") == Code.NON_FINITE:

@@ -19,10 +19,9 @@ from typing import Optional, TextIO
 
 from ..analysis.fairness import fairness_notes
 from ..analysis.publish import publish
-from ..analysis.tuning import choose, grid_of, outcome_of, refined, render_tuning
+from ..analysis.tuning import choose, grid_of, outcome_of, refine, render_tuning
 from ..analysis.report import Attempt, Goal
 from ..config import SimulateConfig
-from ..config.compare import REFINE_ROUNDS
 from ..config.modes import parse_modes
 from ..config.simulate import check_ranks, parse_join, parse_leave, parse_slow_workers
 from ..core.pacing import Pacing
@@ -208,7 +207,7 @@ def _tune(cfg: SimulateConfig, specs: list, task, base: VirtualSetup, out: Path,
     time, and once one reaches the target the others stop there, so a mode's tuning costs
     about its candidates x the winner's run, however hopeless the others. Then up to
     REFINE_ROUNDS races of the leader's x2 and /2 where the grid has no lr that near
-    (``analysis.tuning.refined``). -> mode -> Choice"""
+    (``analysis.tuning.refine``). -> mode -> Choice"""
     short = dataclasses.replace(base, max_seconds=_tune_budget(cfg), stop_at_target=True)
     shown = Shown(len(specs), cfg.progress, stream)
     choices = {}
@@ -216,22 +215,20 @@ def _tune(cfg: SimulateConfig, specs: list, task, base: VirtualSetup, out: Path,
         grid = grid_of(spec, cfg.lr or task.lr, cfg.workers)
         shown.say(f"tune {spec.name}: lr {', '.join(f'{lr:g}' for lr in grid)} race for up "
                   f"to {short.max_seconds:g} virtual s, stopping at {goal.label}")
-        outcomes = _race(spec, grid, task, short, out, argv, goal, shown)
-        choice = choose(outcomes, "time", goal.metric.higher_is_better, unit=goal.unit)
-        for _ in range(REFINE_ROUNDS):
-            more = refined([o.lr for o in outcomes], choice.lr)
-            if not more:
-                break
-            # a candidate still short of the target one evaluation after the leader had
-            # reached it cannot win: it stops there
-            cap = (choice.chosen.time_to_target + base.eval_every if choice.chosen.reached
-                   else short.max_seconds)
-            shown.say(f"tune {spec.name}: lr {choice.lr:g} leads; refining with lr "
-                      f"{', '.join(f'{lr:g}' for lr in more)}")
-            outcomes += _race(spec, more, task,
-                              dataclasses.replace(short, max_seconds=min(cap, short.max_seconds)),
-                              out, argv, goal, shown)
-            choice = choose(outcomes, "time", goal.metric.higher_is_better, unit=goal.unit)
+
+        def trial(lrs: list, leader=None, spec=spec) -> list:
+            # a refining candidate still short of the target one evaluation after the
+            # leader had reached it cannot win: it stops there
+            cap = (leader.chosen.time_to_target + base.eval_every
+                   if leader is not None and leader.chosen.reached else short.max_seconds)
+            return _race(spec, lrs, task,
+                         dataclasses.replace(short, max_seconds=min(cap, short.max_seconds)),
+                         out, argv, goal, shown)
+
+        choice = refine(trial(grid),
+                        lambda outcomes: choose(outcomes, "time", goal.metric.higher_is_better,
+                                                unit=goal.unit),
+                        trial, lambda text, spec=spec: shown.say(f"tune {spec.name}: {text}"))
         choices[spec.name] = choice
         shown.say(f"tune {spec.name}: lr {choice.lr:g} chosen, {choice.why}")
     return choices
