@@ -12,7 +12,7 @@ import pytest
 
 from asyncsgd.analysis.report import Goal, parse_table
 from asyncsgd.analysis.tuning import (Outcome, choose, edge_note, is_synchronous, lr_grid,
-                                      refined,
+                                      refine, refined,
                                       render_tuning, tried_first)
 from asyncsgd.comparison import tuner
 from asyncsgd.config import CompareConfig
@@ -182,8 +182,8 @@ def test_compare_tune_lr_runs_with_the_candidate_its_runs_say_was_best(cli_env, 
 
     tried(tried_first(grid, BASE_LR))  # nearest the base lr first: 0.0005, 0.001, ...
     expected = best()
-    for _ in range(REFINE_ROUNDS):  # then x2 and /2 of the leader where the grid has a gap
-        more = refined(list(figures), expected)
+    for _ in range(REFINE_ROUNDS):  # then x2 and /2 of a leader that reached the target,
+        more = refined(list(figures), expected) if figures[expected][0] else []  # in gaps
         if not more:
             break
         assert f"tune single: lr {expected:g} leads; refining with lr" in res.stderr
@@ -269,3 +269,25 @@ def test_refinement_doubles_and_halves_the_leader_where_the_grid_leaves_a_gap():
     assert refined([0.1], 0.1) == [0.05, 0.2]
     assert refined([0.1, 0.3], 0.1) == [0.05, 0.2]  # 0.3 is more than x2 above
     assert refined([0.06, 0.1, 0.15], 0.1) == []  # both neighbours within x2
+
+
+def test_refinement_only_around_a_leader_that_reached_the_target():
+    """Around a leader that reached it: its x2 (0.8, then 1.6, which loses to 0.8). Around
+    one picked by best score alone: nothing, however wide the gap."""
+    def pick(outcomes):
+        return choose(outcomes, "time")
+
+    reached = {0.1: 5.0, 0.2: 4.0, 0.4: 3.0, 0.8: 2.0, 1.6: None}
+    tried = []
+
+    def trial(lrs, leader):
+        tried.append(lrs)
+        return [Outcome(lr, reached[lr], 1000 if reached[lr] else None, 0.9, 0.9)
+                for lr in lrs]
+
+    grid = [Outcome(lr, reached[lr], 1000, 0.9, 0.9) for lr in (0.1, 0.2, 0.4)]
+    assert refine(grid, pick, trial, lambda text: None).lr == 0.8
+    assert tried == [[0.8], [1.6]]
+    tried.clear()
+    missed = [Outcome(lr, None, None, 0.5, 0.5) for lr in (0.1, 0.2, 0.4)]
+    assert refine(missed, pick, trial, lambda text: None).lr == 0.1 and tried == []

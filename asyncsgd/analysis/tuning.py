@@ -64,10 +64,13 @@ def refined(tried, chosen: float) -> list:
 def refine(outcomes: list, pick, trial, say) -> "Choice":
     """The grid's ``outcomes`` picked (``pick``: outcomes -> Choice), then up to
     REFINE_ROUNDS rounds of ``trial(lrs, leader)`` -> the outcomes of the lrs ``refined``
-    names around the leader, until it names none. ``say`` tells each round."""
+    names around the leader, until it names none. Only around a leader that reached the
+    target: one picked by its best score alone often ties the others (a short budget under
+    load evaluates each once), and refining around a tie walks towards ever smaller lrs.
+    ``say`` tells each round."""
     choice = pick(outcomes)
     for _ in range(REFINE_ROUNDS):
-        more = refined([o.lr for o in outcomes], choice.lr)
+        more = refined([o.lr for o in outcomes], choice.lr) if choice.chosen.reached else []
         if not more:
             break
         say(f"lr {choice.lr:g} leads; refining with lr {', '.join(f'{lr:g}' for lr in more)}")

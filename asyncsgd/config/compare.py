@@ -84,16 +84,18 @@ TUNE = knob(
     "none: every mode trains with --lr. lr: before the runs, train each mode once per "
     "candidate lr (--lr or the task's, x0.5, x1, x2 and x4; synchronous modes also x "
     "--procs, asynchronous ones / --procs and / sqrt(--procs)) for --tune-budget seconds, "
-    "stopping at --target, then the leader's x2 and /2 where the grid leaves a gap (up to "
-    f"{REFINE_ROUNDS} rounds), and run each mode with the candidate that reached the "
-    "target soonest (needs a target). E.g. --tune lr --target 0.85.",
+    "stopping at --target, then, around a leader that reached it, its x2 and /2 where the "
+    f"grid leaves a gap (up to {REFINE_ROUNDS} rounds), and run each mode with the "
+    "candidate that reached the target soonest (needs a target). E.g. --tune lr "
+    "--target 0.85.",
     type=click.Choice(["none", "lr"]), per_command={
         "simulate": (
             "none: every mode trains with --lr. lr: before the runs, simulate each mode once "
             "per candidate lr (--lr or the task's, x0.5, x1, x2 and x4; synchronous modes "
             "also x --workers, asynchronous ones / --workers and / sqrt(--workers)) for up to "
-            "--tune-budget virtual seconds, stopping at --target, then the leader's x2 and "
-            f"/2 where the grid leaves a gap (up to {REFINE_ROUNDS} rounds), and run each "
+            "--tune-budget virtual seconds, stopping at --target, then, around a leader "
+            "that reached it, its x2 and /2 where the grid leaves a gap (up to "
+            f"{REFINE_ROUNDS} rounds), and run each "
             "mode with the candidate that reached the target soonest (needs a target). E.g. "
             "--tune lr --target 0.85.")})
 TUNE_BUDGET = knob(
