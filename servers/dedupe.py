@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
+from typing import Optional
 
 FRESH, DUPLICATE, OUT_OF_WINDOW = "fresh", "duplicate", "out-of-window"
 
@@ -56,3 +58,56 @@ class SeqWindow:
         window = cls(size, int(floor), (int(s) for s in seqs if int(s) > int(floor)))
         window._forget_beyond(size)  # saved with a larger window
         return window
+
+
+class Forgotten:
+    """What a shard keeps of the worker records it forgot, so that a forgotten worker's old
+    pushes are still refused (PROTOCOL.md, "Exactly once"): per worker id, its newest
+    incarnation and its highest concluded sequence number, for the last ``size`` ids
+    forgotten; of older ones, merged into one *watermark*, the newest incarnation and the
+    highest number concluded under it.
+
+    ``bound(worker)`` is the (incarnation, floor) an unknown worker's messages are held
+    to: an older incarnation is refused, the same one starts a window with that floor,
+    a newer one starts fresh. Every forgotten (worker, incarnation) stays at or below it:
+    an id's own entry holds its newest incarnation, and the watermark only rises."""
+
+    def __init__(self, size: int, entries=(), watermark=None):
+        self.size = size
+        self.entries = OrderedDict((w, (int(i), int(f))) for w, i, f in entries)
+        self.watermark = None if watermark is None else (int(watermark[0]), int(watermark[1]))
+        self._keep_within(size)
+
+    def remember(self, worker: str, incarnation: int, window: SeqWindow) -> None:
+        """Worker ``worker``'s record is forgotten: keep its incarnation and the highest
+        number its window concluded (or forgot)."""
+        self.entries.pop(worker, None)
+        self.entries[worker] = (incarnation, max(window.seqs, default=window.floor))
+        self._keep_within(self.size)
+
+    def bound(self, worker: str) -> Optional[tuple]:
+        """(incarnation, floor) for ``worker``, which has no record; None: never forgotten."""
+        return self.entries.get(worker, self.watermark)
+
+    def readmit(self, worker: str) -> None:
+        """``worker`` has a record again, which now holds what its entry did."""
+        self.entries.pop(worker, None)
+
+    def _keep_within(self, size: int) -> None:
+        while len(self.entries) > size:  # the longest forgotten go into the watermark
+            _, (incarnation, floor) = self.entries.popitem(last=False)
+            if self.watermark is None or incarnation > self.watermark[0]:
+                self.watermark = (incarnation, floor)
+            elif incarnation == self.watermark[0]:
+                self.watermark = (incarnation, max(floor, self.watermark[1]))
+
+    def state(self) -> dict:
+        """Ints and names only, for a checkpoint; oldest entry first."""
+        return {"entries": [[w, i, f] for w, (i, f) in self.entries.items()],
+                "watermark": None if self.watermark is None else list(self.watermark)}
+
+    @classmethod
+    def from_state(cls, size: int, state: Optional[dict]) -> "Forgotten":
+        """``state``: None for a checkpoint from before forgotten workers were kept."""
+        state = state or {}
+        return cls(size, state.get("entries", ()), state.get("watermark"))

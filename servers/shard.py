@@ -25,7 +25,7 @@ from asyncsgd.wire.protocol import (ACK, BYE, DTYPE_NAMES, ERROR, HEARTBEAT, PAR
 from asyncsgd.wire.stats import STALENESS_BUCKETS
 
 from .consistency import APPLY, STALE, live_workers, make_policy, min_live_clock
-from .dedupe import DUPLICATE, OUT_OF_WINDOW, SeqWindow
+from .dedupe import DUPLICATE, OUT_OF_WINDOW, Forgotten, SeqWindow
 from .rules import dc_asgd, make_rule, staleness_scale
 from .store import ParamStore
 from .streams import PushStreams
@@ -33,6 +33,7 @@ from .streams import PushStreams
 log = logging.getLogger(__name__)
 
 STATS_WORKERS = 32  # workers listed by name in a stats reply (the most recently seen)
+FORGOTTEN_PER_RECORD = 16  # forgotten ids kept by name per worker record (a few ints each)
 
 
 def _finite(data: torch.Tensor) -> bool:
@@ -125,6 +126,7 @@ class ShardState:
                            make_rule(cfg.rule, self.size, cfg.lr, **cfg.hyper))
         self.version = 0
         self.workers: dict = {}
+        self.forgotten = Forgotten(FORGOTTEN_PER_RECORD * self.max_workers)
         self.counters = {"updates": 0, "pushes": 0, "duplicates": 0, "rejected": 0,
                          "nonfinite": 0, "too_large": 0, "pulls": 0, "held_pulls": 0,
                          "dropped_workers": 0, "max_pull_lead": 0, "stale": 0,
@@ -254,7 +256,9 @@ class ShardState:
         An incarnation older than the newest one its worker id has shown is a
         process that was replaced: it must not touch the new one's records.
         Past ``max_workers`` records a silent or departed worker's is forgotten to
-        make room for a new id; when every one is live, the new id is refused.
+        make room for a new id; when every one is live, the new id is refused. What a
+        forgotten record leaves behind (``Forgotten``) refuses an id without a record whose
+        incarnation is older than the one it bounds it by.
         """
         record = self.workers.get(msg.worker)
         if record is not None:
@@ -264,22 +268,31 @@ class ShardState:
                     f"incarnation {record.incarnation}; a restarted worker takes a new, "
                     "larger incarnation")
             return None
-        if len(self.workers) < self.max_workers:
-            return None
-        gone = [w for w in self.workers.values() if not w.alive and w.held_pull is None
-                and not w.waiting]
-        if not gone:
-            return Code.TOO_MANY_WORKERS, (
-                f"shard {self.cfg.index} already serves {len(self.workers)} live workers "
-                f"(its cap); a new worker id is refused until one leaves")
-        oldest = min(gone, key=lambda w: w.last_seen)
-        del self.workers[oldest.worker]
-        for i, value in enumerate(self.train.pop(oldest.worker, ())):
+        if len(self.workers) >= self.max_workers:
+            gone = [w for w in self.workers.values() if not w.alive and w.held_pull is None
+                    and not w.waiting]
+            if not gone:
+                return Code.TOO_MANY_WORKERS, (
+                    f"shard {self.cfg.index} already serves {len(self.workers)} live workers "
+                    f"(its cap); a new worker id is refused until one leaves")
+            self._forget(min(gone, key=lambda w: w.last_seen))
+        bound = self.forgotten.bound(msg.worker)
+        if bound is not None and msg.incarnation < bound[0]:
+            return Code.OLD_INCARNATION, (
+                f"worker {msg.worker!r} incarnation {msg.incarnation} is older than "
+                f"incarnation {bound[0]}, which shard {self.cfg.index} forgot: it cannot tell "
+                "what this one applied; a restarted worker takes a new, larger incarnation")
+        return None
+
+    def _forget(self, record: WorkerRecord) -> None:
+        """Drop a departed worker's record, keeping what refuses its old pushes."""
+        del self.workers[record.worker]
+        self.forgotten.remember(record.worker, record.incarnation, record.window)
+        for i, value in enumerate(self.train.pop(record.worker, ())):
             self.train_forgotten[i] += value
-        for i, value in enumerate(self.traffic.pop(oldest.worker, ())):
+        for i, value in enumerate(self.traffic.pop(record.worker, ())):
             self.traffic_forgotten[i] += value
         self.counters["forgotten_workers"] += 1
-        return None
 
     def _touch(self, peer: bytes, msg: Message, now: float) -> WorkerRecord:
         record = self.workers.get(msg.worker)
@@ -289,8 +302,13 @@ class ShardState:
                 log.info("shard %d: worker %s restarted (incarnation %d)", self.cfg.index,
                          msg.worker, msg.incarnation)
                 clock = max(record.pushes, clock or 0)
-            record = WorkerRecord(msg.worker, msg.incarnation, peer, now,
-                                  pushes=clock or 0, window=SeqWindow(self.cfg.dedupe_window))
+                floor = -1
+            else:  # new, or forgotten: pushes at or below what it may have concluded are refused
+                bound = self.forgotten.bound(msg.worker)
+                floor = bound[1] if bound is not None and bound[0] == msg.incarnation else -1
+                self.forgotten.readmit(msg.worker)
+            record = WorkerRecord(msg.worker, msg.incarnation, peer, now, pushes=clock or 0,
+                                  window=SeqWindow(self.cfg.dedupe_window, floor))
             self.workers[msg.worker] = record
         elif not record.alive:
             record.pushes = max(record.pushes, min_live_clock(self.workers) or 0)
@@ -618,7 +636,9 @@ class ShardState:
                 # whose ACK died with the process is re-sent, and must not apply twice.
                 # Pushes waiting in a round are not in the windows: the round is not saved.
                 "dedupe": {w.worker: [w.incarnation, w.pushes, *w.window.state()]
-                           for w in self.workers.values()}}
+                           for w in self.workers.values()},
+                # What forgotten records left behind: their old pushes stay refused.
+                "forgotten": self.forgotten.state()}
 
     def load_state_dict(self, state: dict, now: Optional[float] = None) -> None:
         """Continue from ``state``. With ``now``, the workers it names stay barrier members
@@ -639,5 +659,6 @@ class ShardState:
                 worker, incarnation, peer=b"", last_seen=now or 0.0, pushes=pushes,
                 alive=now is not None,
                 window=SeqWindow.from_state(self.cfg.dedupe_window, (floor, seqs)))
+        self.forgotten = Forgotten.from_state(self.forgotten.size, state.get("forgotten"))
         self.lost_before = self.counters["lost_updates"]
         self.restored = {"version": self.version, "sha256": params_digest(state["params"])}

@@ -249,3 +249,34 @@ def test_error_replies_echo_the_request_and_name_the_shard(server):
             assert (reply.seq, reply.worker, reply.shard) == (42, "echo", shard), (code, reply)
     assert srv.request([b"\xc1"], port=port).seq == 0  # nothing readable: nothing to echo
     assert torch.equal(observe(srv, port, SIZE), torch.zeros(SIZE))
+
+
+def test_a_forgotten_workers_retry_is_not_applied_again(server):
+    """A worker pushes s=7 and goes silent; 300 other admitted ids fill the shard's 256
+    records and its record is forgotten; once they are silent too, its retry of s=7 is
+    refused, not applied a second time (the independent client's reproduction)."""
+    timeout = 1.0
+    srv = server("--task", TASK, "--samples", SIZE, "--no-exit-when-done",
+                 "--heartbeat-timeout", timeout)
+    port = srv.stats()["shard_ports"][0]
+    victim, g7 = Peer(srv, port, worker="victim", incarnation=5), grad(1, 2)
+    assert applied(victim.push(7, g7))
+    time.sleep(timeout + 0.5)  # silent: dropped, and first in line to be forgotten
+    flood = Peer(srv, port)
+    for n in range(300):  # one pull per fresh id; past the cap the rest are refused
+        flood.worker = f"other-{n}"
+        flood.send(PULL, 1)
+    replies = [flood.reply() for _ in range(300)]
+    assert all(r is not None for r in replies)
+    assert sum(r.type == "params" for r in replies) == 256, [r.meta for r in replies[-3:]]
+    assert shard_stats(srv, port)["forgotten_workers"] == 1
+    refused = victim.push(7, g7)  # every record is live: no room
+    assert refused.type == ERROR and refused.meta[Key.CODE] == "too-many-workers", refused
+    time.sleep(timeout + 0.5)  # the others fall silent too
+    retry = victim.push(7, g7)  # main applied it again here (version 1 -> 2)
+    assert retry.type == ERROR and retry.meta[Key.CODE] == "out-of-window", retry
+    older = victim.push(9, grad(0, 0, 3), incarnation=4)  # an older incarnation: refused
+    assert older.type == ERROR and older.meta[Key.CODE] == "old-incarnation", older
+    assert applied(victim.push(8, grad(0, 0, 0, 4)))  # never concluded: fresh
+    assert torch.equal(observe(srv, port, SIZE), -g7 - grad(0, 0, 0, 4))
+    assert shard_stats(srv, port)["version"] == 2
