@@ -43,8 +43,9 @@ class Front:
         self.data = data  # the data signature of the server's task (core.signature)
         self.shards: list = []  # [{port, start, end}], once the shards listen
         self.shard_stats: Callable[[], list] = list
-        self.joined: dict = {}  # worker id -> last seen (monotonic)
-        self.left: set = set()
+        self.joined: dict = {}  # worker id -> last seen (monotonic), at most ROSTER of them
+        self.left: set = set()  # of the joined
+        self.arrivals = 0  # names that entered the roster, forgotten ones included
         self.forgot_live = False  # the roster forgot a worker that had not said goodbye
         self.refused = 0
         # Distinct for every start of the server: a worker that re-does its handshake
@@ -79,7 +80,7 @@ class Front:
                 send(self.sock, error_message(msg.code, str(msg), msg), peer)
                 continue
             try:
-                reply = self._handle(msg)
+                reply = self._handle(msg, time.monotonic())
             except Exception as exc:  # a bug must not let one peer's message stop the server
                 log.exception("front: failed on a %s from %r", msg.type, msg.worker)
                 reply = error_message(Code.UNEXPECTED, f"the front failed on this {msg.type}: "
@@ -88,8 +89,8 @@ class Front:
             if not self.sock.poll(0):
                 return
 
-    def _handle(self, msg: Message) -> Message:
-        now = time.monotonic()
+    def _handle(self, msg: Message, now: float) -> Message:
+        """The reply to ``msg`` at ``now`` (monotonic seconds)."""
         if msg.type == HELLO:
             problem = signature_mismatch(self.signature, msg.meta.get(Key.SIGNATURE))
             if problem:
@@ -105,7 +106,9 @@ class Front:
                                      f"than the server's: {problem}", msg)
             if not msg.worker:
                 return error_message(Code.BAD_FIELD, "a hello needs a worker id ('w')", msg)
-            self._forget_gone(now)
+            if msg.worker not in self.joined:
+                self._forget_gone(now)
+                self.arrivals += 1
             self.joined[msg.worker] = now
             self.left.discard(msg.worker)
             log.info("worker %s %s (rank %s of %s)", msg.worker,
@@ -142,13 +145,17 @@ class Front:
         return data_mismatch(self.data, meta[Key.DATA], settings)
 
     def _forget_gone(self, now: float) -> None:
-        """Keep the roster bounded: past ``ROSTER`` names, forget the ones that left or
-        went silent longest ago (a peer saying hello under ever new ids grows nothing)."""
-        if len(self.joined) < ROSTER:
+        """Make room for one new name within ``ROSTER``: forget the ones that left or went
+        silent longest ago, and when none has, the least recently seen live one (a peer
+        saying hello under ever new ids grows nothing; ``everyone_left`` then no longer
+        holds, as a forgotten live worker may still come to a shard)."""
+        excess = len(self.joined) - ROSTER + 1
+        if excess <= 0:
             return
-        gone = sorted((t, w) for w, t in self.joined.items()
-                      if w in self.left or now - t > self.cfg.heartbeat_timeout)
-        for _, worker in gone[:max(1, len(self.joined) - ROSTER + 1)]:
+        timeout = self.cfg.heartbeat_timeout
+        order = sorted(self.joined.items(), key=lambda wt: (
+            wt[0] not in self.left and now - wt[1] <= timeout, wt[1]))
+        for worker, _ in order[:excess]:
             self.forgot_live |= worker not in self.left
             del self.joined[worker]
             self.left.discard(worker)
@@ -180,7 +187,7 @@ class Front:
 
     def all_left(self) -> bool:
         """Every worker that joined has left or went silent (and at least one joined)."""
-        if len(self.joined) < self.cfg.workers:
+        if self.arrivals < self.cfg.workers:
             return False
         now = time.monotonic()
         live = [w for w, t in self.joined.items()
