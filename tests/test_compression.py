@@ -148,6 +148,21 @@ def test_a_shard_applies_cast_and_packed_pushes_and_refuses_lying_ones(server):
     peer.close()
 
 
+def test_the_widest_packed_pushes_the_spec_allows_are_answered(server):
+    """Top-k with k = n (8 bytes a value) and int8 with one scale a value (5): main's frame
+    limit, 128 KiB + 4 bytes a value, dropped both without a reply."""
+    n = 1 << 18  # a 1 MiB float32 slice: frames of 2 MiB and 1.25 MiB
+    srv = server("--task", TASK, "--samples", n, "--shards", 1, "--no-exit-when-done")
+    port = srv.stats()["shard_ports"][0]
+    peer = Peer(srv, port, worker="wide")
+    values = torch.arange(1, n + 1, dtype=torch.float32) / 1024
+    topk, int8 = pack_topk(values, 1.0), pack_int8(values.flip(0), 1)
+    assert (topk.param, topk.nbytes, int8.nbytes) == (n, 8 * n, 5 * n)
+    assert applied(peer.push(1, topk)) and applied(peer.push(2, int8))
+    expected = -expand_packed(topk) - expand_packed(int8)
+    assert torch.equal(observe(srv, port, n), expected)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", [("--compress", "int8", "--pull-dtype", "bf16"),
                                    ("--compress", "topk:0.05"),

@@ -16,8 +16,8 @@ import numpy
 import zmq
 
 from ..errors import ConfigError
-from .protocol import (FRAME_BYTES, MAX_HEADER_BYTES, Message, ProtocolError, decode, encode,
-                       wire_of)
+from .protocol import (FRAME_BYTES, INT8, ITEMSIZE, MAX_HEADER_BYTES, TOPK, Message,
+                       ProtocolError, decode, encode, packed_bytes, wire_of)
 
 log = logging.getLogger(__name__)
 
@@ -33,15 +33,24 @@ _LAST = int(zmq.NOBLOCK)
 _send_frame = zmq.backend.Socket.send
 
 
+def largest_tensor_frame(elements: int) -> int:
+    """The largest tensor frame PROTOCOL.md allows for a slice of ``elements`` values: at
+    its widest encoding (an 8-byte dtype, or top-k with k = n; int8 with one scale a value
+    takes 5 bytes a value), within FRAME_BYTES."""
+    widest = max(max(ITEMSIZE.values()) * elements, packed_bytes(TOPK, elements, elements),
+                 packed_bytes(INT8, elements, 1))
+    return min(FRAME_BYTES, widest)
+
+
 def frame_limit(elements: int) -> int:
-    """The largest frame accepted from a peer exchanging ``elements`` float32 values.
+    """The largest frame accepted from a peer exchanging a slice of ``elements`` values.
 
     A legitimate frame is a header or one tensor frame. Headers up to twice their
     bound still arrive, so a sender that overshoots gets a ``header-too-large``
     reply; a frame beyond this is no mistake, and libzmq drops its sender
     without buffering it.
     """
-    return 2 * MAX_HEADER_BYTES + min(FRAME_BYTES, 4 * elements)
+    return 2 * MAX_HEADER_BYTES + largest_tensor_frame(elements)
 
 
 def _common(sock: zmq.Socket, curve: Any, max_frame: int) -> None:
