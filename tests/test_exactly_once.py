@@ -217,6 +217,13 @@ def test_shards_serve_only_workers_the_front_admitted(server):
             assert refused.type == ERROR and refused.meta[Key.CODE] == "unknown-worker", (
                 what, kind, refused)
             assert refused.seq == 3 and refused.shard == 0, refused
+    # The member's own token under an incarnation the front never welcomed: the token is
+    # bound to (id, incarnation), not to the id alone.
+    for kind, g in ((PUSH, grad(5)), (HEARTBEAT, None), (PULL, None)):
+        member.send(kind, 3, g, incarnation=2, token=member.token(1))
+        refused = member.reply()
+        assert refused.type == ERROR and refused.meta[Key.CODE] == "unknown-worker", (
+            kind, refused)
     # A ghost heartbeating all along is no member of the sync barrier (main: every round
     # waited for it): the one admitted worker's push makes a round on its own.
     ghost.send(HEARTBEAT, 4, token="")
