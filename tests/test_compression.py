@@ -10,11 +10,14 @@ are minus the sum of the expanded pushes acknowledged as applied.
 import random
 import re
 import struct
+from collections import Counter
 
 import msgpack
 import pytest
 import torch
+import zmq
 
+from asyncsgd.wire import transport
 from asyncsgd.wire.compression import (INT8_CHUNK, Compressor, expand, expand_packed,
                                        pack_int8, pack_topk)
 from asyncsgd.wire.protocol import (ERROR, FRAME_BYTES, PARAMS, PULL, PUSH, VERSION, Key,
@@ -259,20 +262,38 @@ def test_packed_pushes_cannot_make_a_shard_allocate_more_than_its_slice(server):
 
 
 @pytest.mark.parametrize("flags", [(), ("--compress", "int8")], ids=["float32", "int8"])
-def test_traffic_is_counted_per_worker_and_in_the_summary(server, cli_env, flags):
-    """A worker counts every frame it sends and receives: K pushes of P float32 values
-    send 4PK bytes of values (int8: P + 4 ceil(P / 256) each) and receive the parameters
-    K + 1 times, plus headers, hello and heartbeats; the server's summary has what it
-    reported with its pushes, and ``bytes`` is that traffic."""
+def test_traffic_is_counted_per_worker_and_in_the_summary(server, run_cli_here, monkeypatch,
+                                                          flags):
+    """A worker counts every frame it sends and receives: what it says it sent is exactly
+    what its sockets took, frame by frame (pushes, pulls, heartbeats, hello and byes
+    alike); K pushes of P float32 values send 4PK bytes of values (int8: P + 4 ceil(P /
+    256) each) and receive the parameters K + 1 times, plus headers, hello and
+    heartbeats; the server's summary has what it reported with its pushes, and
+    ``bytes`` is that traffic."""
     values = 4096
     srv = server("--task", TASK, "--samples", values, "--workers", 1)
-    [(code, out, err)] = finish([worker(cli_env, srv.address, 0, 1, "--task", TASK,
-                                        "--samples", values, "--epochs", 1,
-                                        "--transport", "tcp", *flags)])
-    assert code == 0, err[-3000:]
-    pushes = int(re.search(r"(\d+) pushes", out).group(1))
+    taken = {"bytes": 0, "kinds": Counter(), "within": set()}
+    send_frame = transport._send_frame
+
+    def counted(sock, part, flags, copy):  # the worker runs here: every frame it sends
+        send_frame(sock, part, flags, copy)
+        taken["bytes"] += memoryview(part).nbytes
+        if sock not in taken["within"]:  # a message's first frame: its header
+            taken["kinds"][msgpack.unpackb(bytes(part))["t"]] += 1
+        (set.add if flags & zmq.SNDMORE else set.discard)(taken["within"], sock)
+    monkeypatch.setattr(transport, "_send_frame", counted)
+    result = run_cli_here("worker", "--server", srv.address, "--rank", 0, "--world", 1,
+                          "--threads", 1, "--progress", "off", "--task", TASK,
+                          "--samples", values, "--epochs", 1, "--transport", "tcp",
+                          "--heartbeat", 0.05, *flags)
+    monkeypatch.undo()
+    assert result.returncode == 0, result.stderr[-3000:]
+    pushes = int(re.search(r"(\d+) pushes", result.stdout).group(1))
     sent, received = (int(v.replace(",", "")) for v in re.search(
-        r"([\d,]+) bytes sent, ([\d,]+) received", out).groups())
+        r"([\d,]+) bytes sent, ([\d,]+) received", result.stdout).groups())
+    # every kind a worker sends was sent, and each byte of each is in its count
+    assert set(taken["kinds"]) == {"hello", "pull", "push", "heartbeat", "bye"}, taken
+    assert sent == taken["bytes"], (sent, taken)
     per_push = values * 4 if not flags else values + 4 * -(-values // 256)
     overhead = 400 * (pushes + 50)  # headers (~100-200 bytes), hello, heartbeats, bye
     assert pushes * per_push <= sent <= pushes * per_push + overhead, (pushes, sent)
