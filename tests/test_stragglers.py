@@ -226,3 +226,36 @@ def test_a_permanently_slow_worker_does_not_slow_sync_rounds_with_a_backup(slow_
     record_figure("ps-sync --backup-workers 1, worker 2 slowed 8x", fast_ms=[
         round(f * 1e3, 1) for f in fast], slowed_ms=round(slow * 1e3, 1),
         updates=stats["updates"], stale=stats["stale"])
+
+
+def test_stale_pushes_in_the_summary_are_summed_over_shards(server):
+    """Two shards under sync with one backup worker of two: each round is applied on the
+    first push, and the other worker's push for it is stale. Hand-made peers make one
+    stale push on shard 0 and two on shard 1; summary.json says 3."""
+    from asyncsgd.wire.protocol import ACK, PARAMS, PULL, PUSH, Key
+    import torch
+    from test_exactly_once import TASK as COUNTER, Peer
+
+    srv = server("--task", COUNTER, "--samples", 16, "--shards", 2, "--workers", 2,
+                 "--consistency", "sync", "--backup-workers", 1, "--heartbeat-timeout", 60)
+    ports = srv.stats()["shard_ports"]
+    assert len(ports) == 2
+    peers = {(w, port): Peer(srv, port, worker=w) for w in "ab" for port in ports}
+    for peer in peers.values():  # each shard holds the first pull until both joined
+        peer.send(PULL, 1)
+    assert all(peer.reply().type == PARAMS for peer in peers.values())
+    stale = {ports[0]: 1, ports[1]: 2}
+    for port, count in stale.items():
+        a, b = peers["a", port], peers["b", port]
+        for n in range(count):  # a's push closes round n; b's, computed at version 0, is late
+            ack = a.push(2 + n, torch.ones(1), clock=n)
+            assert ack.type == ACK and ack.meta[Key.APPLIED] is True, ack
+            late = b.push(2 + n, torch.ones(1), clock=0)
+            assert late.type == ACK and late.meta.get(Key.STALE) is True, late
+    for peer in peers.values():
+        peer.close()
+    srv.goodbyes()
+    code, _, err = srv.wait(timeout=60)
+    assert code == 0, err[-3000:]
+    summary = read_json(srv.out / "summary.json")
+    assert (summary["stale_pushes"], summary["updates"]) == (3, 3), summary
