@@ -11,11 +11,14 @@ import re
 import subprocess
 
 import pytest
+import torch
 
 from asyncsgd.core.pacing import Pacer, Pacing, parse_delay, parse_slowdown
 from asyncsgd.errors import ConfigError
+from asyncsgd.wire.protocol import ACK, PARAMS, PULL, Key
 from conftest import Server, asyncsgd_cmd, finish, read_events, read_json, worker
 from faults import record_figure
+from test_exactly_once import TASK as COUNTER, Peer
 
 STEP = 0.01
 TASK = ("--task", "tasks_for_tests:slow_counter", "--epochs", 1_000_000, "--progress", "off")
@@ -232,10 +235,6 @@ def test_stale_pushes_in_the_summary_are_summed_over_shards(server):
     """Two shards under sync with one backup worker of two: each round is applied on the
     first push, and the other worker's push for it is stale. Hand-made peers make one
     stale push on shard 0 and two on shard 1; summary.json says 3."""
-    from asyncsgd.wire.protocol import ACK, PARAMS, PULL, PUSH, Key
-    import torch
-    from test_exactly_once import TASK as COUNTER, Peer
-
     srv = server("--task", COUNTER, "--samples", 16, "--shards", 2, "--workers", 2,
                  "--consistency", "sync", "--backup-workers", 1, "--heartbeat-timeout", 60)
     ports = srv.stats()["shard_ports"]
