@@ -82,10 +82,11 @@ def test_an_id_whose_entry_went_into_the_watermark_is_still_refused():
     assert list(forgotten.entries) == ["e"]
 
 
-def test_the_checkpoint_keeps_what_forgotten_records_left_and_an_older_one_still_loads():
+def test_the_checkpoint_keeps_what_forgotten_records_left_and_an_older_one_still_loads(tmp_path):
     state = _state()
     _forget_victim(state)
-    saved = state.state_dict()
+    torch.save(state.state_dict(), tmp_path / "shard-0.pt")
+    saved = torch.load(tmp_path / "shard-0.pt", weights_only=True)  # as a shard loads it
     restored = _state()
     restored.load_state_dict(saved)
     assert restored.forgotten.state() == state.forgotten.state()
