@@ -204,7 +204,12 @@ RECORD_DIGESTS = knob(
               "--threads, torch and CPU, with at most 2 workers: a round sums its pushes in "
               "the order they arrive, and floating-point addition of 3 or more is not "
               "order-independent. A resumed run appends; a version it applies again has the "
-              "digest it had when its workers pick each round's batch by the round (sync)."})
+              "digest it had when its workers pick each round's batch by the round (sync).",
+        "simulate": "Write the SHA-256 of the simulated server's parameters (float32 bytes) "
+                    "after every version it applies into each parameter-server run's "
+                    "directory (OUT/<mode>-r<k>/digests.jsonl), a JSON line each "
+                    "({\"version\": 12, \"sha256\": ...}); the same seed and flags give "
+                    "the same digests on the same torch and CPU. Other modes write none."})
 
 RUN = (TASK, *DATA, MAX_SECONDS, TARGET, EVAL_EVERY, SEED, DEVICE, THREADS, OUT, RESUME,
        CHECKPOINT_EVERY, TENSORBOARD, PROGRESS)
