@@ -191,13 +191,13 @@ def test_a_sync_server_killed_whole_and_resumed_repeats_the_recording(cli_env, t
             if srv is not None:
                 srv.close()
     assert code == 0, err
-    for rc, _, worker_err in results:
-        assert rc == 0, worker_err
-        assert "the server is back at round" in worker_err, worker_err
-    assert restored < killed_at < EPOCHS * 10, (restored, killed_at)
-    versions = [line["version"] for line in read_digests(out / "digests-shard-0.jsonl")]
-    for v in range(restored + 1, killed_at + 1):  # lost with the server, applied again
-        assert versions.count(v) == 2, (v, versions)
+    assert all(rc == 0 for rc, _, _ in results), results
     lines = read_digests(out / "digests-shard-0.jsonl")
     check("ps-sync", lines, records=False)
     assert final_digest(out) == trajectory(lines)[-1]
+    assert restored < killed_at < EPOCHS * 10, (restored, killed_at)
+    versions = [line["version"] for line in lines]
+    for v in range(restored + 1, killed_at + 1):  # lost with the server, applied again
+        assert versions.count(v) == 2, (v, versions)
+    for _, _, worker_err in results:
+        assert "the server is back at round" in worker_err, worker_err
