@@ -200,11 +200,11 @@ RECORD_DIGESTS = knob(
               "after every version it applies into the run directory's "
               "digests-shard-<i>.jsonl, a JSON line each ({\"version\": 12, \"sha256\": "
               "...}), so that two runs can be compared round by round. Reproducible under "
-              "--consistency sync without --backup-workers, for the same seed, task, "
-              "--threads, torch and CPU, with at most 2 workers: a round sums its pushes in "
-              "the order they arrive, and floating-point addition of 3 or more is not "
-              "order-independent. A resumed run appends; a version it applies again has the "
-              "digest it had when its workers pick each round's batch by the round (sync).",
+              "--consistency sync without --backup-workers, with the same seed, task, "
+              "--threads, torch and CPU, and at most 2 workers: a round sums its pushes in "
+              "the order they arrive, and a floating-point sum of 3 or more depends on the "
+              "order. A resumed run appends; under sync a round it applies again (lost with "
+              "a killed server) has the digest it had.",
         "simulate": "Write the SHA-256 of the simulated server's parameters (float32 bytes) "
                     "after every version it applies into each parameter-server run's "
                     "directory (OUT/<mode>-r<k>/digests.jsonl), a JSON line each "
