@@ -168,7 +168,10 @@ def test_a_sync_server_killed_whole_and_resumed_repeats_the_recording(cli_env, t
     and train from its batch again, so every round, repeated ones included, has the digest
     of the run never stopped."""
     out = tmp_path / "run"
-    first = Server(cli_env, out, *SYNC, "--checkpoint-every", 0.5, own_group=True)
+    # A worker backing off while the server restarts must not be dropped from the rounds
+    # (the resumed server keeps these settings).
+    first = Server(cli_env, out, *SYNC, "--checkpoint-every", 0.5, "--heartbeat-timeout", 60,
+                   own_group=True)
     resumed, procs = None, []
     try:
         procs = [worker(cli_env, first.address, r, 2, *WORKER, "--heartbeat", 0.2,
