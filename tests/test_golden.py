@@ -35,6 +35,8 @@ from asyncsgd.modes import ddp
 from asyncsgd.modes.single import train
 from asyncsgd.run.checkpoint import load_checkpoint
 from asyncsgd.run.digests import params_digest, read_digests
+from asyncsgd.servers.shard import ShardConfig, ShardState
+from asyncsgd.wire.protocol import ACK, PARAMS, PUSH, Key, Message, Segment
 
 from conftest import Server, finish, signal_group, stop_tree, wait_for, worker
 
@@ -142,6 +144,28 @@ def test_the_virtual_clock_repeats_the_real_servers_recordings(run_cli_here, tmp
     assert res.returncode == 0, res.stderr
     for case, run in (("ps-sync", "ps-sync-r1"), ("diloco", "diloco-2-r1")):
         check(case, read_digests(tmp_path / "sim" / run / "digests.jsonl"), records=False)
+
+
+def test_a_sync_push_computed_on_a_round_a_restored_shard_lost_is_stale():
+    """A shard restored at version 3 gets a push computed on version 5 (its worker saw
+    rounds the kill lost): acknowledged stale, nothing applied, and the worker gets the
+    restored round's parameters to compute again. Async applies such a push as fresh."""
+    for mode, applied in (("sync", False), ("async", True)):
+        state = ShardState(ShardConfig(index=0, start=0, end=4, lr=1.0, consistency=mode),
+                           torch.zeros(4))
+        state.load_state_dict({**state.state_dict(), "version": 3})
+        push = Message(type=PUSH, worker="a", incarnation=1, seq=9, clock=5,
+                       meta={Key.PULL: True}, segments=[Segment(0, torch.ones(4))])
+        replies = {r.type: r for _, r in state.handle(b"a", push, 0.0)}
+        ack = replies[ACK] if ACK in replies else replies[PARAMS].meta[Key.ACK]
+        ack = ack.meta if isinstance(ack, Message) else ack
+        assert ack[Key.APPLIED] is applied, (mode, ack)
+        assert state.version == 3 + applied
+        assert torch.equal(state.params, torch.full((4,), -float(applied)))
+        if not applied:
+            assert ack[Key.STALE] is True and state.counters["stale"] == 1
+            assert replies[PARAMS].meta[Key.VERSION] == 3
+        assert sum(state.staleness) == 1 and state.staleness[0] == 1
 
 
 def _versions(path: Path) -> list:
