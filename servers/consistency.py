@@ -43,6 +43,9 @@ class Policy(ABC):
     # No request ever waits: a push's reply is the next reader of the parameters, and its
     # accounting may wait until that reply is sent.
     answers_at_once = False
+    # A push's clock ahead of the shard's version reaches ``push`` as a negative staleness
+    # instead of as fresh: it was computed on a version a restored shard lost.
+    stale_if_ahead = False
 
     @abstractmethod
     def may_answer(self, record, workers: dict, version: int) -> bool:
@@ -107,7 +110,12 @@ class Sync(Policy):
     """Pushes of one round are summed; once all live workers but ``backup_workers`` have
     pushed (Chen et al. 2016), the round's mean (or sum) is applied once. A worker's pull
     waits until the round it pushed to is applied; a push computed before the round began,
-    or a second one in a round, is stale."""
+    or a second one in a round, is stale; so is one computed on a round that a shard
+    restored from an older checkpoint has not applied (its clock is ahead): it belongs to no
+    round here, and its worker pulls and computes the round again (kill + resume then
+    repeats the uninterrupted run exactly)."""
+
+    stale_if_ahead = True
 
     def __init__(self, size: int, expected_workers: int = 1, reduce: str = "mean",
                  backup_workers: int = 0):
@@ -123,9 +131,9 @@ class Sync(Policy):
         return record.round_pushed is None or version > record.round_pushed
 
     def push(self, record, segments: list, seq: int, staleness: int, version: int) -> str:
-        if staleness > 0 or record.round_pushed == version:
-            # Computed before this round began (it was dropped and came back), or a second
-            # push in one round: it must not skew the round's mean.
+        if staleness != 0 or record.round_pushed == version:
+            # Computed before this round began (it was dropped and came back) or on a round
+            # since lost, or a second push in one round: it must not skew the round's mean.
             return STALE
         for seg in segments:
             self.total[seg.offset:seg.offset + len(seg.data)].add_(seg.data)

@@ -247,7 +247,8 @@ class ShardState:
         if msg.type in (PUSH, PULL) and not record.reported_clock:
             record.reported_clock = True
             self._count_lost(record, msg.clock)
-        msg.clock = min(msg.clock, self.version)  # a version from a past life: now is freshest
+        if not self.policy.stale_if_ahead:
+            msg.clock = min(msg.clock, self.version)  # a version from a past life: now is freshest
         return record
 
     def _admit(self, msg: Message) -> Optional[tuple]:
@@ -452,7 +453,7 @@ class ShardState:
         verdict = self.policy.push(record, msg.segments, msg.seq, staleness, self.version)
         if verdict == APPLY:
             return self._apply(record, msg, staleness)
-        self._account(record, msg.meta, staleness)
+        self._account(record, msg.meta, max(0, staleness))  # ahead: from a version since lost
         if verdict == STALE:
             self.counters["stale"] += 1
             record.window.add(msg.seq)

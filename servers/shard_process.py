@@ -16,6 +16,7 @@ import torch
 import zmq
 
 from asyncsgd.run.checkpoint import load_checkpoint, save_checkpoint
+from asyncsgd.run.digests import DigestLog, digests_name
 from asyncsgd.wire.busy_poll import BUSY_POLL_US, BusyPoll
 from asyncsgd.wire.memory import keep_freed_memory
 from asyncsgd.wire.protocol import (ATTACH, BYE, PARAMS, STATS, Code, Key, Message,
@@ -58,6 +59,7 @@ class ShardProcessSettings:
     curve: Optional[ServerKeys] = None
     session_key: bytes = b""  # checks the tokens the front hands out (sessions.py)
     busy_poll_us: float = BUSY_POLL_US  # polls for the next message this long (wire.busy_poll)
+    record_digests: bool = False  # --record-digests: digests-shard-<i>.jsonl in checkpoint_dir
 
 
 def checkpoint_path(directory: str, index: int) -> Path:
@@ -101,6 +103,14 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
         # one restarts from it, and counts the acknowledged updates it lost, instead of
         # starting over from the initial parameters as if it had lost none.
         save(path)
+    digests = (DigestLog(Path(settings.checkpoint_dir) / digests_name(rank), "version")
+               if settings.record_digests and settings.checkpoint_dir else None)
+
+    def note_digest() -> None:
+        if digests is not None and digests.last != state.version:
+            digests.note(state.version, [state.params])
+
+    note_digest()
     ready.send(port)
     ready.close()
     next_checkpoint = time.monotonic() + (settings.checkpoint_every or float("inf"))
@@ -117,11 +127,13 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
         while not stopped[0]:
             with contextlib.suppress(zmq.Again):  # nothing came within the tick
                 _serve_one(sock, state, gate, sessions, areas, busy)
+            note_digest()
             now = time.monotonic()
             if now >= next_tick:  # liveness needs no finer grain than this
                 next_tick = now + TICK_SECONDS
                 for peer, reply in state.tick(now):
                     _reply(sock, state, peer, reply, areas)
+                note_digest()
             if path is not None and now >= next_checkpoint:
                 save(path)
                 next_checkpoint = now + settings.checkpoint_every
@@ -140,6 +152,8 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
                 save(path)
         finally:
             areas.close()
+            if digests is not None:
+                digests.close()
             gate.close()
             sock.close(0)
             ctx.term()

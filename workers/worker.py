@@ -213,6 +213,11 @@ class _Loop:
         self.anchor = torch.zeros(layout.total) if self.inner is not None else None
         self.batch_size = cfg.batch_size or task.batch_size
         self.steps = self.pushes = self.samples = 0
+        # Where it is in its batches (across epochs). Under sync it follows the rounds: a
+        # server restored from an older checkpoint sends it back to the batch of the round
+        # it resumes at, so the run repeats the uninterrupted one (``_follow_rounds``).
+        self.position = 0
+        self.joined_at: Optional[int] = None  # the round of its first pull
         self.loss_sum, self.loss_steps, self.unpushed = 0.0, 0, 0
         self.reported = (0, 0)  # the client's bytes sent and received at the last push
         self.started = time.monotonic()
@@ -226,12 +231,16 @@ class _Loop:
     def run(self) -> WorkerResult:
         self.client.push_pull(None, self.flat_params)
         self._pulled()
-        for epoch in range(self.cfg.epochs):
-            order = epoch_order(self.part, self.cfg.seed, self.rank, epoch)
-            for start in range(0, len(order), self.batch_size):
-                if self.out_of_time():
-                    return self._finish()
-                self._step(order[start:start + self.batch_size])
+        per_epoch = -(-len(self.part) // self.batch_size)
+        order, ordered = None, None  # the batches of epoch ``ordered``
+        while self.position < per_epoch * self.cfg.epochs:
+            epoch, batch = divmod(self.position, per_epoch)
+            if ordered != epoch:
+                order, ordered = epoch_order(self.part, self.cfg.seed, self.rank, epoch), epoch
+            if self.out_of_time():
+                return self._finish()
+            self.position += 1
+            self._step(order[batch * self.batch_size:(batch + 1) * self.batch_size])
         return self._finish()
 
     def elapsed(self) -> float:
@@ -303,6 +312,25 @@ class _Loop:
         self._load()
         if self.anchor is not None:
             self.anchor.copy_(self.flat_params)
+        self._follow_rounds()
+
+    def _follow_rounds(self) -> None:
+        """Under sync, a pulled round below this worker's own count means the server went
+        back (restored from an older checkpoint; the push it computed on a lost round was
+        acknowledged stale): train from that round's batch again. Otherwise the rounds never
+        fall behind its count, so nothing changes."""
+        if str(self.client.info.get(Key.CONSISTENCY, "")) != "sync":
+            return
+        version = min(self.client.versions)
+        if self.joined_at is None:
+            self.joined_at = version
+        per_push = max(self.cfg.local_steps, self.cfg.push_every)
+        position = max(0, version - self.joined_at) * per_push
+        if position < self.position:
+            log.warning("worker %d: the server is back at round %d; training again from the "
+                        "batch of that round (step %d, was at %d)", self.rank, version,
+                        position, self.position)
+            self.position = position
 
     def _load(self) -> None:
         """On a GPU the model's parameters are views of ``gpu_params``: the pulled values

@@ -11,7 +11,7 @@ import click
 from ..wire.busy_poll import BUSY_POLL_US, MAX_BUSY_POLL_US
 from .knobs import knob, settings
 from .shared import (BATCH_SIZE, DATA, DEVICE, EPOCHS, LOCAL_STEPS, LR, MAX_SECONDS, MOMENTUM,
-                     PACING, PROGRESS, SEED, TASK, THREADS, WEIGHT_DECAY, RunConfig)
+                     PACING, PROGRESS, RECORD_DIGESTS, SEED, TASK, THREADS, WEIGHT_DECAY, RunConfig)
 from .values import SHARD_COUNT, Compression, Consistency, ValueType
 
 BIND = knob(
@@ -117,7 +117,7 @@ ServerConfig = settings(
          "Restart a crashed shard from its last checkpoint up to this many times: workers "
          "reconnect on their own, and the updates applied since that checkpoint are lost and "
          "counted (lost_updates). 0: a crashed shard ends the run.", type=click.IntRange(min=0)),
-    BUSY_POLL,
+    BUSY_POLL, RECORD_DIGESTS,
     extends=RunConfig, module=__name__)
 
 WorkerConfig = settings(

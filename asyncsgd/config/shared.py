@@ -188,6 +188,29 @@ PROGRESS = knob(
                     "progress in virtual seconds, as a live line on a terminal and log lines "
                     "otherwise (auto), or force bar, log or off."})
 
+# Two runs of a deterministic mode compare bit for bit through these (tests/test_golden.py).
+RECORD_DIGESTS = knob(
+    "record_digests", bool, False,
+    "Write the SHA-256 of the parameters' float32 bytes after every step into the run "
+    "directory's digests.jsonl, a JSON line each ({\"round\": 12, \"sha256\": ...}), so "
+    "that two runs can be compared step by step. The same seed, task and --threads give the "
+    "same digests on the same torch and CPU; a resumed run appends, and a step it repeats "
+    "has the digest it had.", per_command={
+        "ps": "Write the SHA-256 of each shard's slice of the parameters (float32 bytes) "
+              "after every version it applies into the run directory's "
+              "digests-shard-<i>.jsonl, a JSON line each ({\"version\": 12, \"sha256\": "
+              "...}), so that two runs can be compared round by round. Reproducible under "
+              "--consistency sync without --backup-workers, with the same seed, task, "
+              "--threads, torch and CPU, and at most 2 workers: a round sums its pushes in "
+              "the order they arrive, and a floating-point sum of 3 or more depends on the "
+              "order. A resumed run appends; under sync a round it applies again (lost with "
+              "a killed server) has the digest it had.",
+        "simulate": "Write the SHA-256 of the simulated server's parameters (float32 bytes) "
+                    "after every version it applies into each parameter-server run's "
+                    "directory (OUT/<mode>-r<k>/digests.jsonl), a JSON line each "
+                    "({\"version\": 12, \"sha256\": ...}); the same seed and flags give "
+                    "the same digests on the same torch and CPU. Other modes write none."})
+
 RUN = (TASK, *DATA, MAX_SECONDS, TARGET, EVAL_EVERY, SEED, DEVICE, THREADS, OUT, RESUME,
        CHECKPOINT_EVERY, TENSORBOARD, PROGRESS)
 

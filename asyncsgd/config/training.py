@@ -7,7 +7,7 @@ from typing import Optional
 import click
 
 from .knobs import knob, settings
-from .shared import LOCAL_STEPS, TrainConfig
+from .shared import LOCAL_STEPS, RECORD_DIGESTS, TrainConfig
 from .values import CheckedText, parse_comm_hook
 
 
@@ -67,6 +67,7 @@ SingleConfig = settings(
          "STEPS steps apply nothing and the last STEPS gradients are never applied; the "
          "checkpoint holds the queue, so --resume applies the gradients in flight.",
          type=click.IntRange(min=0), metavar="STEPS"),
+    RECORD_DIGESTS,
     extends=TrainConfig, module=__name__)
 
 DDPConfig = settings(

@@ -20,6 +20,7 @@ from ..config import SingleConfig
 from ..core.pacing import Pacer, Pacing, other_seconds, pace_event, pace_note
 from ..core.tasks import Task, epoch_order, partition_indices
 from ..errors import ConfigError, WorkerError
+from ..run.digests import DIGESTS, DigestLog
 from ..run.recorder import Outcome, RunResult
 from ..run.rundir import RunDir
 from ..run.signals import signals_as_flag
@@ -135,6 +136,8 @@ class SyncLoop:
         if self.pacing.active and recorder is not None:
             log.info("stragglers: %s", self.pacing.describe())
         self.ranks_paced = [0.0] * (PACED * world)  # rank 0: the agreed per-rank seconds
+        self.digests = (DigestLog(recorder.run.path / DIGESTS, "round")
+                        if cfg.record_digests and recorder is not None else None)
         self._paced_seen = [0.0, 0.0]  # rank 0: summed (computed, waited) at the last event
 
     def samples(self) -> int:
@@ -144,20 +147,35 @@ class SyncLoop:
 
     def run(self) -> str:
         """Train until the epochs are done or the ranks agree to stop; what stopped it."""
-        stopped_by = self._train()
+        try:
+            stopped_by = self._train()
+        finally:
+            if self.digests is not None:
+                self.digests.close()
         self.state.gather_rngs()  # every rank stopped at the same step: the final save
         return stopped_by
+
+    def _note_digest(self) -> None:
+        """Rank 0, --record-digests: the parameters after the steps taken so far, counted
+        from the run's start (a resumed run's too) by the position in the data."""
+        if self.digests is None:
+            return
+        epoch, row = self.state.position
+        per_epoch = -(-len(self.part) // self.batch_size)
+        self.digests.note(epoch * per_epoch + -(-row // self.batch_size), self.net.parameters())
 
     def _train(self) -> str:
         until_check = 1
         first_epoch, skip = self.state.position
         self.state.set_resumed_rng()
+        self._note_digest()
         for epoch in range(first_epoch, self.cfg.epochs):
             order = epoch_order(self.part, self.cfg.seed, self.rank, epoch)
             for start in range(skip if epoch == first_epoch else 0, len(order),
                                self.batch_size):
                 self._step(order[start:start + self.batch_size])
                 self.state.position = (epoch, min(start + self.batch_size, len(order)))
+                self._note_digest()
                 until_check -= 1
                 if until_check == 0:
                     stopped_by, until_check = self._check(epoch)

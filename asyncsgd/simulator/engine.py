@@ -44,6 +44,7 @@ class VirtualSetup:
     shards: int = 1
     leave: tuple = ()  # (virtual t, rank): that worker leaves
     join: tuple = ()  # (virtual t,): a new worker joins
+    record_digests: bool = False  # parameter-server modes: digests.jsonl in the run directory
 
 
 @dataclass

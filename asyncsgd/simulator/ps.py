@@ -11,6 +11,7 @@ from asyncsgd.servers.shard import ShardConfig, ShardState
 
 from ..config import ServerConfig
 from ..errors import WorkerError
+from ..run.digests import DIGESTS, DigestLog
 from ..wire.protocol import BYE, ERROR, PARAMS, PULL, PUSH, Code, Key, Message, Segment
 from ..wire.stats import percentile
 from .engine import Engine, SimWorker, local_steps
@@ -45,6 +46,13 @@ class PSEngine(Engine):
         self.link = self.costs.link
         self.ingress = self.egress = self.server = 0.0  # when each is free again
         self.by_peer = {w.name.encode(): w for w in self.workers}
+        self.digests = (DigestLog(self.rec.run.path / DIGESTS, "version")
+                        if self.setup.record_digests else None)
+        self._note_digest()
+
+    def _note_digest(self) -> None:
+        if self.digests is not None and self.digests.last != self.state.version:
+            self.digests.note(self.state.version, [self.state.params])
 
     def params(self) -> torch.Tensor:
         return self.state.params
@@ -78,6 +86,7 @@ class PSEngine(Engine):
         if self.trace is not None and msg.type == PUSH:
             self.trace.append(("apply", t, w.rank, staleness))
         replies = self.state.handle(w.name.encode(), msg, t)
+        self._note_digest()
         if self.state.counters["pushes"] > taken:  # counted: applied, in a round, or late
             self.staleness[staleness] += 1
         for peer, reply in replies:
@@ -157,6 +166,8 @@ class PSEngine(Engine):
 
     def end(self) -> str:
         self.count()  # the final evaluation reports the samples trained until the end
+        if self.digests is not None:
+            self.digests.close()
         return super().end()
 
     def count(self) -> None:
