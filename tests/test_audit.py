@@ -38,6 +38,7 @@ def test_a_push_applied_twice_is_doubled(tmp_path):
     shard_life(tmp_path, 0, 10, 1.0, None, ("a", 1, 1, 1), ("a", 1, 2, 2), ("a", 1, 1, 3))
     audit = read_audit(tmp_path)
     assert (audit.applied, audit.doubled, audit.lost, audit.lost_to_checkpoint) == (3, 1, 0, 0)
+    assert audit.lost_resent == 0
     assert audit.violations == [("doubled", 0, "a", 1, 1)]
 
 
@@ -60,16 +61,18 @@ def test_an_acknowledged_push_no_shard_applied_is_lost(tmp_path):
 
 def test_a_restore_cuts_what_was_applied_after_its_checkpoint(tmp_path):
     # life 1 applies versions 1..4 and dies; life 2 restores the checkpoint of version 2,
-    # so 3 and 4 are lost to it; a's push 4 had no ack and is re-sent: applied once more
+    # so 3 and 4 are lost to it; b's push 2 had no ack and is re-sent: applied once more
     shard_life(tmp_path, 0, 10, 1.0, None,
                ("a", 1, 1, 1), ("b", 1, 1, 2), ("a", 1, 2, 3), ("b", 1, 2, 4))
     shard_life(tmp_path, 0, 11, 2.0, 2, ("b", 1, 2, 3), ("a", 1, 3, 4))
     worker_life(tmp_path, "a", 1, sent([1], [0], 1.0), acked(1, 0), sent([2], [0], 1.0),
                 acked(2, 0), sent([3], [0], 1.0), acked(3, 0))
     worker_life(tmp_path, "b", 1, sent([1], [0], 1.0), acked(1, 0), sent([2], [0], 1.0),
-                acked(2, 0))
+                acked(2, 0))  # from life 2
     audit = read_audit(tmp_path)
     assert (audit.applied, audit.doubled, audit.lost, audit.lost_to_checkpoint) == (4, 0, 0, 2)
+    # b's push 2 came again: its acknowledgement died with the shard; a's push 2 is gone
+    assert audit.lost_resent == 1
     assert audit.shards[0].lives == 2 and audit.violations == []
     assert audit.goodput == pytest.approx(4 / 5)  # a's push 2 is gone
 
@@ -82,6 +85,7 @@ def test_restores_cut_in_the_order_the_lives_began(tmp_path):
     audit = read_audit(tmp_path)
     # cut: versions 2, 3 of life 1, then version 4 of life 2; a's push 3 survives once
     assert (audit.applied, audit.lost_to_checkpoint, audit.doubled) == (4, 3, 0)
+    assert audit.lost_resent == 1  # a's push 3, applied again by life 2
 
 
 def test_goodput_counts_a_push_only_where_it_survives_on_every_shard(tmp_path):

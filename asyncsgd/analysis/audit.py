@@ -23,6 +23,9 @@ class ShardAudit:
     applied: int = 0  # surviving applications
     doubled: int = 0  # (w, i, s) applied more than once among the survivors, beyond the first
     lost_to_checkpoint: int = 0  # applications a restore cut
+    # ... of which applied again later: the acknowledgement died with the shard, so the
+    # worker re-sent the push (the shard's lost_updates counts only the others)
+    lost_resent: int = 0
     lost: int = 0  # acknowledged as applied, neither surviving nor cut
     acknowledged: int = 0  # pushes workers heard acknowledged as applied (or as duplicates)
 
@@ -48,6 +51,10 @@ class Audit:
     @property
     def lost_to_checkpoint(self) -> int:
         return self.total("lost_to_checkpoint")
+
+    @property
+    def lost_resent(self) -> int:
+        return self.total("lost_resent")
 
     @property
     def lost(self) -> int:
@@ -77,17 +84,20 @@ def _files(directory: Path, pattern: str) -> list:
 def _shard(index: int, lives: list) -> tuple:
     """(ShardAudit, {(w, i, s): survivors}, {(w, i, s) cut}) of one shard's lives."""
     audit = ShardAudit(index, lives=len(lives))
-    survivors, cut = [], []
+    survivors, cut, keys = [], [], set()
     for n, (first, entries) in enumerate(lives):
         if n:  # restored at version V (0: afresh): what earlier lives applied past V is gone
             restored = first.get("restored") or 0
             cut += [e for e in survivors if e["v"] > restored]
             survivors = [e for e in survivors if e["v"] <= restored]
         survivors += entries
+        keys.update((e["w"], e["i"], e["s"]) for e in entries)
     counts = Counter((e["w"], e["i"], e["s"]) for e in survivors)
     audit.applied = len(survivors)
     audit.doubled = sum(c - 1 for c in counts.values())
     audit.lost_to_checkpoint = len(cut)
+    # every application of a push but its last was cut and re-sent, unless doubled
+    audit.lost_resent = len(survivors) + len(cut) - len(keys) - audit.doubled
     return audit, counts, {(e["w"], e["i"], e["s"]) for e in cut}
 
 
