@@ -129,9 +129,12 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
                 for peer, reply in state.tick(now):
                     _reply(sock, state, peer, reply, areas)
             if path is not None and now >= next_checkpoint:
-                kill_at.reached(kill_at.BEFORE_CHECKPOINT)
+                updated = state.version > 0  # a test's fault counts checkpoints of updates
+                if updated:
+                    kill_at.reached(kill_at.BEFORE_CHECKPOINT)
                 save(path)
-                kill_at.reached(kill_at.AFTER_CHECKPOINT)
+                if updated:
+                    kill_at.reached(kill_at.AFTER_CHECKPOINT)
                 next_checkpoint = now + settings.checkpoint_every
         if path is not None:  # before the drain, which changes nothing and may last 8 s: a
             # launcher's grace (torchrun's 30 s from SIGTERM to SIGKILL) may end during it

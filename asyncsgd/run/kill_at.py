@@ -17,7 +17,8 @@ VARIABLE = "ASYNCSGD_TESTING_ONLY_KILL_AT"
 # acknowledgement waits unread in the socket; the acknowledgement was handled
 BEFORE_PUSH, BETWEEN_PARTS = "before-push", "between-parts"
 AFTER_APPLY_BEFORE_ACK, AFTER_ACK = "after-apply-before-ack", "after-ack"
-# shard: around a periodic checkpoint's write; front: a session token made, not yet sent
+# shard: around the write of a periodic checkpoint that holds updates (version > 0);
+# front: a session token made, the welcome that holds it not yet sent
 BEFORE_CHECKPOINT, AFTER_CHECKPOINT = "before-checkpoint", "after-checkpoint"
 WHILE_WELCOMING = "while-welcoming"
 PHASES = (BEFORE_PUSH, BETWEEN_PARTS, AFTER_APPLY_BEFORE_ACK, AFTER_ACK, BEFORE_CHECKPOINT,
