@@ -15,16 +15,20 @@ the audit counts.
 """
 
 import json
+import os
 import signal
 
 import pytest
 
 from asyncsgd.analysis.audit import read_audit
+from asyncsgd.run import kill_at
 from asyncsgd.run.checkpoint import load_checkpoint
 from asyncsgd.run.kill_at import (AFTER_ACK, AFTER_APPLY_BEFORE_ACK, AFTER_CHECKPOINT,
                                   BEFORE_CHECKPOINT, BEFORE_PUSH, BETWEEN_PARTS, VARIABLE,
                                   WHILE_WELCOMING)
-from conftest import Server, finish, read_json, shard_stats, wait_for, worker
+from asyncsgd.wire.protocol import HELLO, Key, Message, encode
+from conftest import (Server, finish, periodic_checkpoint, read_json, shard_stats, wait_for,
+                      worker)
 
 TASK, PARTS_TASK = "tasks_for_tests:dense_counter", "tasks_for_tests:two_part_counter"
 BATCH = 8
@@ -50,6 +54,29 @@ def assert_exactly_once(audit, lost_updates: int) -> None:
     cut is one the shard counted as lost, or one its worker re-sent (its ack died)."""
     assert (audit.doubled, audit.lost) == (0, 0), audit.violations
     assert audit.lost_to_checkpoint - audit.lost_resent == lost_updates, audit
+
+
+def test_the_hook_kills_at_the_nth_reach_once_and_is_off_unless_set(monkeypatch, tmp_path):
+    assert kill_at.parse("") == {}
+    for wrong in ("before-push", "nowhere:1", "before-push:0", "after-ack:x"):
+        with pytest.raises(ValueError, match=VARIABLE):
+            kill_at.parse(wrong)
+    kills, prepared = [], []
+    monkeypatch.setattr(kill_at.os, "kill", lambda pid, sig: kills.append((pid, sig)))
+    kill_at.reached(AFTER_ACK)  # unset: nothing
+    marker = tmp_path / "killed"
+    monkeypatch.setattr(kill_at, "_PLAN", kill_at.parse(f"{AFTER_ACK}:2:{marker}"))
+    kill_at.reached(BEFORE_PUSH)
+    kill_at.reached(AFTER_ACK, prepared.append, "first")
+    assert kills == prepared == []
+    kill_at.reached(AFTER_ACK, prepared.append, "second")
+    assert kills == [(os.getpid(), signal.SIGKILL)] and prepared == ["second"]
+    assert marker.read_text() == str(os.getpid())
+    kill_at.reached(AFTER_ACK)  # past its n-th reach
+    # a process that inherited the variable (a restarted shard) finds the kill taken
+    monkeypatch.setattr(kill_at, "_PLAN", kill_at.parse(f"{AFTER_ACK}:1:{marker}"))
+    kill_at.reached(AFTER_ACK)
+    assert len(kills) == 1
 
 
 # (phase, the victim's pushes applied, acknowledgements it heard): it dies in its 5th push
@@ -122,43 +149,45 @@ def test_a_shard_killed_around_its_checkpoint(cli_env, tmp_path, phase):
     assert final_weights(out).item() == -BATCH * audit.applied
 
 
-def test_a_server_killed_while_welcoming_is_resumed_and_its_workers_hello_again(
+def test_a_server_killed_while_welcoming_is_resumed_and_its_worker_hellos_again(
         cli_env, tmp_path):
-    """The second worker's hello kills the front (and with it the shards) once the first
-    has trained past a checkpoint; resumed on its address, it welcomes both, and every
+    """A second hello kills the front (and with it the shards) while the worker trains past
+    a checkpoint; resumed on its address, the server welcomes the worker again, and every
     push is applied once or counted lost to the checkpoint."""
-    rows, epochs = 1600, 2  # 100 pushes an epoch each, 8 ms apart at least
+    rows, epochs = 1600, 2  # 400 pushes, 4 ms apart at least
     audit_dir, marker, out = tmp_path / "audit", tmp_path / "killed", tmp_path / "run"
     first = Server(killing(cli_env, WHILE_WELCOMING, 2, marker), out, "--task", TASK,
-                   "--samples", rows, "--workers", 2, "--checkpoint-every", 0.2,
-                   "--audit-dir", audit_dir)
-    resumed, procs = None, []
-    args = ["--task", TASK, "--samples", rows, "--epochs", epochs, "--heartbeat", 0.2,
-            "--delay", "const:8ms", "--audit-dir", audit_dir]
+                   "--samples", rows, "--checkpoint-every", 0.2, "--audit-dir", audit_dir)
+    resumed, trainer = None, None
     try:
+        trainer = worker(cli_env, first.address, 0, 1, "--task", TASK, "--samples", rows,
+                         "--epochs", epochs, "--heartbeat", 0.2, "--delay", "const:4ms",
+                         "--audit-dir", audit_dir)
         port = first.stats()["shard_ports"][0]
-        procs.append(worker(cli_env, first.address, 0, 2, *args))
-        wait_for(lambda: shard_stats(first, port)["version"] >= 20, 120, "20 updates")
-        procs.append(worker(cli_env, first.address, 1, 2, *args))
-        assert first.proc.wait(120) == -signal.SIGKILL
+        wait_for(lambda: periodic_checkpoint(out) and
+                 shard_stats(first, port)["version"] >= 60, 120, "a checkpoint and 60 updates")
+        hello = Message(type=HELLO, worker="latecomer", incarnation=1, seq=1,
+                        meta={Key.SIGNATURE: first.signature()})
+        with pytest.raises(TimeoutError):  # its token was made, its welcome never sent
+            first.request(encode(hello), timeout=1)
+        assert first.proc.wait(60) == -signal.SIGKILL
         assert int(marker.read_text()) == first.proc.pid
         resumed = Server(cli_env, out, "--resume", out, port=first.port)
-        results = finish(procs)
+        (code, _, err), = finish([trainer])
+        assert code == 0, err
+        assert "rejoined the restarted server" in err
         assert resumed.wait()[0] == 0
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        if trainer is not None and trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
         for srv in (first, resumed):
             if srv is not None:
                 srv.close()
-    for code, _, err in results:
-        assert code == 0, err
     summary = read_json(out / "summary.json")
     audit = read_audit(audit_dir)
     assert audit.shards[0].lives == 2
     assert_exactly_once(audit, summary["lost_updates"])
-    pushes = 2 * rows // 2 // BATCH * epochs
+    pushes = rows // BATCH * epochs
     assert audit.applied == pushes - summary["lost_updates"]
     assert final_weights(out).item() == -BATCH * audit.applied
