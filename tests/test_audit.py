@@ -4,9 +4,12 @@ back; one short ps-async run audited end to end."""
 import json
 
 import pytest
+import torch
 
 from asyncsgd.analysis.audit import read_audit
 from asyncsgd.run.audit import shard_audit, worker_audit
+from asyncsgd.servers.shard import ShardConfig, ShardState
+from asyncsgd.wire.protocol import PUSH, Message, Segment
 from conftest import finish, worker
 
 
@@ -125,6 +128,26 @@ def test_the_writer_is_read_back(tmp_path):
     assert shard_audit(None, 0, None, 0) is None and worker_audit("", "a", 1) is None
     shard.close()
     log.close()
+
+
+def _push(worker, seq, inc=1):
+    return Message(type=PUSH, worker=worker, incarnation=inc, seq=seq,
+                   segments=[Segment(0, torch.ones(2))])
+
+
+@pytest.mark.parametrize("consistency", ["async", "sync"])
+def test_a_shard_tells_the_audit_each_push_it_applies_once_with_its_version(consistency):
+    state = ShardState(ShardConfig(0, 0, 2, consistency=consistency, expected_workers=2),
+                       torch.zeros(2))
+    applied = []
+    state.audit = lambda *entry: applied.append(entry)
+    for msg in (_push("a", 1), _push("a", 1), _push("b", 1, inc=7)):  # a retry in between
+        state.handle(b"peer-" + msg.worker.encode(), msg, now=0.0)
+    if consistency == "async":
+        assert applied == [("a", 1, 1, 1), ("b", 7, 1, 2)]
+    else:  # one round, applied when b's push completes it: one version for both
+        assert applied == [("a", 1, 1, 1), ("b", 7, 1, 1)]
+    assert state.version == len({v for *_, v in applied})
 
 
 def test_an_audited_async_run_applies_every_acknowledged_push_once(server, cli_env, tmp_path):
