@@ -85,7 +85,8 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
         saved = load_checkpoint(path)
         state.load_state_dict(saved["shard"], now=time.monotonic())
         log.info("shard %d resumed at version %d", rank, state.version)
-    audit = shard_audit(settings.audit_dir, rank, state.restored and state.restored["version"],
+    audit = shard_audit(settings.audit_dir, rank,
+                        state.restored["version"] if state.restored else None,
                         state.counters["lost_updates"])
     state.audit = audit.applied if audit is not None else None
     ctx = zmq.Context()

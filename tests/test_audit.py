@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from asyncsgd.analysis.audit import read_audit
+from asyncsgd.errors import ConfigError
 from asyncsgd.run.audit import shard_audit, worker_audit
 from asyncsgd.servers.shard import ShardConfig, ShardState
 from asyncsgd.wire.protocol import PUSH, Message, Segment
@@ -109,6 +110,12 @@ def test_a_line_cut_short_by_a_kill_is_left_out(tmp_path):
         fh.write('{"w": "a", "i": 1, "s"')
     (tmp_path / "worker-b-1.jsonl").write_text("")  # killed before its first line
     assert read_audit(tmp_path).applied == 1
+
+
+def test_an_audit_dir_that_cannot_be_written_is_one_clear_error(tmp_path):
+    (tmp_path / "taken").write_text("a file, not a directory")
+    with pytest.raises(ConfigError, match="--audit-dir .*taken: cannot write worker-a-1.jsonl"):
+        worker_audit(str(tmp_path / "taken"), "a", 1)
 
 
 def test_the_writer_is_read_back(tmp_path):

@@ -138,12 +138,12 @@ class PSClient:
             welcome = self._request_front(Message(type=HELLO, meta=self.hello))
             self.info = welcome.meta
             self.shard_addrs, self.ranges = self._layout(welcome.meta)
-        except BaseException:  # refused, or no answer: nothing of this client stays open
+            self.audit = worker_audit(audit_dir, worker, self.incarnation)
+        except BaseException:  # refused, no answer, no audit: nothing of this client stays open
             self.front.close(0)
             self.ctx.term()
             raise
         self.shards = [self._shard_socket(i) for i in range(len(self.shard_addrs))]
-        self.audit = worker_audit(audit_dir, worker, self.incarnation)
         self.poller = zmq.Poller()
         for sock in [self.front, *self.shards]:
             self.poller.register(sock, zmq.POLLIN)
@@ -312,16 +312,17 @@ class PSClient:
             else:
                 msg = self._msg(PULL, clock=self.versions[i], shard=i, meta=dict(wire))
                 outstanding[(i, msg.seq)] = [msg, {PARAMS}]
-        if segments is not None:
-            if self.audit is not None:
-                self.audit.sent([s for _, s in outstanding], [i for i, _ in outstanding], compute)
+        pushing = segments is not None
+        if pushing and self.audit is not None:
+            self.audit.sent([s for _, s in outstanding], [i for i, _ in outstanding], compute)
+        if pushing:  # the test-only faults (asyncsgd/run/kill_at.py): a dict lookup each
             kill_at.reached(kill_at.BEFORE_PUSH)
         for (i, _), (msg, _owed) in outstanding.items():
-            self._send(i, msg, copy=grads is None)
-        if segments is not None:
+            self._send(i, msg, copy=not pushing)
+        if pushing:
             kill_at.reached(kill_at.AFTER_APPLY_BEFORE_ACK, self._replies_arrive, outstanding)
         self._await(outstanding, params)
-        if segments is not None:
+        if pushing:
             kill_at.reached(kill_at.AFTER_ACK)
 
     def _replies_arrive(self, outstanding: dict) -> None:

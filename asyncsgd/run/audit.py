@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from ..errors import ConfigError
 from ..wire.protocol import Key
 
 SHARD_FILE, SHARD_FILES = "shard-{index}-{pid}.jsonl", "shard-*.jsonl"
@@ -23,9 +24,13 @@ class AuditLog:
     """One process life's audit file, appended a line at a time."""
 
     def __init__(self, path: Path, first: dict):
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._file = open(path, "a", buffering=1, encoding="utf-8")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", buffering=1, encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"--audit-dir {path.parent}: cannot write {path.name} there "
+                              f"({exc.strerror}); choose a writable directory") from exc
         self._line({"start": time.time(), **first})
 
     def _line(self, entry: dict) -> None:

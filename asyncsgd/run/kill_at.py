@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Callable
+from typing import Callable, Optional
 
 VARIABLE = "ASYNCSGD_TESTING_ONLY_KILL_AT"
 # worker: a gradient computed, nothing sent; after part 0 of a push in parts; the push's
@@ -41,7 +41,7 @@ def parse(text: str) -> dict:
 _PLAN = parse(os.environ.get(VARIABLE, ""))
 
 
-def reached(phase: str, prepare: Callable = None, *args) -> None:
+def reached(phase: str, prepare: Optional[Callable] = None, *args) -> None:
     """This process reached ``phase``: SIGKILL it when that is planned for this time,
     after ``prepare(*args)`` (what must have happened before the kill, e.g. a reply
     arriving)."""
