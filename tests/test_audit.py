@@ -8,7 +8,7 @@ import torch
 
 from asyncsgd.analysis.audit import read_audit
 from asyncsgd.errors import ConfigError
-from asyncsgd.run.audit import shard_audit, worker_audit
+from asyncsgd.run.audit import make_audit_dir, shard_audit, worker_audit
 from asyncsgd.servers.shard import ShardConfig, ShardState
 from asyncsgd.wire.protocol import PUSH, Message, Segment
 from conftest import finish, worker
@@ -114,8 +114,10 @@ def test_a_line_cut_short_by_a_kill_is_left_out(tmp_path):
 
 def test_an_audit_dir_that_cannot_be_written_is_one_clear_error(tmp_path):
     (tmp_path / "taken").write_text("a file, not a directory")
-    with pytest.raises(ConfigError, match="--audit-dir .*taken: cannot write worker-a-1.jsonl"):
-        worker_audit(str(tmp_path / "taken"), "a", 1)
+    for write in (lambda: worker_audit(str(tmp_path / "taken"), "a", 1),
+                  lambda: make_audit_dir(str(tmp_path / "taken" / "below"))):
+        with pytest.raises(ConfigError, match="--audit-dir .*taken.*: cannot write there"):
+            write()
 
 
 def test_the_writer_is_read_back(tmp_path):

@@ -26,11 +26,10 @@ class AuditLog:
     def __init__(self, path: Path, first: dict):
         self.path = path
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", buffering=1, encoding="utf-8")
+            self._file = open(make_audit_dir(str(path.parent)) / path.name, "a", buffering=1,
+                              encoding="utf-8")
         except OSError as exc:
-            raise ConfigError(f"--audit-dir {path.parent}: cannot write {path.name} there "
-                              f"({exc.strerror}); choose a writable directory") from exc
+            raise _unwritable(path.parent, exc) from exc
         self._line({"start": time.time(), **first})
 
     def _line(self, entry: dict) -> None:
@@ -54,6 +53,21 @@ class AuditLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _unwritable(directory: Path, exc: OSError) -> ConfigError:
+    return ConfigError(f"--audit-dir {directory}: cannot write there ({exc.strerror}); "
+                       "choose a writable directory")
+
+
+def make_audit_dir(directory: str) -> Path:
+    """``directory``, made if need be (a server makes it before its shards start); a
+    ConfigError when it cannot be."""
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _unwritable(Path(directory), exc) from exc
+    return Path(directory)
 
 
 def shard_audit(directory: Optional[str], index: int, restored: Optional[int],
