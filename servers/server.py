@@ -18,6 +18,7 @@ from asyncsgd.config import ServerConfig
 from asyncsgd.core.signature import data_signature
 from asyncsgd.core.tasks import task_of
 from asyncsgd.errors import ConfigError
+from asyncsgd.run.audit import make_audit_dir
 from asyncsgd.run.process_group import available_cores
 from asyncsgd.run.recorder import Outcome, Recorder, RunResult, check_target
 from asyncsgd.wire.layout import Layout
@@ -61,6 +62,8 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
             f"fewer than --workers ({cfg.workers})")
     host, _ = parse_endpoint(cfg.bind, "--bind")
     keys = ServerKeys.load(cfg.curve_secret, cfg.allowed_clients)
+    if cfg.audit_dir:  # each shard writes its own file there
+        make_audit_dir(cfg.audit_dir)
     keep_freed_memory()
     run = Recorder.open_run(cfg)
     with run.removed_on_error():

@@ -73,7 +73,7 @@ class ShardSupervisor:
             bind_host=host, port=0, checkpoint_dir=checkpoint_dir,
             checkpoint_every=cfg.checkpoint_every, resume=bool(cfg.resume), threads=threads,
             curve=keys, session_key=session_key, busy_poll_us=cfg.busy_poll_us,
-            record_digests=cfg.record_digests)
+            record_digests=cfg.record_digests, audit_dir=cfg.audit_dir)
             for i, (start, end) in enumerate(ranges)]
         return cls(settings, [flat[start:end].clone() for start, end in ranges],
                    cfg.shard_restarts)

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from asyncsgd.core.tasks import Split, Task
+from asyncsgd.wire.protocol import FRAME_BYTES
 
 
 def total(out, targets, reduction="sum"):
@@ -91,6 +92,12 @@ def mib_counter(samples=None):
     """wide_counter of 1 MiB: one frame a message, a round trip well within a busy-poll
     budget of 10 ms."""
     return wide_counter(samples, width=1 << 18)
+
+
+def two_part_counter(samples=None):
+    """wide_counter one weight wider than a frame: a float32 push of it travels over TCP
+    in two parts (PROTOCOL.md, "Parts")."""
+    return wide_counter(samples, width=FRAME_BYTES // 4 + 1)
 
 
 def dense_pair(samples=None):
