@@ -15,6 +15,8 @@ import torch
 
 from asyncsgd.errors import ConfigError
 
+from .deadline import RoundDeadline, quorum
+
 # What a policy makes of a push (``Policy.push``).
 APPLY = "apply"          # apply it now
 GATHERED = "gathered"    # summed into the open round; acknowledged when the round is applied
@@ -43,6 +45,7 @@ class Policy(ABC):
     # No request ever waits: a push's reply is the next reader of the parameters, and its
     # accounting may wait until that reply is sent.
     answers_at_once = False
+    now = 0.0  # the shard's clock as it handles a message or ticks (seconds)
 
     @abstractmethod
     def may_answer(self, record, workers: dict, version: int) -> bool:
@@ -71,6 +74,10 @@ class Policy(ABC):
     def next_round(self) -> list:
         """Close the applied round: the (record, seq) of its pushes, to acknowledge."""
         return []
+
+    def wake_at(self, workers: dict) -> Optional[float]:
+        """When the open round closes by the clock alone (the shard ticks then), or None."""
+        return None
 
 
 class Async(Policy):
@@ -107,13 +114,16 @@ class Sync(Policy):
     """Pushes of one round are summed; once all live workers but ``backup_workers`` have
     pushed (Chen et al. 2016), the round's mean (or sum) is applied once. A worker's pull
     waits until the round it pushed to is applied; a push computed before the round began,
-    or a second one in a round, is stale."""
+    or a second one in a round, is stale. ``backup_workers="auto"``: the round closes when
+    its ``RoundDeadline`` says (``deadline.py``)."""
 
     def __init__(self, size: int, expected_workers: int = 1, reduce: str = "mean",
-                 backup_workers: int = 0):
+                 backup_workers=0):
         self.expected_workers = expected_workers
         self.reduce = reduce
         self.backup_workers = backup_workers
+        self.deadline = RoundDeadline() if backup_workers == "auto" else None
+        self.round = 0  # the version the open round's pushes were computed from
         self.total = torch.zeros(size)
         self.members: list = []  # (record, seq) of the pushes summed into the open round
 
@@ -126,11 +136,16 @@ class Sync(Policy):
         if staleness > 0 or record.round_pushed == version:
             # Computed before this round began (it was dropped and came back), or a second
             # push in one round: it must not skew the round's mean.
+            if self.deadline is not None and staleness > 0:
+                self.deadline.arrived(version - staleness, self.now)
             return STALE
         for seg in segments:
             self.total[seg.offset:seg.offset + len(seg.data)].add_(seg.data)
         record.round_pushed = version
         self.members.append((record, seq))
+        self.round = version
+        if self.deadline is not None:
+            self.deadline.arrived(version, self.now)
         return GATHERED
 
     def round_update(self, workers: dict, version: int) -> Optional[torch.Tensor]:
@@ -138,7 +153,10 @@ class Sync(Policy):
             return None
         live = live_workers(workers)
         pushed = sum(w.round_pushed == version for w in live)
-        if pushed < max(1, len(live) - self.backup_workers):
+        if self.deadline is not None:
+            if not self.deadline.due(version, pushed, len(live), self.now):
+                return None
+        elif pushed < max(1, len(live) - self.backup_workers):
             return None
         if self.reduce == "mean" and len(self.members) > 1:
             self.total.div_(len(self.members))
@@ -147,11 +165,23 @@ class Sync(Policy):
     def next_round(self) -> list:
         members, self.members = self.members, []
         self.total.zero_()
+        if self.deadline is not None:
+            self.deadline.closed(self.round, self.now)
         return members
+
+    def wake_at(self, workers: dict) -> Optional[float]:
+        # Only a round that the deadline alone would close: else the shard would wake for
+        # nothing, again and again, once the time has passed.
+        if self.deadline is None or not self.members or len(workers) < self.expected_workers:
+            return None
+        live = live_workers(workers)
+        if sum(w.round_pushed == self.round for w in live) < quorum(len(live)):
+            return None
+        return self.deadline.at(self.round)
 
 
 def make_policy(kind: str, bound: int = 0, *, size: int, expected_workers: int = 1,
-                reduce: str = "mean", backup_workers: int = 0) -> Policy:
+                reduce: str = "mean", backup_workers=0) -> Policy:
     """The policy of a parsed ``--consistency`` (``kind``: async, ssp or sync; ``bound``:
     ssp's K) for a shard of ``size`` values."""
     if reduce not in ("mean", "sum"):
