@@ -3,8 +3,12 @@ times, then through a shard on a hand-driven clock."""
 
 import torch
 
+from asyncsgd.config.modes import parse_modes
+from asyncsgd.core.tasks import load_task
 from asyncsgd.servers.deadline import K, RoundDeadline, quorum
 from asyncsgd.servers.shard import ShardConfig, ShardState
+from asyncsgd.simulator import Costs, Link, StepTime, VirtualSetup
+from asyncsgd.simulator.run import finish, prepare
 from asyncsgd.wire.protocol import ACK, PARAMS, PULL, PUSH, Key, Message, Segment
 
 # Round 1 opens at 8.0; three fast pushes come 1.0, 1.25 and 1.5 s later, the straggler's
@@ -130,3 +134,46 @@ def test_a_shard_closes_rounds_by_the_deadline_on_its_own_clock():
         assert (acks, _params_to(replies)) == ([{Key.APPLIED: False, Key.STALE: True}], name)
     assert (state.params.tolist(), state.counters["stale"]) == ([-14.0, 0.0], 2)
     assert state.policy.deadline.rounds[2][1] == [1.0, 1.25, 1.5, 4.0], "d's late push timed"
+
+
+def _traced(tmp_path, mode, setup):
+    engine = prepare(load_task("tasks_for_tests:regression"), parse_modes(mode)[0], setup,
+                     out=str(tmp_path / mode.replace(":", "-")), progress="off")
+    engine.trace = []
+    return engine, finish(engine)
+
+
+def _costs(**kw) -> Costs:
+    """Steps of 1 ms; a push (or a reply) takes 1 ms on the server's link, 0.2 ms to apply."""
+    return Costs(StepTime(1e-3, kw.pop("sigma", 0.0)), Link(1e6, 1e-4), 2e-7, 1000, **kw)
+
+
+def test_on_the_virtual_clock_auto_leaves_a_slow_worker_behind_as_one_backup_does(tmp_path):
+    """3 workers, worker 2 ten times slower. Its first two rounds wait for it (worker 0's
+    pushes 11.4 and 14.4 ms apart); from then on auto's rounds close at worker 1's push,
+    as ps-backup:1's do: worker 0's pushes are 4.4 ms apart (its reply 1.1 ms, its step 1,
+    its push in 1.1 and applied in 0.2, worker 1's push in 1 ms after it), only a slow
+    push on the link between them delays one, and worker 2's pushes are stale."""
+    setup = VirtualSetup(workers=3, seed=0, costs=_costs(slowdown=((2, 10.0),)), epochs=1000,
+                         eval_every=1.0, max_seconds=0.08)
+    gaps = {}
+    for mode in ("ps-backup:1", "ps-backup:auto"):
+        engine, result = _traced(tmp_path, mode, setup)
+        applied = [t for what, t, rank, *_ in engine.trace if what == "apply" and rank == 0]
+        gaps[mode] = [round((b - a) / 1e-3, 6) for a, b in zip(applied, applied[1:])]
+        assert result.summary["stale_pushes"] > 0
+    fixed, auto = gaps["ps-backup:1"], gaps["ps-backup:auto"]
+    assert auto[:2] == [11.4, 14.4] and len(auto) > 12
+    assert set(auto[2:]) <= set(fixed) and set(fixed) <= {4.4, 4.6}, (auto, fixed)
+    assert auto.count(4.4) > 0.8 * len(auto[2:])
+
+
+def test_on_the_virtual_clock_a_deadline_closes_a_round_at_its_virtual_time(tmp_path):
+    """Lognormal steps (sigma 1): some rounds close when their deadline passes, at the
+    virtual time the shard named, with no push arriving then."""
+    setup = VirtualSetup(workers=4, seed=0, costs=_costs(sigma=1.0), epochs=1000,
+                         eval_every=1.0, max_seconds=0.1)
+    engine, _ = _traced(tmp_path, "ps-backup:auto", setup)
+    fired = [e for e in engine.trace if e[0] == "deadline"]
+    assert fired and all(t == wake for _, t, wake, _ in fired), fired
+    assert any(closed for *_, closed in fired)

@@ -110,12 +110,15 @@ class PSEngine(Engine):
         wake = self.state.wake_at()
         if wake is not None and wake != self.deadline:
             self.deadline = wake
-            self.at(max(t, wake), "deadline")
+            self.at(max(t, wake), "deadline", wake)
 
-    def on_deadline(self, t: float) -> None:
+    def on_deadline(self, t: float, wake: float) -> None:
+        version = self.state.version
         for peer, reply in self.state.tick(t):
             if reply.type == PARAMS:
                 self.send_params(t, peer, reply)
+        if self.trace is not None:  # when it fired, when it was set for, whether it closed
+            self.trace.append(("deadline", t, wake, self.state.version > version))
         self.set_deadline(t)
 
     def on_pulled(self, t: float, w: SimWorker, params: torch.Tensor, version: int) -> None:
