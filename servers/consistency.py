@@ -9,7 +9,7 @@ the replies, so this module imports nothing of it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -118,7 +118,7 @@ class Sync(Policy):
     its ``RoundDeadline`` says (``deadline.py``)."""
 
     def __init__(self, size: int, expected_workers: int = 1, reduce: str = "mean",
-                 backup_workers=0):
+                 backup_workers: Union[int, str] = 0):
         self.expected_workers = expected_workers
         self.reduce = reduce
         self.backup_workers = backup_workers
@@ -181,7 +181,7 @@ class Sync(Policy):
 
 
 def make_policy(kind: str, bound: int = 0, *, size: int, expected_workers: int = 1,
-                reduce: str = "mean", backup_workers=0) -> Policy:
+                reduce: str = "mean", backup_workers: Union[int, str] = 0) -> Policy:
     """The policy of a parsed ``--consistency`` (``kind``: async, ssp or sync; ``bound``:
     ssp's K) for a shard of ``size`` values."""
     if reduce not in ("mean", "sum"):

@@ -83,7 +83,7 @@ class RoundDeadline:
         """Whether ``round_`` closes now that ``pushed`` of ``live`` workers pushed to it:
         every one of them, or at least the quorum and either as many as past rounds had
         by their deadline, or the deadline has passed. Without a past, it waits for all."""
-        if pushed >= live:
+        if pushed >= max(1, live):
             return True
         cut, expected = self._estimate(round_)
         if cut is None or pushed < quorum(live):

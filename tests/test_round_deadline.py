@@ -177,3 +177,8 @@ def test_on_the_virtual_clock_a_deadline_closes_a_round_at_its_virtual_time(tmp_
     fired = [e for e in engine.trace if e[0] == "deadline"]
     assert fired and all(t == wake for _, t, wake, _ in fired), fired
     assert any(closed for *_, closed in fired)
+
+
+def test_a_round_whose_workers_all_left_is_not_closed_by_the_rule_of_all():
+    rd = _straggled()
+    assert not rd.due(2, 0, 0, 100.0)
