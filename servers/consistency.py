@@ -9,11 +9,13 @@ the replies, so this module imports nothing of it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from asyncsgd.errors import ConfigError
+
+from .deadline import RoundDeadline, quorum
 
 # What a policy makes of a push (``Policy.push``).
 APPLY = "apply"          # apply it now
@@ -46,6 +48,7 @@ class Policy(ABC):
     # A push's clock ahead of the shard's version reaches ``push`` as a negative staleness
     # instead of as fresh: it was computed on a version a restored shard lost.
     stale_if_ahead = False
+    now = 0.0  # the shard's clock as it handles a message or ticks (seconds)
 
     @abstractmethod
     def may_answer(self, record, workers: dict, version: int) -> bool:
@@ -74,6 +77,10 @@ class Policy(ABC):
     def next_round(self) -> list:
         """Close the applied round: the (record, seq) of its pushes, to acknowledge."""
         return []
+
+    def wake_at(self, workers: dict) -> Optional[float]:
+        """When the open round closes by the clock alone (the shard ticks then), or None."""
+        return None
 
 
 class Async(Policy):
@@ -113,15 +120,18 @@ class Sync(Policy):
     or a second one in a round, is stale; so is one computed on a round that a shard
     restored from an older checkpoint has not applied (its clock is ahead): it belongs to no
     round here, and its worker pulls and computes the round again (kill + resume then
-    repeats the uninterrupted run exactly)."""
+    repeats the uninterrupted run exactly). ``backup_workers="auto"``: the round closes when
+    its ``RoundDeadline`` says (``deadline.py``)."""
 
     stale_if_ahead = True
 
     def __init__(self, size: int, expected_workers: int = 1, reduce: str = "mean",
-                 backup_workers: int = 0):
+                 backup_workers: Union[int, str] = 0):
         self.expected_workers = expected_workers
         self.reduce = reduce
         self.backup_workers = backup_workers
+        self.deadline = RoundDeadline() if backup_workers == "auto" else None
+        self.round = 0  # the version the open round's pushes were computed from
         self.total = torch.zeros(size)
         self.members: list = []  # (record, seq) of the pushes summed into the open round
 
@@ -134,11 +144,16 @@ class Sync(Policy):
         if staleness != 0 or record.round_pushed == version:
             # Computed before this round began (it was dropped and came back) or on a round
             # since lost, or a second push in one round: it must not skew the round's mean.
+            if self.deadline is not None and staleness > 0:
+                self.deadline.arrived(version - staleness, self.now)
             return STALE
         for seg in segments:
             self.total[seg.offset:seg.offset + len(seg.data)].add_(seg.data)
         record.round_pushed = version
         self.members.append((record, seq))
+        self.round = version
+        if self.deadline is not None:
+            self.deadline.arrived(version, self.now)
         return GATHERED
 
     def round_update(self, workers: dict, version: int) -> Optional[torch.Tensor]:
@@ -146,7 +161,10 @@ class Sync(Policy):
             return None
         live = live_workers(workers)
         pushed = sum(w.round_pushed == version for w in live)
-        if pushed < max(1, len(live) - self.backup_workers):
+        if self.deadline is not None:
+            if not self.deadline.due(version, pushed, len(live), self.now):
+                return None
+        elif pushed < max(1, len(live) - self.backup_workers):
             return None
         if self.reduce == "mean" and len(self.members) > 1:
             self.total.div_(len(self.members))
@@ -155,11 +173,23 @@ class Sync(Policy):
     def next_round(self) -> list:
         members, self.members = self.members, []
         self.total.zero_()
+        if self.deadline is not None:
+            self.deadline.closed(self.round, self.now)
         return members
+
+    def wake_at(self, workers: dict) -> Optional[float]:
+        # Only a round that the deadline alone would close: else the shard would wake for
+        # nothing, again and again, once the time has passed.
+        if self.deadline is None or not self.members or len(workers) < self.expected_workers:
+            return None
+        live = live_workers(workers)
+        if sum(w.round_pushed == self.round for w in live) < quorum(len(live)):
+            return None
+        return self.deadline.at(self.round)
 
 
 def make_policy(kind: str, bound: int = 0, *, size: int, expected_workers: int = 1,
-                reduce: str = "mean", backup_workers: int = 0) -> Policy:
+                reduce: str = "mean", backup_workers: Union[int, str] = 0) -> Policy:
     """The policy of a parsed ``--consistency`` (``kind``: async, ssp or sync; ``bound``:
     ssp's K) for a shard of ``size`` values."""
     if reduce not in ("mean", "sum"):

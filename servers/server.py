@@ -55,7 +55,8 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
     close every socket, then conclude the run (final evaluation, checkpoint,
     summary.json), also after Ctrl-C or a failure.
     """
-    if cfg.backup_workers and (cfg.consistency.kind != "sync" or cfg.backup_workers >= cfg.workers):
+    if cfg.backup_workers and (cfg.consistency.kind != "sync" or (
+            cfg.backup_workers != "auto" and cfg.backup_workers >= cfg.workers)):
         raise ConfigError(
             f"--backup-workers {cfg.backup_workers}: backup workers are those a sync round "
             f"does not wait for, so it needs --consistency sync (got {cfg.consistency}) and "

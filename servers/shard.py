@@ -12,7 +12,7 @@ import hashlib
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -80,7 +80,8 @@ class ShardConfig:
     max_dc_copies: int = 0
     # sync: a round is applied once all live workers but this many have pushed (Chen et
     # al. 2016's backup workers); the pushes that come after it are stale, never applied.
-    backup_workers: int = 0
+    # "auto": at an adaptive deadline (deadline.py).
+    backup_workers: Union[int, str] = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.consistency, Consistency):
@@ -167,6 +168,7 @@ class ShardState:
         """The replies to ``msg`` from ``peer`` at ``now`` (monotonic seconds): [(peer, reply)]."""
         if self._unsettled is not None:
             self.settle()
+        self.policy.now = now  # a sync round's deadline times its pushes on this clock
         if msg.type == STATS:  # anyone may ask: no worker, no checks
             return [(peer, Message(type=STATS, shard=self.cfg.index, seq=msg.seq,
                                    meta=self.stats(now)))]
@@ -589,8 +591,10 @@ class ShardState:
     # ---- liveness, stats and checkpoints --------------------------------------------
 
     def tick(self, now: float) -> list:
-        """Drop workers silent for longer than the heartbeat timeout; release what that frees."""
+        """Drop workers silent for longer than the heartbeat timeout, close a sync round
+        whose deadline passed; release what that frees."""
         self.settle()
+        self.policy.now = now
         self.streams.expire(now, self.cfg.heartbeat_timeout)
         dropped = False
         for record in live_workers(self.workers):
@@ -602,7 +606,15 @@ class ShardState:
                 record.backup = None
                 self.counters["dropped_workers"] += 1
                 dropped = True
-        return self._release() if dropped else []
+        if dropped:
+            return self._release()
+        wake = self.wake_at()
+        return self._finish_round() if wake is not None and now >= wake else []
+
+    def wake_at(self) -> Optional[float]:
+        """When ``tick`` must next run to close a round by its deadline (on the clock of
+        ``now``), or None when no round waits for one."""
+        return self.policy.wake_at(self.workers)
 
     def stats(self, now: float) -> dict:
         """Counters, and the ``STATS_WORKERS`` most recently seen workers by name: the reply

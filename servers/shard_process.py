@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -128,7 +129,8 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
         # mailbox with a poll(2) of its own (experiments/README.md, "Frames and sends").
         # The clock and the stop flag (a numpy view, cheaper than a tensor's) are read
         # after every message.
-        sock.setsockopt(zmq.RCVTIMEO, int(TICK_SECONDS * 1000))
+        tick_ms = wait_ms = int(TICK_SECONDS * 1000)
+        sock.setsockopt(zmq.RCVTIMEO, wait_ms)
         stopped = stop.numpy()
         busy = BusyPoll(settings.busy_poll_us / 1e6)
         while not stopped[0]:
@@ -136,11 +138,20 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
                 _serve_one(sock, state, gate, sessions, areas, busy)
             note_digest()
             now = time.monotonic()
-            if now >= next_tick:  # liveness needs no finer grain than this
-                next_tick = now + TICK_SECONDS
+            wake = state.wake_at()  # a sync round's deadline (--backup-workers auto)
+            if now >= next_tick or (wake is not None and now >= wake):
+                if now >= next_tick:  # liveness needs no finer grain than this
+                    next_tick = now + TICK_SECONDS
                 for peer, reply in state.tick(now):
                     _reply(sock, state, peer, reply, areas)
                 note_digest()
+                wake = state.wake_at()
+            # A deadline a few ms away must not wait out the tick: recv waits until it.
+            wanted = tick_ms if wake is None else \
+                min(tick_ms, max(0, math.ceil((wake - now) * 1000)))
+            if wanted != wait_ms:
+                wait_ms = wanted
+                sock.setsockopt(zmq.RCVTIMEO, wait_ms)
             if path is not None and now >= next_checkpoint:
                 updated = state.version > 0  # a test's fault counts checkpoints of updates
                 if updated:

@@ -200,14 +200,17 @@ def test_compare_stages_the_same_stragglers_in_every_mode(tmp_path):
     assert " --delay exp:0.02s@0" in " ".join(flags["single"])
 
 
-def test_a_permanently_slow_worker_does_not_slow_sync_rounds_with_a_backup(slow_env, tmp_path):
+@pytest.mark.parametrize("backup", [1, "auto"])
+def test_a_permanently_slow_worker_does_not_slow_sync_rounds_with_a_backup(slow_env, tmp_path,
+                                                                           backup):
     """ps-sync, 3 workers, worker 2 slowed 8x, --backup-workers 1: every round is applied
     once the two others pushed, so they keep their own pace; the slow worker's pushes come
     after their round and are dropped as stale (and counted, in summary.json: read once the
     server ended, not by a stats request at some moment that a slow start can put after its
-    --max-seconds, when it no longer answers)."""
+    --max-seconds, when it no longer answers). --backup-workers auto: the same, once its
+    first rounds (which wait for all) have timed the pushes."""
     srv = Server(slow_env, tmp_path / "run", "--task", TASK[1], "--workers", 3,
-                 "--consistency", "sync", "--backup-workers", 1, "--max-seconds", 12)
+                 "--consistency", "sync", "--backup-workers", backup, "--max-seconds", 12)
     try:
         procs = [worker(slow_env, srv.address, r, 3, *TASK, "--slowdown", "2:8")
                  for r in range(3)]
@@ -226,7 +229,7 @@ def test_a_permanently_slow_worker_does_not_slow_sync_rounds_with_a_backup(slow_
     assert max(fast) < 2.5 * STEP, fast  # without a backup every round took the slow 8 x
     assert slow > 6 * STEP, slow
     assert stats["stale"] > 0 and stats["updates"] > 5 * stats["stale"], stats
-    record_figure("ps-sync --backup-workers 1, worker 2 slowed 8x", fast_ms=[
+    record_figure(f"ps-sync --backup-workers {backup}, worker 2 slowed 8x", fast_ms=[
         round(f * 1e3, 1) for f in fast], slowed_ms=round(slow * 1e3, 1),
         updates=stats["updates"], stale=stats["stale"])
 

@@ -31,7 +31,8 @@ MODES = knob(
     "Comma-separated modes to run, in this order: single, hogwild, ps-async, ps-dc-asgd "
     f"(async, delay-compensated, lambda {DC_ASGD[1]}), ps-ssp "
     "(bounded staleness 2; ps-ssp:K for another bound), ps-sync, ps-backup (sync rounds "
-    "that do not wait for 1 worker; ps-backup:B for B), ddp. Communicating less: "
+    "that do not wait for 1 worker; ps-backup:B for B, ps-backup:auto for rounds that close "
+    "at an adaptive deadline, as --backup-workers auto), ddp. Communicating less: "
     "diloco:H (workers --local-steps H, sync rounds through Nesterov lr 0.7, momentum "
     "0.9; H 8 by default), async-diloco:H (the same, async, delayed Nesterov), ddp+fp16, "
     "ddp+bf16, ddp+powersgd[:RANK] (PyTorch's comm hooks) and ddp-local:H (post-local "
@@ -41,9 +42,10 @@ MODES = knob(
         "simulate": dict(default=SIMULATE_MODES, help=(
             "Comma-separated modes to simulate, in this order, named as compare names them: "
             "ps-async, ps-dc-asgd, ps-ssp[:K], ps-sync, ps-backup[:B] (sync rounds that do "
-            "not wait for the last B workers), ddp, diloco[:H], async-diloco[:H], hogwild, "
-            "single; e.g. ps-async,ps-sync,ps-backup:4,ddp. A mode the simulator does not "
-            "model is refused before anything runs."))})
+            "not wait for the last B workers; ps-backup:auto: at an adaptive deadline), ddp, "
+            "diloco[:H], async-diloco[:H], hogwild, single; e.g. "
+            "ps-async,ps-sync,ps-backup:4,ddp. A mode the simulator does not model is "
+            "refused before anything runs."))})
 BUDGET = knob(
     "budget", float, 60.0,
     "Seconds each run gets (its --max-seconds; start-up counts, as a user waits for it "

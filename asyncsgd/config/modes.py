@@ -10,7 +10,7 @@ import dataclasses
 import re
 import shlex
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from .values import parse_compress
 from ..errors import ConfigError
@@ -25,7 +25,8 @@ class ModeSpec:
     name: str
     command: str  # single | hogwild | ddp | ps-server
     consistency: Optional[str] = None
-    backup_workers: int = 0  # ps-backup:B: sync rounds that do not wait for B workers
+    # ps-backup:B: sync rounds that do not wait for B workers; ps-backup:auto: "auto"
+    backup_workers: Union[int, str] = 0
     optimizer: str = "sgd"  # the shards' rule: nesterov / delayed-nesterov for Local SGD
     flags: tuple = ()  # of its command (ps-server's, or single/hogwild/ddp's)
     worker_flags: tuple = ()  # of each parameter-server worker
@@ -47,7 +48,7 @@ WIRE_FLAGS = {"bf16": ("--push-dtype", "bf16", "--pull-dtype", "bf16"),
 
 
 def parse_modes(text: str) -> list:
-    """``single,hogwild,ps-async,ps-ssp,ps-ssp:4,ps-sync,ps-backup:1,ddp,diloco:8,...``
+    """``single,hogwild,ps-async,ps-ssp,ps-ssp:4,ps-sync,ps-backup:1,ps-backup:auto,ddp,...``
     -> [ModeSpec]."""
     specs, seen = [], set()
     for name in (m.strip() for m in text.split(",")):
@@ -57,7 +58,8 @@ def parse_modes(text: str) -> list:
         if spec is None:
             raise ConfigError(f"--modes: unknown mode {name!r}; choose from single, hogwild, "
                               "ps-async, ps-dc-asgd, ps-ssp (or ps-ssp:K), ps-sync, ps-backup (or "
-                              "ps-backup:B), ddp, diloco (or diloco:H), async-diloco (or "
+                              "ps-backup:B, ps-backup:auto), ddp, diloco (or diloco:H), "
+                              "async-diloco (or "
                               "async-diloco:H), ddp+fp16, ddp+bf16, ddp+powersgd (or "
                               "ddp+powersgd:RANK), ddp-local (or ddp-local:H); a "
                               "parameter-server mode +bf16, +fp16, +int8 or +topk:RATIO "
@@ -96,6 +98,8 @@ def _mode(name: str) -> Optional[ModeSpec]:
         return ModeSpec(name, "ps-server", "async", flags=DC_ASGD)
     if number("ps-ssp", SSP_DEFAULT) is not None:
         return ModeSpec(name, "ps-server", f"ssp:{number('ps-ssp', SSP_DEFAULT)}")
+    if name == "ps-backup:auto":  # rounds close at an adaptive deadline
+        return ModeSpec(name, "ps-server", "sync", "auto")
     if number("ps-backup", 1):
         return ModeSpec(name, "ps-server", "sync", number("ps-backup", 1))
     if name in ("ddp+fp16", "ddp+bf16") or number("ddp\\+powersgd", 1):

@@ -12,7 +12,7 @@ from ..wire.busy_poll import BUSY_POLL_US, MAX_BUSY_POLL_US
 from .knobs import knob, settings
 from .shared import (BATCH_SIZE, DATA, DEVICE, EPOCHS, LOCAL_STEPS, LR, MAX_SECONDS, MOMENTUM,
                      PACING, PROGRESS, RECORD_DIGESTS, SEED, TASK, THREADS, WEIGHT_DECAY, RunConfig)
-from .values import SHARD_COUNT, Compression, Consistency, ValueType
+from .values import BACKUP_WORKERS, SHARD_COUNT, Compression, Consistency, ValueType
 
 BIND = knob(
     "bind", str, "tcp://0.0.0.0:5555",
@@ -96,11 +96,16 @@ ServerConfig = settings(
     WORKERS,
     knob("sync_reduce", str, "mean", "How sync combines a round's pushes.",
          type=click.Choice(["mean", "sum"])),
-    knob("backup_workers", int, 0,
+    knob("backup_workers", Union[int, str], 0,
          "sync: apply each round once all live workers but this many have pushed (Chen et al. "
          "2016); a push that comes after its round is stale, counted, never applied. Each "
-         "shard takes the first pushes to reach it, as TensorFlow's SyncReplicas did.",
-         type=click.IntRange(min=0)),
+         "shard takes the first pushes to reach it, as TensorFlow's SyncReplicas did. auto: "
+         "each shard times every push from its round's start and closes a round at the "
+         "median + 4.45 MADs (3 standard deviations) of the last 16 rounds' times, or once "
+         "as many pushes came as those rounds had by then, never before half the live "
+         "workers (rounded up) pushed, and at once when all did; the first rounds wait for "
+         "all. E.g. --backup-workers 1, or auto.",
+         type=BACKUP_WORKERS, metavar="N|auto"),
     knob("staleness_lr", bool, False,
          "Divide the learning rate by a push's staleness (Zhang et al. 2016)."),
     knob("dc_asgd", Optional[float], None,

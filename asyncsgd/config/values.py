@@ -137,3 +137,20 @@ class _ShardCount(click.ParamType):
 
 SHARD_COUNT = _ShardCount()
 
+
+class _BackupWorkers(click.ParamType):
+    """--backup-workers: ``auto`` or a whole number of at least 0."""
+
+    name = "N|auto"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if value == "auto" or (type(value) is int and value >= 0):
+            return value
+        text = str(value).strip()
+        if text.isascii() and text.isdecimal():
+            return int(text)
+        self.fail(f"{value!r} is neither auto nor a whole number of at least 0", param, ctx)
+
+
+BACKUP_WORKERS = _BackupWorkers()
+

@@ -22,7 +22,8 @@ from .costs import Costs
 from .events import Scheduler
 
 
-SIMULATED = ("single, hogwild, ps-async, ps-dc-asgd, ps-ssp[:K], ps-sync, ps-backup[:B], "
+SIMULATED = ("single, hogwild, ps-async, ps-dc-asgd, ps-ssp[:K], ps-sync, "
+             "ps-backup[:B|:auto], "
              "ddp, diloco[:H] and async-diloco[:H]")
 FLOAT_BYTES = 4
 

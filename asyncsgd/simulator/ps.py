@@ -46,6 +46,7 @@ class PSEngine(Engine):
         self.link = self.costs.link
         self.ingress = self.egress = self.server = 0.0  # when each is free again
         self.by_peer = {w.name.encode(): w for w in self.workers}
+        self.deadline = None  # the virtual time of the round deadline last set
         self.digests = (DigestLog(self.rec.run.path / DIGESTS, "version")
                         if self.setup.record_digests else None)
         self._note_digest()
@@ -98,15 +99,37 @@ class PSEngine(Engine):
                     "smaller --lr, or --tune lr)"))
             if reply.type == ERROR:  # anything else would be the simulator's own mistake
                 raise RuntimeError(f"the shard refused a simulated {msg.type}: {reply.meta}")
-            if reply.type != PARAMS:
-                continue
-            params = torch.cat([s.data.float() for s in sorted(reply.segments,
-                                                                  key=lambda s: s.offset)])
-            start = max(t, self.egress)
-            self.egress = start + self.nbytes / self.link.bandwidth
-            self.bytes += self.nbytes
-            self.at(self.egress + self.link.latency, "pulled", self.by_peer[peer], params,
-                    reply.meta[Key.VERSION])
+            if reply.type == PARAMS:
+                self.send_params(t, peer, reply)
+        self.set_deadline(t)
+
+    def send_params(self, t: float, peer: bytes, reply: Message) -> None:
+        """The parameters leave on the server's link after the replies before them."""
+        params = torch.cat([s.data.float() for s in sorted(reply.segments,
+                                                              key=lambda s: s.offset)])
+        start = max(t, self.egress)
+        self.egress = start + self.nbytes / self.link.bandwidth
+        self.bytes += self.nbytes
+        self.at(self.egress + self.link.latency, "pulled", self.by_peer[peer], params,
+                reply.meta[Key.VERSION])
+
+    def set_deadline(self, t: float) -> None:
+        """A sync round with a deadline (--backup-workers auto) closes at that virtual time,
+        whether or not a push arrives then: the shard ticks then."""
+        wake = self.state.wake_at()
+        if wake is not None and wake != self.deadline:
+            self.deadline = wake
+            self.at(max(t, wake), "deadline", wake)
+
+    def on_deadline(self, t: float, wake: float) -> None:
+        version = self.state.version
+        for peer, reply in self.state.tick(t):
+            if reply.type == PARAMS:
+                self.send_params(t, peer, reply)
+        self._note_digest()
+        if self.trace is not None:  # when it fired, when it was set for, whether it closed
+            self.trace.append(("deadline", t, wake, self.state.version > version))
+        self.set_deadline(t)
 
     def on_pulled(self, t: float, w: SimWorker, params: torch.Tensor, version: int) -> None:
         """New parameters reached ``w``: it computes its next push from them, for real."""

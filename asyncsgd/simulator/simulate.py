@@ -63,7 +63,8 @@ def check_modes(specs: list) -> None:
                               "model for compressed or cast traffic, DDP's comm hooks or "
                               "post-local SGD); simulate single, hogwild, ps-async, "
                               "ps-dc-asgd, ps-ssp[:K], "
-                              "ps-sync, ps-backup[:B], ddp, diloco[:H] or async-diloco[:H], "
+                              "ps-sync, ps-backup[:B|:auto], ddp, diloco[:H] or "
+                              "async-diloco[:H], "
                               "or run it with the real clock")
 
 
