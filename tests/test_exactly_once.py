@@ -28,8 +28,8 @@ class Peer:
     """One DEALER to a shard (or the front), speaking for worker ``worker``: admitted by
     the front, as a worker is, the first time it speaks for a (worker, incarnation)."""
 
-    def __init__(self, srv, port: int, worker: str = "w", incarnation: int = 1):
-        self.srv = srv
+    def __init__(self, srv, port: int, worker: str = "w", incarnation: int = 1, shard: int = 0):
+        self.srv, self.shard = srv, shard  # a push names the shard it is for
         self.sock = srv.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
@@ -48,7 +48,7 @@ class Peer:
         segments = [] if grad is None else [Segment(0, grad)]
         self.sock.send_multipart(encode(Message(
             type=kind, worker=self.worker, seq=seq, clock=clock, meta=meta or {},
-            incarnation=incarnation, segments=segments,
+            incarnation=incarnation, segments=segments, shard=self.shard,
             token=self.token(incarnation) if token is None and kind != HELLO else token or "")))
 
     def reply(self, timeout: float = 10.0):

@@ -135,7 +135,7 @@ class PSEngine(Engine):
             return  # it left while computing: its step is lost
         w.seq += 1
         self.send(t, w, Message(type=PUSH, worker=w.name, incarnation=1, seq=w.seq,
-                                clock=version, meta={Key.PULL: True, Key.SAMPLES: samples,
+                                shard=0, clock=version, meta={Key.PULL: True, Key.SAMPLES: samples,
                                                      Key.LOSS: loss},
                                 segments=[Segment(0, grad)]), self.nbytes)
 

@@ -232,6 +232,55 @@ def _int(header: dict, key: str, lo: int = 0, hi: int = _I63) -> int:
     return value
 
 
+def _count(v: Any) -> bool:
+    return type(v) is int and 0 <= v <= _I63
+
+
+def _pair(v: Any) -> bool:
+    return type(v) is list and len(v) == 2 and all(map(_count, v))
+
+
+_FLAG = ("a boolean", lambda v: type(v) is bool)
+_COUNT = (f"an integer in [0, {_I63}]", _count)
+_NUMBER = ("a number", lambda v: type(v) in (int, float))
+_TEXT = ("a string", lambda v: type(v) is str)
+_MAP = ("a map", lambda v: type(v) is dict)
+_LIST = ("a list", lambda v: type(v) is list)
+_PAIR = ("a list of two integers in [0, 2**63)", _pair)
+
+# The type of every documented ``m`` field, per message type (PROTOCOL.md, Types): a field
+# of another type is ``bad-field``. Keys not listed are ignored, so that a field added later
+# (as ``data`` was) needs no new version; ``signature`` and ``data`` are the front's to check
+# whole (``signature-mismatch``, ``data-mismatch``).
+META_FIELDS = {
+    HELLO: {Key.RANK: _COUNT, Key.WORLD: _COUNT, Key.REJOIN: _FLAG, Key.HOST: _TEXT},
+    WELCOME: {Key.SHARDS: _LIST, Key.CONSISTENCY: _TEXT, Key.HEARTBEAT_TIMEOUT: _NUMBER,
+              Key.TOTAL: _COUNT, Key.TASK: _TEXT, Key.INSTANCE: _TEXT, Key.TOKEN: _TEXT},
+    PULL: {Key.OBSERVER: _FLAG, Key.PULL_DTYPE: _TEXT},
+    PARAMS: {Key.VERSION: _COUNT, Key.UPDATES: _COUNT, Key.ACK: _MAP, Key.PART: _COUNT,
+             Key.PARTS: _COUNT},
+    PUSH: {Key.LOSS: _NUMBER, Key.SAMPLES: _COUNT, Key.TRAFFIC: _PAIR, Key.PULL: _FLAG,
+           Key.PULL_DTYPE: _TEXT, Key.PART: _COUNT, Key.PARTS: _COUNT},
+    ACK: {Key.APPLIED: _FLAG, Key.STALENESS: _COUNT, Key.DUPLICATE: _FLAG, Key.STALE: _FLAG},
+    ERROR: {Key.CODE: _TEXT, Key.ERROR: _TEXT},
+    BYE: {Key.STOPPING: _FLAG},
+    ATTACH: {Key.PID: _COUNT, Key.FD: _COUNT, Key.LINK: _COUNT, Key.ELEMENTS: _COUNT,
+             Key.TAG: _TEXT},
+}
+
+
+def _check_meta(kind: str, meta: dict) -> None:
+    """Refuse (``bad-field``, naming it) a documented ``m`` field of the wrong type."""
+    fields = META_FIELDS.get(kind)
+    if not fields:
+        return
+    for key, value in meta.items():
+        rule = fields.get(key)
+        if rule is not None and not rule[1](value):
+            raise ProtocolError(Code.BAD_FIELD, f"field 'm.{key}' of a {kind} must be "
+                                                f"{rule[0]}, not {type(value).__name__}")
+
+
 _UNPACK_LIMITS = dict(raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True,
                       max_str_len=MAX_HEADER_BYTES, max_bin_len=0,
                       max_array_len=MAX_SEGMENTS * 3, max_map_len=MAX_META_ITEMS, max_ext_len=0)
@@ -260,7 +309,8 @@ def decode(frames: Sequence[Any], areas: Optional[Callable] = None,
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack raises several types (and ValueError on depth)
-        raise ProtocolError(Code.BAD_HEADER, f"undecodable msgpack: {type(exc).__name__}") from None
+        raise ProtocolError(Code.BAD_HEADER, f"undecodable msgpack: {type(exc).__name__}"
+                            ).echo(_readable(head)) from None
     if not isinstance(header, dict):
         raise ProtocolError(Code.BAD_HEADER, "header is not a map")
     try:
@@ -269,6 +319,20 @@ def decode(frames: Sequence[Any], areas: Optional[Callable] = None,
         raise err.echo(header)
     msg.nbytes = sum(map(len, frames))  # zmq.Frame and bytes alike
     return msg
+
+
+_LENIENT_LIMITS = {**_UNPACK_LIMITS, "max_bin_len": MAX_HEADER_BYTES, "strict_map_key": False,
+                   "ext_hook": lambda code, data: None}
+
+
+def _readable(head: memoryview) -> dict:
+    """What can still be read of a header the decoder refused (bytes where a string was
+    due, an extension type): its map, for the error reply to echo ``s`` and ``w``."""
+    try:
+        header = msgpack.unpackb(head, **_LENIENT_LIMITS)
+    except Exception:  # truly undecodable: nothing to echo
+        return {}
+    return header if isinstance(header, dict) else {}
 
 
 def _message(header: dict, frames: Sequence[Any], areas: Optional[Callable],
@@ -304,6 +368,8 @@ def _message(header: dict, frames: Sequence[Any], areas: Optional[Callable],
         # One check for the four in the common case; the slow path names the culprit.
         incarnation, seq, clock = _int(header, "i"), _int(header, "s"), _int(header, "c")
         shard = _int(header, "sh", -1, 1 << 20)
+    if meta:
+        _check_meta(kind, meta)
     if link is not None:
         msg = Message(kind, worker, incarnation, seq, clock, shard, meta, [], token)
         slot = _slot(link, areas, msg, peer)
