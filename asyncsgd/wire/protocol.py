@@ -306,8 +306,8 @@ def decode(frames: Sequence[Any], areas: Optional[Callable] = None,
                             f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
         header = msgpack.unpackb(head, **_UNPACK_LIMITS)
-    except ProtocolError:
-        raise
+    except ProtocolError as err:  # an extension type
+        raise err.echo(_readable(head))
     except Exception as exc:  # msgpack raises several types (and ValueError on depth)
         raise ProtocolError(Code.BAD_HEADER, f"undecodable msgpack: {type(exc).__name__}"
                             ).echo(_readable(head)) from None
@@ -321,8 +321,9 @@ def decode(frames: Sequence[Any], areas: Optional[Callable] = None,
     return msg
 
 
+# Bytes, extension types and non-string keys read, only to find a refused header's s and w.
 _LENIENT_LIMITS = {**_UNPACK_LIMITS, "max_bin_len": MAX_HEADER_BYTES, "strict_map_key": False,
-                   "ext_hook": lambda code, data: None}
+                   "max_ext_len": MAX_HEADER_BYTES, "ext_hook": lambda code, data: None}
 
 
 def _readable(head: memoryview) -> dict:
