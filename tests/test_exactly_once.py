@@ -247,5 +247,14 @@ def test_error_replies_echo_the_request_and_name_the_shard(server):
             reply = srv.request(frames, port=to)
             assert reply.type == ERROR and reply.meta[Key.CODE] == code, (code, reply)
             assert (reply.seq, reply.worker, reply.shard) == (42, "echo", shard), (code, reply)
+    # Echoed whatever else is wrong (t as bytes); the form is checked before the token (none
+    # here); a push naming no shard (sh -1) is refused, nothing applied.
+    for code, head, frames in (
+            ("bad-header", {**header, "t": b"push", "d": []}, []),
+            ("bad-field", {**header, "k": "", "m": {"loss": "high"}, "d": []}, []),
+            ("bad-field", {**header, "sh": -1, "d": [[0, "float32", [1]]]}, [b"\x00" * 4])):
+        reply = srv.request([msgpack.packb(head), *frames], port=port)
+        assert reply.type == ERROR and reply.meta[Key.CODE] == code, (code, reply)
+        assert (reply.seq, reply.worker, reply.shard) == (42, "echo", 0), (code, reply)
     assert srv.request([b"\xc1"], port=port).seq == 0  # nothing readable: nothing to echo
     assert torch.equal(observe(srv, port, SIZE), torch.zeros(SIZE))
