@@ -232,21 +232,16 @@ def _int(header: dict, key: str, lo: int = 0, hi: int = _I63) -> int:
     return value
 
 
-def _count(v: Any) -> bool:
-    return type(v) is int and 0 <= v <= _I63
-
-
-def _pair(v: Any) -> bool:
-    return type(v) is list and len(v) == 2 and all(map(_count, v))
-
-
-_FLAG = ("a boolean", lambda v: type(v) is bool)
-_COUNT = (f"an integer in [0, {_I63}]", _count)
-_NUMBER = ("a number", lambda v: type(v) in (int, float))
-_TEXT = ("a string", lambda v: type(v) is str)
-_MAP = ("a map", lambda v: type(v) is dict)
-_LIST = ("a list", lambda v: type(v) is list)
-_PAIR = ("a list of two integers in [0, 2**63)", _pair)
+# (what it must be, the types it may have, a further check of the value or None)
+_FLAG = ("a boolean", (bool,), None)
+_COUNT = (f"an integer in [0, {_I63}]", (int,), lambda v: 0 <= v <= _I63)
+_NUMBER = ("a number", (int, float), None)
+_TEXT = ("a string", (str,), None)
+_MAP = ("a map", (dict,), None)
+_LIST = ("a list", (list,), None)
+_PAIR = (f"a list of two integers in [0, {_I63}]", (list,),
+         lambda v: len(v) == 2 and type(v[0]) is int and type(v[1]) is int
+         and 0 <= v[0] <= _I63 and 0 <= v[1] <= _I63)
 
 # The type of every documented ``m`` field, per message type (PROTOCOL.md, Types): a field
 # of another type is ``bad-field``. Keys not listed are ignored, so that a field added later
@@ -276,9 +271,10 @@ def _check_meta(kind: str, meta: dict) -> None:
         return
     for key, value in meta.items():
         rule = fields.get(key)
-        if rule is not None and not rule[1](value):
+        if rule is not None and (type(value) not in rule[1] or
+                                 (rule[2] is not None and not rule[2](value))):
             raise ProtocolError(Code.BAD_FIELD, f"field 'm.{key}' of a {kind} must be "
-                                                f"{rule[0]}, not {type(value).__name__}")
+                                                f"{rule[0]}, not {value!r:.40}")
 
 
 _UNPACK_LIMITS = dict(raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True,
