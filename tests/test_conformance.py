@@ -135,6 +135,20 @@ def test_under_sync_the_push_that_completes_the_round_gets_an_ack_then_params():
     assert torch.equal(state.params, torch.arange(SIZE, dtype=torch.float32) - 2)
 
 
+def test_under_ssp_a_push_whose_pull_is_held_gets_its_ack_at_once_and_params_later():
+    state = _state("ssp:0", workers=2)
+
+    def send(kind, peer, seq, meta=None):
+        segments = [Segment(0, torch.ones(SIZE))] if kind == PUSH else []
+        return [(p, r.type, "ack" in r.meta) for p, r in state.handle(peer, Message(
+            type=kind, worker=peer.decode(), incarnation=1, seq=seq, shard=0,
+            meta=meta or {}, segments=segments), 0.0)]
+
+    assert send(PUSH, b"a", 1, {"pull": True}) == [(b"a", ACK, False)]
+    # The second worker comes (at the first one's clock): both may read now.
+    assert sorted(send(PULL, b"b", 1)) == [(b"a", PARAMS, False), (b"b", PARAMS, False)]
+
+
 def test_ps_stats_pull_dtype_follows_pulls_as_well_as_pushes():
     state = _state()
 
