@@ -237,30 +237,20 @@ _FLAG = ("a boolean", (bool,), None)
 _COUNT = (f"an integer in [0, {_I63}]", (int,), lambda v: 0 <= v <= _I63)
 _NUMBER = ("a number", (int, float), None)
 _TEXT = ("a string", (str,), None)
-_MAP = ("a map", (dict,), None)
-_LIST = ("a list", (list,), None)
 _PAIR = (f"a list of two integers in [0, {_I63}]", (list,),
          lambda v: len(v) == 2 and type(v[0]) is int and type(v[1]) is int
          and 0 <= v[0] <= _I63 and 0 <= v[1] <= _I63)
 
-# The type of every documented ``m`` field, per message type (PROTOCOL.md, Types): a field
-# of another type is ``bad-field``. Keys not listed are ignored, so that a field added later
-# (as ``data`` was) needs no new version; ``signature`` and ``data`` are the front's to check
-# whole (``signature-mismatch``, ``data-mismatch``).
+# The type of every documented ``m`` field of a request a server serves (PROTOCOL.md, Types):
+# one of another type is ``bad-field``. Keys not listed are ignored, so that a field added
+# later (as ``data`` was) needs no new version; ``signature`` and ``data`` are the front's to
+# check whole (``signature-mismatch``, ``data-mismatch``). A worker checks the reply fields
+# it acts on itself, naming the shard that sent them (workers/client.py).
 META_FIELDS = {
     HELLO: {Key.RANK: _COUNT, Key.WORLD: _COUNT, Key.REJOIN: _FLAG, Key.HOST: _TEXT},
-    WELCOME: {Key.SHARDS: _LIST, Key.CONSISTENCY: _TEXT, Key.HEARTBEAT_TIMEOUT: _NUMBER,
-              Key.TOTAL: _COUNT, Key.TASK: _TEXT, Key.INSTANCE: _TEXT, Key.TOKEN: _TEXT},
     PULL: {Key.OBSERVER: _FLAG, Key.PULL_DTYPE: _TEXT},
-    PARAMS: {Key.VERSION: _COUNT, Key.UPDATES: _COUNT, Key.ACK: _MAP, Key.PART: _COUNT,
-             Key.PARTS: _COUNT},
     PUSH: {Key.LOSS: _NUMBER, Key.SAMPLES: _COUNT, Key.TRAFFIC: _PAIR, Key.PULL: _FLAG,
            Key.PULL_DTYPE: _TEXT, Key.PART: _COUNT, Key.PARTS: _COUNT},
-    ACK: {Key.APPLIED: _FLAG, Key.STALENESS: _COUNT, Key.DUPLICATE: _FLAG, Key.STALE: _FLAG},
-    ERROR: {Key.CODE: _TEXT, Key.ERROR: _TEXT},
-    BYE: {Key.STOPPING: _FLAG},
-    ATTACH: {Key.PID: _COUNT, Key.FD: _COUNT, Key.LINK: _COUNT, Key.ELEMENTS: _COUNT,
-             Key.TAG: _TEXT},
 }
 
 
