@@ -177,6 +177,9 @@ class ShardState:
                 wire_dtype(msg.meta[Key.PULL_DTYPE])
             except ProtocolError as exc:
                 return self.refuse(peer, exc.code, str(exc), msg)
+        if msg.type == PUSH and msg.shard != self.cfg.index:  # before its sender is recorded
+            return self.refuse(peer, Code.BAD_FIELD, f"a push for shard {msg.shard} reached "
+                               f"shard {self.cfg.index}; a push names the shard it is for", msg)
         if msg.type == PULL and msg.meta.get(Key.OBSERVER) is True:
             # The server's evaluator reads parameters; it is no worker and joins no barrier.
             return [(peer, self._params_reply(None, msg))]
@@ -195,6 +198,7 @@ class ShardState:
             self._release()
 
     def _on_pull(self, record: WorkerRecord, msg: Message, now: float) -> list:
+        self._wire(record, msg)
         return self._pull(record, msg)
 
     def _on_push(self, record: WorkerRecord, msg: Message, now: float) -> list:
@@ -219,12 +223,16 @@ class ShardState:
                                             f"a shard does not serve {msg.type!r}", msg))]
 
     def _wire(self, record: WorkerRecord, msg: Message) -> None:
-        """Note how a worker's push and pulls travel (``stats``): its push's first
-        segment's format (its values are checked and widened by ``_check``)."""
-        if msg.segments:
+        """Note how a worker's push and pulls travel (``stats``): a push's first segment's
+        format (its values are checked and widened by ``_check``), and the ``pull_dtype``
+        of a pull or of a push that pulls (one that does not says nothing of its pulls)."""
+        push, pull = record.wire
+        if msg.type == PUSH and msg.segments:
             first = msg.segments[0].data
-            record.wire = (getattr(first, "format", None) or DTYPE_NAMES.get(first.dtype, "?"),
-                           msg.meta.get(Key.PULL_DTYPE) or "float32")
+            push = getattr(first, "format", None) or DTYPE_NAMES.get(first.dtype, "?")
+        if msg.type == PULL or msg.meta.get(Key.PULL) is True:
+            pull = msg.meta.get(Key.PULL_DTYPE) or "float32"
+        record.wire = (push, pull)
 
     def refuse(self, peer: bytes, code: str, detail: str, msg=None) -> list:
         """The reply to a request that is refused (malformed, or one the shard failed on):
@@ -397,17 +405,18 @@ class ShardState:
         ``finite`` False skips the NaN/Inf scan of a push whose parts passed it on
         arrival; ``norm`` False skips the gradient-norm bound (a part alone has none).
         """
-        if msg.shard not in (-1, self.cfg.index):  # -1: unaddressed, as in-process callers send
-            return Code.BAD_FIELD, f"a push for shard {msg.shard} reached shard {self.cfg.index}"
         # Checked here, before anything is applied: the rule's apply() trusts these. The
         # spans first, from the descriptors: a packed segment is expanded (allocated) only
         # once every one of them is known to fit, apart, in this slice.
         spans = []
         for seg in msg.segments:
             numel = segment_values(seg)
+            if numel is None and seg.data.dtype not in (torch.float32, torch.bfloat16,
+                                                        torch.float16):
+                return Code.BAD_DTYPE, (f"a gradient is float32 (bfloat16 or float16, widened) "
+                                        f"or packed, not {seg.data.dtype}")
             if numel is None:
-                return Code.BAD_DESCRIPTOR, ("gradients are non-empty 1-D segments of float32 "
-                                             "(bfloat16 or float16, widened) or packed ones")
+                return Code.BAD_DESCRIPTOR, "a gradient segment holds at least one value"
             end = seg.offset + numel
             if end > self.size:
                 return Code.OUT_OF_RANGE, (f"segment [{seg.offset}, {end}) "
@@ -535,7 +544,7 @@ class ShardState:
                and r.seq == msg.seq]
         params = [r for p, r in pulled if p == record.peer and r.type == PARAMS
                   and r.seq == msg.seq]
-        if own and params:
+        if own and params and self.cfg.consistency.kind != "sync":  # sync: an ack, then params
             params[0].meta[Key.ACK] = own[0][1].meta
             del replies[own[0][0]]
         return replies + pulled

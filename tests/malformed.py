@@ -117,7 +117,7 @@ def malformed(rng: random.Random, size: int, seq: int, shard: int = 0,
         if bad is not None and len(bad):
             bad[rng.randrange(len(bad))] = rng.choice([float("nan"), float("inf"), -float("inf")])
             frames[-1] = bytes(bad.numpy().tobytes())
-    elif kind == 7:  # another dtype or a 2-D shape: decodable, but not a gradient here
+    elif kind == 7:  # another dtype (bad-dtype) or a 2-D shape (a gradient, placed flat)
         if header["d"]:
             n = header["d"][0][2][0]
             dtype = rng.choice(sorted(set(DTYPES) - {"float32"}))

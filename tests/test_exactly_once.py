@@ -28,8 +28,8 @@ class Peer:
     """One DEALER to a shard (or the front), speaking for worker ``worker``: admitted by
     the front, as a worker is, the first time it speaks for a (worker, incarnation)."""
 
-    def __init__(self, srv, port: int, worker: str = "w", incarnation: int = 1):
-        self.srv = srv
+    def __init__(self, srv, port: int, worker: str = "w", incarnation: int = 1, shard: int = 0):
+        self.srv, self.shard = srv, shard  # a push names the shard it is for
         self.sock = srv.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
@@ -48,7 +48,7 @@ class Peer:
         segments = [] if grad is None else [Segment(0, grad)]
         self.sock.send_multipart(encode(Message(
             type=kind, worker=self.worker, seq=seq, clock=clock, meta=meta or {},
-            incarnation=incarnation, segments=segments,
+            incarnation=incarnation, segments=segments, shard=self.shard,
             token=self.token(incarnation) if token is None and kind != HELLO else token or "")))
 
     def reply(self, timeout: float = 10.0):
@@ -254,6 +254,15 @@ def test_error_replies_echo_the_request_and_name_the_shard(server):
             reply = srv.request(frames, port=to)
             assert reply.type == ERROR and reply.meta[Key.CODE] == code, (code, reply)
             assert (reply.seq, reply.worker, reply.shard) == (42, "echo", shard), (code, reply)
+    # Echoed whatever else is wrong (t as bytes); the form is checked before the token (none
+    # here); a push naming no shard (sh -1) is refused, nothing applied.
+    for code, head, frames in (
+            ("bad-header", {**header, "t": b"push", "d": []}, []),
+            ("bad-field", {**header, "k": "", "m": {"loss": "high"}, "d": []}, []),
+            ("bad-field", {**header, "sh": -1, "d": [[0, "float32", [1]]]}, [b"\x00" * 4])):
+        reply = srv.request([msgpack.packb(head), *frames], port=port)
+        assert reply.type == ERROR and reply.meta[Key.CODE] == code, (code, reply)
+        assert (reply.seq, reply.worker, reply.shard) == (42, "echo", 0), (code, reply)
     assert srv.request([b"\xc1"], port=port).seq == 0  # nothing readable: nothing to echo
     assert torch.equal(observe(srv, port, SIZE), torch.zeros(SIZE))
 

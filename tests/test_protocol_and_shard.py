@@ -89,7 +89,7 @@ def _state(mode="async", workers=1, size=6, rule="sgd", **kw):
 
 
 def _push(worker, seq, grad, clock=0, inc=1):
-    return Message(type=PUSH, worker=worker, incarnation=inc, seq=seq, clock=clock,
+    return Message(type=PUSH, worker=worker, incarnation=inc, seq=seq, clock=clock, shard=0,
                    segments=[Segment(0, torch.as_tensor(grad, dtype=torch.float32))])
 
 
@@ -118,7 +118,7 @@ def test_rejected_pushes_change_nothing():
     for grad, code in [([float("nan")] * 6, "non-finite"), ([float("inf")] * 6, "non-finite")]:
         (_, reply), = state.handle(b"a", _push("w", 1, grad), 0.0)
         assert reply.type == ERROR and reply.meta["code"] == code
-    bad = Message(type=PUSH, worker="w", incarnation=1, seq=2,
+    bad = Message(type=PUSH, worker="w", incarnation=1, seq=2, shard=0,
                   segments=[Segment(4, torch.ones(3))])
     (_, reply), = state.handle(b"a", bad, 0.0)
     assert reply.meta["code"] == "out-of-range"

@@ -93,7 +93,7 @@ def _attach(peer: Peer, seq: int, token=None) -> Message:
 def _push_through(peer: Peer, area: Area, seq: int, g: torch.Tensor) -> Message:
     """A push whose gradient is in ``area`` and whose header alone crosses the socket."""
     peer.sock.send_multipart(encode(Message(
-        type=PUSH, worker=peer.worker, incarnation=peer.incarnation, seq=seq,
+        type=PUSH, worker=peer.worker, incarnation=peer.incarnation, seq=seq, shard=0,
         segments=[Segment(0, g)], token=peer.token(peer.incarnation)),
         local=(area.link, area.grads)))
     return peer.reply()
@@ -161,7 +161,7 @@ def test_acks_of_pushes_through_areas_say_applied(server):
     m = _attach(peer, 1).meta
     area = Area.open(m[Key.PID], m[Key.FD], m[Key.LINK], m[Key.ELEMENTS], bytes.fromhex(m[Key.TAG]))
     peer.sock.send_multipart(encode(Message(
-        type=PUSH, worker="p", incarnation=1, seq=2, meta={Key.PULL: True},
+        type=PUSH, worker="p", incarnation=1, seq=2, shard=0, meta={Key.PULL: True},
         segments=[Segment(0, grad(5, 6))], token=peer.token(1)), local=(area.link, area.grads)))
     raw = peer.sock.recv_multipart()
     assert len(raw) == 1, "the parameters came through the area, not as frames"

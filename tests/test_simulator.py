@@ -140,7 +140,7 @@ def test_a_sync_round_is_the_mean_of_the_workers_gradients_bit_for_bit(tmp_path)
         pushes.append(grads.clone())
     for rank, grad in enumerate(pushes):
         by_hand.handle(b"%d" % rank, Message(type=PUSH, worker=f"w{rank}", incarnation=1, seq=1,
-                                             segments=[Segment(0, grad)]), 0.0)
+                                             shard=0, segments=[Segment(0, grad)]), 0.0)
     assert by_hand.version == 1
     spec = parse_modes("ps-sync")[0]
     result = simulate_run(task, spec, _setup(epochs=1), out=str(tmp_path / "sync"),

@@ -94,7 +94,7 @@ def apply_seconds_per_byte(nbytes: int, threads: int = 1,
     taken = []
     with _threads(threads):
         for seq in range(1, pushes + 2):
-            msg = Message(type=PUSH, worker="profile", incarnation=1, seq=seq,
+            msg = Message(type=PUSH, worker="profile", incarnation=1, seq=seq, shard=0,
                           clock=state.version, segments=[Segment(0, gradient)])
             began = time.perf_counter()
             state.handle(b"profile", msg, 0.0)

@@ -166,7 +166,7 @@ class PSEngine(Engine):
         if w.gone:
             return  # it left while computing: its step is lost
         w.seq += 1
-        self.send(t, w, Message(type=PUSH, worker=w.name, incarnation=1, seq=w.seq,
+        self.send(t, w, Message(type=PUSH, worker=w.name, incarnation=1, seq=w.seq, shard=0,
                                 clock=version, meta={Key.PULL: True, Key.SAMPLES: samples,
                                                      Key.LOSS: loss},
                                 segments=[Segment(0, grad)]), self.nbytes)

@@ -141,8 +141,10 @@ def expand(seg: Segment, size: int) -> Segment:
                                                    f"slice of {size}")
         return Segment(seg.offset, expand_packed(data))
     if data.dtype in (torch.bfloat16, torch.float16):
-        return Segment(seg.offset, data.to(torch.float32))
-    return seg
+        data = data.to(torch.float32)
+    elif data.dim() == 1:
+        return seg
+    return Segment(seg.offset, data.reshape(-1))  # a shape of several sizes: C order, flat
 
 
 def wire_dtype(name: Optional[str]) -> Optional[torch.dtype]:
@@ -157,13 +159,13 @@ def wire_dtype(name: Optional[str]) -> Optional[torch.dtype]:
 
 
 def segment_values(seg: Segment) -> Optional[int]:
-    """How many values ``seg`` places: a packed one's n, a 1-D float32, bfloat16 or
-    float16 tensor's length; None for anything a gradient cannot be (another dtype, not
-    1-D, empty)."""
+    """How many values ``seg`` places: a packed one's n, a float32, bfloat16 or float16
+    tensor's element count (any shape, placed flat in C order); None for anything a
+    gradient cannot be (another dtype, empty)."""
     data = seg.data
     if isinstance(data, Packed):
         return data.numel
-    if data.dtype not in (torch.float32, torch.bfloat16, torch.float16) or data.dim() != 1 \
-            or not data.shape[0]:
+    numel = data.numel()
+    if data.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not numel:
         return None
-    return data.shape[0]
+    return numel

@@ -232,6 +232,41 @@ def _int(header: dict, key: str, lo: int = 0, hi: int = _I63) -> int:
     return value
 
 
+# (what it must be, the types it may have, a further check of the value or None)
+_FLAG = ("a boolean", (bool,), None)
+_COUNT = (f"an integer in [0, {_I63}]", (int,), lambda v: 0 <= v <= _I63)
+_NUMBER = ("a number", (int, float), None)
+_TEXT = ("a string", (str,), None)
+_PAIR = (f"a list of two integers in [0, {_I63}]", (list,),
+         lambda v: len(v) == 2 and type(v[0]) is int and type(v[1]) is int
+         and 0 <= v[0] <= _I63 and 0 <= v[1] <= _I63)
+
+# The type of every documented ``m`` field of a request a server serves (PROTOCOL.md, Types):
+# one of another type is ``bad-field``. Keys not listed are ignored, so that a field added
+# later (as ``data`` was) needs no new version; ``signature`` and ``data`` are the front's to
+# check whole (``signature-mismatch``, ``data-mismatch``). A worker checks the reply fields
+# it acts on itself, naming the shard that sent them (workers/client.py).
+META_FIELDS = {
+    HELLO: {Key.RANK: _COUNT, Key.WORLD: _COUNT, Key.REJOIN: _FLAG, Key.HOST: _TEXT},
+    PULL: {Key.OBSERVER: _FLAG, Key.PULL_DTYPE: _TEXT},
+    PUSH: {Key.LOSS: _NUMBER, Key.SAMPLES: _COUNT, Key.TRAFFIC: _PAIR, Key.PULL: _FLAG,
+           Key.PULL_DTYPE: _TEXT, Key.PART: _COUNT, Key.PARTS: _COUNT},
+}
+
+
+def _check_meta(kind: str, meta: dict) -> None:
+    """Refuse (``bad-field``, naming it) a documented ``m`` field of the wrong type."""
+    fields = META_FIELDS.get(kind)
+    if not fields:
+        return
+    for key, value in meta.items():
+        rule = fields.get(key)
+        if rule is not None and (type(value) not in rule[1] or
+                                 (rule[2] is not None and not rule[2](value))):
+            raise ProtocolError(Code.BAD_FIELD, f"field 'm.{key}' of a {kind} must be "
+                                                f"{rule[0]}, not {value!r:.40}")
+
+
 _UNPACK_LIMITS = dict(raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True,
                       max_str_len=MAX_HEADER_BYTES, max_bin_len=0,
                       max_array_len=MAX_SEGMENTS * 3, max_map_len=MAX_META_ITEMS, max_ext_len=0)
@@ -257,10 +292,11 @@ def decode(frames: Sequence[Any], areas: Optional[Callable] = None,
                             f"header of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
         header = msgpack.unpackb(head, **_UNPACK_LIMITS)
-    except ProtocolError:
-        raise
+    except ProtocolError as err:  # an extension type
+        raise err.echo(_readable(head))
     except Exception as exc:  # msgpack raises several types (and ValueError on depth)
-        raise ProtocolError(Code.BAD_HEADER, f"undecodable msgpack: {type(exc).__name__}") from None
+        raise ProtocolError(Code.BAD_HEADER, f"undecodable msgpack: {type(exc).__name__}"
+                            ).echo(_readable(head)) from None
     if not isinstance(header, dict):
         raise ProtocolError(Code.BAD_HEADER, "header is not a map")
     try:
@@ -269,6 +305,21 @@ def decode(frames: Sequence[Any], areas: Optional[Callable] = None,
         raise err.echo(header)
     msg.nbytes = sum(map(len, frames))  # zmq.Frame and bytes alike
     return msg
+
+
+# Bytes, extension types and non-string keys read, only to find a refused header's s and w.
+_LENIENT_LIMITS = {**_UNPACK_LIMITS, "max_bin_len": MAX_HEADER_BYTES, "strict_map_key": False,
+                   "max_ext_len": MAX_HEADER_BYTES, "ext_hook": lambda code, data: None}
+
+
+def _readable(head: memoryview) -> dict:
+    """What can still be read of a header the decoder refused (bytes where a string was
+    due, an extension type): its map, for the error reply to echo ``s`` and ``w``."""
+    try:
+        header = msgpack.unpackb(head, **_LENIENT_LIMITS)
+    except Exception:  # truly undecodable: nothing to echo
+        return {}
+    return header if isinstance(header, dict) else {}
 
 
 def _message(header: dict, frames: Sequence[Any], areas: Optional[Callable],
@@ -304,6 +355,8 @@ def _message(header: dict, frames: Sequence[Any], areas: Optional[Callable],
         # One check for the four in the common case; the slow path names the culprit.
         incarnation, seq, clock = _int(header, "i"), _int(header, "s"), _int(header, "c")
         shard = _int(header, "sh", -1, 1 << 20)
+    if meta:
+        _check_meta(kind, meta)
     if link is not None:
         msg = Message(kind, worker, incarnation, seq, clock, shard, meta, [], token)
         slot = _slot(link, areas, msg, peer)
