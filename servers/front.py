@@ -15,6 +15,7 @@ import zmq
 from asyncsgd.config import ServerConfig
 from asyncsgd.core.signature import data_mismatch
 from asyncsgd.errors import ConfigError
+from asyncsgd.run import kill_at
 from asyncsgd.wire.layout import Layout, signature_mismatch
 from asyncsgd.wire.protocol import (BYE, HEARTBEAT, HELLO, STATS, WELCOME, Code, Key, Message,
                                     ProtocolError, error_message)
@@ -111,11 +112,13 @@ class Front:
             log.info("worker %s %s (rank %s of %s)", msg.worker,
                      "rejoined" if msg.meta.get(Key.REJOIN) else "joined",
                      msg.meta.get(Key.RANK), msg.meta.get(Key.WORLD))
+            token = self.sessions.token(msg.worker, msg.incarnation)
+            kill_at.reached(kill_at.WHILE_WELCOMING)
             return Message(type=WELCOME, seq=msg.seq, meta={
                 Key.SHARDS: self.shards, Key.CONSISTENCY: self.cfg.consistency,
                 Key.HEARTBEAT_TIMEOUT: self.cfg.heartbeat_timeout, Key.TOTAL: self.layout.total,
                 Key.TASK: self.cfg.task, Key.INSTANCE: self.instance,
-                Key.TOKEN: self.sessions.token(msg.worker, msg.incarnation)})
+                Key.TOKEN: token})
         if msg.type == HEARTBEAT:
             if msg.worker in self.joined:
                 self.joined[msg.worker] = now

@@ -12,7 +12,7 @@ import hashlib
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -144,6 +144,8 @@ class ShardState:
         # not yet accounted: see ``settle``.
         self.settle_later = settle_later
         self._unsettled: Optional[tuple] = None
+        # --audit-dir: called (worker, incarnation, seq, version after) per push applied
+        self.audit: Optional[Callable[[str, int, int, int], None]] = None
         self._handlers = {HEARTBEAT: self._on_heartbeat, BYE: self._on_bye,
                           PULL: self._on_pull, PUSH: self._on_push}
 
@@ -457,6 +459,8 @@ class ShardState:
             at_once and self.cfg.dc_lambda is None and msg.meta.get(Key.PULL) is True))
         self.version += 1
         self.counters["updates"] += 1
+        if self.audit is not None:
+            self.audit(record.worker, record.incarnation, msg.seq, self.version)
         ack = Message(type=ACK, shard=self.cfg.index, seq=msg.seq, clock=self.version,
                       meta={Key.APPLIED: True, Key.STALENESS: staleness})
         self._unsettled = (record, msg.seq, msg.meta, staleness)
@@ -537,6 +541,8 @@ class ShardState:
         self.counters["updates"] += 1
         acks = []
         for record, seq in members:
+            if self.audit is not None:
+                self.audit(record.worker, record.incarnation, seq, self.version)
             record.window.add(seq)
             record.waiting.discard(seq)
             # To the peer it spoke from last: a retry may have come on a new connection.

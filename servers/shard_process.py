@@ -15,6 +15,8 @@ from typing import Optional
 import torch
 import zmq
 
+from asyncsgd.run import kill_at
+from asyncsgd.run.audit import shard_audit
 from asyncsgd.run.checkpoint import load_checkpoint, save_checkpoint
 from asyncsgd.wire.busy_poll import BUSY_POLL_US, BusyPoll
 from asyncsgd.wire.memory import keep_freed_memory
@@ -58,6 +60,7 @@ class ShardProcessSettings:
     curve: Optional[ServerKeys] = None
     session_key: bytes = b""  # checks the tokens the front hands out (sessions.py)
     busy_poll_us: float = BUSY_POLL_US  # polls for the next message this long (wire.busy_poll)
+    audit_dir: Optional[str] = None  # --audit-dir: every push applied, a line each
 
 
 def checkpoint_path(directory: str, index: int) -> Path:
@@ -82,6 +85,9 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
         saved = load_checkpoint(path)
         state.load_state_dict(saved["shard"], now=time.monotonic())
         log.info("shard %d resumed at version %d", rank, state.version)
+    audit = shard_audit(settings.audit_dir, rank, state.restored and state.restored["version"],
+                        state.counters["lost_updates"])
+    state.audit = audit.applied if audit is not None else None
     ctx = zmq.Context()
     gate = Gatekeeper(ctx, settings.curve)
     sock, endpoint = _listen(ctx, settings, state.size, saved.get("port"))
@@ -123,7 +129,9 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
                 for peer, reply in state.tick(now):
                     _reply(sock, state, peer, reply, areas)
             if path is not None and now >= next_checkpoint:
+                kill_at.reached(kill_at.BEFORE_CHECKPOINT)
                 save(path)
+                kill_at.reached(kill_at.AFTER_CHECKPOINT)
                 next_checkpoint = now + settings.checkpoint_every
         if path is not None:  # before the drain, which changes nothing and may last 8 s: a
             # launcher's grace (torchrun's 30 s from SIGTERM to SIGKILL) may end during it
@@ -139,6 +147,8 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
             if path is not None:  # stopped by an error: save what there is
                 save(path)
         finally:
+            if audit is not None:
+                audit.close()
             areas.close()
             gate.close()
             sock.close(0)

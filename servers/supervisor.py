@@ -72,7 +72,8 @@ class ShardSupervisor:
                 reject_nonfinite=not cfg.allow_nonfinite, max_grad_norm=cfg.max_grad_norm),
             bind_host=host, port=0, checkpoint_dir=checkpoint_dir,
             checkpoint_every=cfg.checkpoint_every, resume=bool(cfg.resume), threads=threads,
-            curve=keys, session_key=session_key, busy_poll_us=cfg.busy_poll_us)
+            curve=keys, session_key=session_key, busy_poll_us=cfg.busy_poll_us,
+            audit_dir=cfg.audit_dir)
             for i, (start, end) in enumerate(ranges)]
         return cls(settings, [flat[start:end].clone() for start, end in ranges],
                    cfg.shard_restarts)

@@ -19,6 +19,8 @@ import torch
 import zmq
 
 from asyncsgd.errors import AsyncSGDError
+from asyncsgd.run import kill_at
+from asyncsgd.run.audit import worker_audit
 from asyncsgd.wire.busy_poll import BUSY_POLL_US, BusyPoll
 from asyncsgd.wire.compression import WIRE_DTYPES, Compressor
 from asyncsgd.wire.protocol import (ACK, ATTACH, BYE, ERROR, HEARTBEAT, HELLO, PARAMS, PULL, PUSH,
@@ -79,14 +81,16 @@ class PSClient:
     ``data``: the worker's data signature (``asyncsgd.core.signature``), sent in the
     hello so that the server refuses a worker about to train on other data.
     ``busy_poll_us``: how long the reply of a one-shard server is polled for before
-    sleeping, while replies come that fast (0: always sleep; ``asyncsgd.wire.busy_poll``)."""
+    sleeping, while replies come that fast (0: always sleep; ``asyncsgd.wire.busy_poll``).
+    ``audit_dir``: where this incarnation logs its pushes and their acknowledgements
+    (``asyncsgd.run.audit``)."""
 
     def __init__(self, server: str, worker: str, signature: dict, *, rank: int, world: int,
                  heartbeat: float = 1.0, server_timeout: float = 60.0,
                  curve: Optional[ClientKeys] = None, transport: str = "auto",
                  data: Optional[dict] = None, compressor: Optional[Compressor] = None,
                  pull_dtype: str = "float32",
-                 busy_poll_us: float = BUSY_POLL_US):
+                 busy_poll_us: float = BUSY_POLL_US, audit_dir: Optional[str] = None):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r} is not one of {TRANSPORTS}")
         # Compressed pushes and pulls travel as frames: a same-host area holds float32
@@ -139,6 +143,7 @@ class PSClient:
             self.ctx.term()
             raise
         self.shards = [self._shard_socket(i) for i in range(len(self.shard_addrs))]
+        self.audit = worker_audit(audit_dir, worker, self.incarnation)
         self.poller = zmq.Poller()
         for sock in [self.front, *self.shards]:
             self.poller.register(sock, zmq.POLLIN)
@@ -284,13 +289,14 @@ class PSClient:
             backoff = doubled(backoff)
 
     def push_pull(self, grads: Optional[torch.Tensor], params: torch.Tensor,
-                  meta: Optional[dict] = None) -> None:
-        """Push ``grads`` (flat, or None for a pull only) and pull into ``params`` (flat)."""
+                  meta: Optional[dict] = None, compute: float = 0.0) -> None:
+        """Push ``grads`` (flat, or None for a pull only) and pull into ``params`` (flat);
+        ``compute``: the seconds of work ``grads`` took (for the audit)."""
         with self._sockets:
-            self._push_pull(grads, params, meta)
+            self._push_pull(grads, params, meta, compute)
 
     def _push_pull(self, grads: Optional[torch.Tensor], params: torch.Tensor,
-                   meta: Optional[dict]) -> None:
+                   meta: Optional[dict], compute: float) -> None:
         if self.areas.pending:
             self._attach_pending()
         # One request per shard: a push that also asks for the parameters (or a pull).
@@ -306,8 +312,28 @@ class PSClient:
             else:
                 msg = self._msg(PULL, clock=self.versions[i], shard=i, meta=dict(wire))
                 outstanding[(i, msg.seq)] = [msg, {PARAMS}]
+        if segments is not None:
+            if self.audit is not None:
+                self.audit.sent([s for _, s in outstanding], [i for i, _ in outstanding], compute)
+            kill_at.reached(kill_at.BEFORE_PUSH)
+        for (i, _), (msg, _owed) in outstanding.items():
             self._send(i, msg, copy=grads is None)
+        if segments is not None:
+            kill_at.reached(kill_at.AFTER_APPLY_BEFORE_ACK, self._replies_arrive, outstanding)
         self._await(outstanding, params)
+        if segments is not None:
+            kill_at.reached(kill_at.AFTER_ACK)
+
+    def _replies_arrive(self, outstanding: dict) -> None:
+        """Wait (for a test's fault) until every shard's reply to ``outstanding`` has
+        arrived, reading nothing else of it: the pushes were applied, this worker never
+        learns."""
+        for i, seq in outstanding:
+            deadline = time.monotonic() + self.server_timeout
+            while time.monotonic() < deadline:
+                if self.shards[i].poll(100) and \
+                        self._in(self.shards[i], self.areas.slots[i]).seq == seq:
+                    break
 
     def _send(self, i: int, msg: Message, copy: bool = True) -> None:
         """A push goes through the shard's shared area when there is one; else, of more
@@ -316,7 +342,9 @@ class PSClient:
         if msg.type == PUSH and area is not None:
             self._out(self.shards[i], msg, local=(area.link, area.grads))
         elif msg.type == PUSH and len(msg.segments) > 1:
-            for part in in_parts(msg):
+            for j, part in enumerate(in_parts(msg)):
+                if j:
+                    kill_at.reached(kill_at.BETWEEN_PARTS)
                 self._out(self.shards[i], part, copy=copy)
         else:
             self._out(self.shards[i], msg, copy=copy)
@@ -515,6 +543,8 @@ class PSClient:
             if type(ack) is not dict:
                 raise ProtocolError(Code.BAD_FIELD, f"shard {i} acknowledged with a "
                                                     f"{type(ack).__name__}, not a map")
+            if ACK in owed and self.audit is not None:
+                self.audit.acked(reply.seq, i, ack)
             owed.discard(ACK)
             if ack.get(Key.DUPLICATE):
                 self.stats["duplicate_acks"] += 1
@@ -600,6 +630,8 @@ class PSClient:
         for sock in self.shards:
             sock.close(self._linger)
         self.areas.close()
+        if self.audit is not None:
+            self.audit.close()
         self.ctx.term()
 
     def __enter__(self) -> "PSClient":

@@ -147,7 +147,8 @@ def run_worker(cfg: WorkerConfig, seen: Optional[list] = None,
                       server_timeout=cfg.server_timeout, curve=keys, transport=cfg.transport,
                       data=data_signature(task, cfg.task, cfg.seed, PS_PARTITION_SEED),
                       compressor=Compressor(cfg.compress.kind, cfg.compress.ratio, cfg.push_dtype),
-                      pull_dtype=cfg.pull_dtype, busy_poll_us=cfg.busy_poll_us)
+                      pull_dtype=cfg.pull_dtype, busy_poll_us=cfg.busy_poll_us,
+                      audit_dir=cfg.audit_dir)
     if seen and len(seen) == len(client.versions):
         client.versions = [int(v) for v in seen]
     set_threads(cfg, world, is_local(client.host), len(client.shards))
@@ -214,6 +215,7 @@ class _Loop:
         self.batch_size = cfg.batch_size or task.batch_size
         self.steps = self.pushes = self.samples = 0
         self.loss_sum, self.loss_steps, self.unpushed = 0.0, 0, 0
+        self.computed = 0.0  # seconds the steps since the last push took (the audit's goodput)
         self.reported = (0, 0)  # the client's bytes sent and received at the last push
         self.started = time.monotonic()
         # --max-seconds from the command's start (run.lifetime), as a Recorder counts it;
@@ -242,6 +244,7 @@ class _Loop:
         return bool(limit) and time.monotonic() - self._budget_from >= limit
 
     def _step(self, index: torch.Tensor) -> None:
+        began = time.perf_counter()
         self.pacer.begin()
         inputs, targets = self.task.train.rows(index)
         inputs = tuple(t.to(self.device) for t in inputs)
@@ -251,6 +254,7 @@ class _Loop:
         if self.gpu_grads is not None:
             self.flat_grads.copy_(self.gpu_grads)  # waits for backward, as loss.item() would
         self.pacer.end()  # a straggler waits here: its gradient reaches the server late
+        self.computed += time.perf_counter() - began
         self.steps += 1
         self.samples += len(targets)
         self.unpushed += len(targets)
@@ -277,7 +281,8 @@ class _Loop:
             grads = self.anchor.sub_(self.flat_params)
         else:
             grads = self.accum if self.accum is not None else self.flat_grads
-        self.client.push_pull(grads, self.flat_params, meta)
+        self.client.push_pull(grads, self.flat_params, meta, compute=self.computed)
+        self.computed = 0.0
         self._pulled()
         if self.accum is not None:
             self.accum.zero_()

@@ -65,6 +65,14 @@ BUSY_POLL = knob(
                   "their replies, for up to this many microseconds before sleeping, while "
                   "messages come that often, are no larger than 256 KiB and no other thread "
                   "wants the core. 0: always sleep."})
+# Exactly-once made visible: what each shard applied and each worker sent and was told
+# (asyncsgd.run.audit writes it, asyncsgd.analysis.audit reads it).
+AUDIT_DIR = knob(
+    "audit_dir", Optional[str], None,
+    "Write an exactly-once audit into DIR: each shard appends every push it applies, each "
+    "worker every push it sends and every acknowledgement it gets, one JSON line each (read "
+    "with asyncsgd.analysis.audit). Costs one write per push; off by default. E.g. "
+    "--audit-dir runs/audit.", metavar="DIR", show="off")
 _WIRE_DTYPES = click.Choice(["float32", "bf16", "fp16"])
 
 ServerConfig = settings(
@@ -117,7 +125,7 @@ ServerConfig = settings(
          "Restart a crashed shard from its last checkpoint up to this many times: workers "
          "reconnect on their own, and the updates applied since that checkpoint are lost and "
          "counted (lost_updates). 0: a crashed shard ends the run.", type=click.IntRange(min=0)),
-    BUSY_POLL,
+    BUSY_POLL, AUDIT_DIR,
     extends=RunConfig, module=__name__)
 
 WorkerConfig = settings(
@@ -183,5 +191,5 @@ WorkerConfig = settings(
          "The server's public key (server.key from 'asyncsgd keygen DIR'): connect with CURVE "
          "authentication and encryption. Needs --curve-secret.", metavar="FILE",
          show="off: plain TCP"),
-    CURVE_SECRET,
+    CURVE_SECRET, AUDIT_DIR,
     module=__name__)
