@@ -13,15 +13,21 @@ come at exponential intervals of mean --mtbf seconds, each picked at random (--s
 - link:     take a worker's link down for --link-seconds, then up (a network partition);
 - throttle: shape a worker's link to --throttle-rate with tbf for --throttle-seconds.
 
-A fault waits until the one before it has recovered, and none comes in the last --quiet
-seconds. Recovery is read from the exactly-once audit (``--audit-dir``) as it grows: a
-killed worker is back at its restarted self's first applied push, a shard (or the whole
-server: every shard) at its first update applied after the kill, a link at the worker's
-first applied push after the link came up, a throttled one at its first applied push
-after the throttling began. The audit (``asyncsgd.analysis.audit``) gives goodput and
-the pushes doubled, lost and lost to checkpoints; the same run without faults (same seed
-and duration) gives the final metric to compare. Writes experiments/results/chaos.md and
-.json (or --out), printing a line per fault injected and per recovery seen.
+The run's time and the schedule count from the first update applied (however long the
+processes took to start); at its end the server is stopped as Ctrl-C would stop it (it
+saves the run and tells the workers). A fault waits until the one before it has
+recovered, and none comes in the last --quiet seconds. Recovery is read from the
+exactly-once audit (``--audit-dir``) as it grows: a killed worker is back at its
+restarted self's first applied push, a shard (or the whole server: every shard) at its
+first update applied after the kill, a link at the worker's first applied push after
+the link came up, a throttled one at its first applied push after the throttling began.
+The audit (``asyncsgd.analysis.audit``) gives goodput and the pushes doubled, lost and
+lost to checkpoints; the same run without faults (same seed and duration) gives the
+final metric to compare. Writes experiments/results/chaos.md and .json (or into --out),
+printing a line per fault injected and per recovery seen.
+
+Covers the parameter-server modes a ps-server runs (ps-async, ps-backup:B, diloco:H,
+...); ps-job (torchrun) and ray-job are not staged here.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ LINKED = ("link", "throttle")  # need hosts in network namespaces
 PORT = 5555
 POLL = 0.2  # seconds between looks at the audit and the processes
 STOP_GRACE = 120.0  # seconds a run may take to stop after its end before it is forced
+STARTUP = 300.0  # seconds the processes may take to start training, beside a busy machine
 
 
 @dataclass
@@ -212,17 +219,18 @@ class Cluster:
 
     def start_server(self, resume: bool = False) -> None:
         m, a = self.mode, self.args
-        left = max(5.0, self.deadline - time.monotonic())
         where = ["--resume", self.run_dir] if resume else ["--out", self.run_dir]
         flags = ["--task", a.task, "--workers", a.workers, "--shards", a.shards,
                  "--consistency", m.consistency, "--backup-workers", m.backup_workers,
                  "--optimizer", m.optimizer, *m.flags,
                  "--checkpoint-every", a.checkpoint_every, "--heartbeat-timeout",
                  a.heartbeat_timeout, "--threads", 1, "--seed", a.seed]
+        # No --max-seconds: the run ends when this script stops the server (SIGTERM), its
+        # time counted from the first update, however long the processes took to start.
         self.server = self._popen("server", [
             "ps-server", "--bind", self.address(), *where, *([] if resume else flags),
-            "--max-seconds", round(left, 1), "--progress", "log", "--no-exit-when-done",
-            *self.audit_flags()], "server.log", group=True)
+            "--progress", "log", "--no-exit-when-done", *self.audit_flags()],
+            "server.log", group=True)
 
     def start_worker(self, rank: int) -> None:
         a = self.args
@@ -232,9 +240,9 @@ class Cluster:
             "--heartbeat", 0.5, "--server-timeout", 300, "--progress", "off",
             *self.audit_flags(), *self.mode.worker_flags], f"worker-{rank}.log")
 
-    def start(self, seconds: float) -> None:
+    def start(self) -> None:
         self.audit.mkdir(parents=True, exist_ok=True)
-        self.deadline = time.monotonic() + seconds
+        self.deadline = float("inf")
         self.start_server()
         for rank in range(self.args.workers):
             self.start_worker(rank)
@@ -246,7 +254,7 @@ class Cluster:
         """Restart what stopped before the end: a worker that exited (a job's restart
         policy); a server that exited on its own before its time is reported."""
         for rank, proc in self.workers.items():
-            if proc.poll() is not None and time.monotonic() < self.deadline - 1:
+            if proc.poll() is not None and time.monotonic() < self.deadline:
                 say(f"worker {rank} exited ({proc.returncode}): restarted")
                 self._count("worker exits")
                 self.start_worker(rank)
@@ -293,8 +301,10 @@ class Cluster:
             tc("-n", ns, "qdisc", "del", "dev", "eth0", "root")
 
     def finish(self, say) -> dict:
-        """Wait for the server's end (its --max-seconds) and the workers' (it tells them);
-        force what does not stop within STOP_GRACE, and say so."""
+        """Stop the server as Ctrl-C would (it saves the run and tells the workers), wait
+        for everyone; force what does not stop within STOP_GRACE, and say so."""
+        self.deadline = time.monotonic()
+        self.server.send_signal(signal.SIGTERM)
         forced = []
         procs = [("server", self.server)] + [(f"worker {r}", p) for r, p in self.workers.items()]
         for name, proc in procs:
@@ -338,9 +348,19 @@ class Chaos:
 
     def run(self, seconds: float) -> dict:
         self.started = time.monotonic()
-        self.cluster.start(seconds)
-        self.say(f"started: server and {self.args.workers} workers, {len(self.faults)} "
-                 f"fault(s) due in {seconds:.0f} s")
+        self.cluster.start()
+        while not self.watch.shard_updates:  # the clock starts with training
+            if self.now() > STARTUP:
+                self.cluster.finish(self.say)
+                raise RuntimeError(f"{self.mode.name}: no update applied within {STARTUP:.0f} "
+                                   f"s of the start; see the logs in {self.cluster.out}")
+            time.sleep(POLL)
+            self.cluster.tend(self.say)
+            self.watch.poll()
+        self.say(f"training began: the run's {seconds:.0f} s and {len(self.faults)} "
+                 "scheduled fault(s) count from here")
+        self.started = time.monotonic()
+        self.cluster.deadline = self.started + seconds
         pending: Optional[tuple] = None  # (fault, marks) waiting to recover
         healing: Optional[tuple] = None  # (fault, when to restore its link)
         queue = list(self.faults)
@@ -362,8 +382,8 @@ class Chaos:
                 fault.recovered = self.now()
                 self.say(f"recovered from {fault.kind} {fault.target} in {fault.recovery:.2f} s")
                 pending = None
-            if queue and pending is None and healing is None and self.now() >= queue[0].due \
-                    and self.watch.shard_updates:  # and training has begun
+            if queue and pending is None and healing is None and \
+                    queue[0].due <= self.now() < seconds - self.args.quiet:
                 pending, healing = self.inject(queue.pop(0))
         for fault in queue:
             fault.note = "not injected: an earlier fault was still recovering"
@@ -402,6 +422,25 @@ class Chaos:
         return (fault, self.watch.mark(fault)), None
 
 
+def stale_retries(folder: Path, violations: list) -> int:
+    """Of the audit's ``lost`` pushes, those whose every acknowledgement was ``duplicate``
+    and that no shard life applied: a sync push concluded stale whose ack the fault ate,
+    retried and answered ``duplicate`` (PROTOCOL.md says: applied before) though it never
+    was. Counted apart so the report shows them; the test names them."""
+    lost = {(v[2], v[3], v[4], v[1]) for v in violations if v[0] == "lost"}
+    if not lost:
+        return 0
+    acks: Dict[tuple, set] = {}
+    for path in folder.glob("worker-*.jsonl"):
+        lines = [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
+        w, i = lines[0]["w"], lines[0]["i"]
+        for e in lines[1:]:
+            if "applied" in e and (w, i, e["s"], e["sh"]) in lost:
+                acks.setdefault((w, i, e["s"], e["sh"]), set()).add(
+                    "applied" if e["applied"] else "duplicate" if e["duplicate"] else "other")
+    return sum(kinds == {"duplicate"} for kinds in acks.values())
+
+
 def final_metric(run_dir: Path) -> Optional[float]:
     """The last evaluation's metric of the run (the resumed server's, after a restart)."""
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -432,11 +471,12 @@ def run_mode(args, mode, out: Path, faulty: bool, seconds: float) -> dict:
     audit = read_audit(chaos.cluster.audit)
     injected = [f for f in faults if f.at is not None]
     return {"mode": mode.name, "faults": faulty, "seconds": seconds,
-            "goodput": round(audit.goodput, 4), "applied": audit.applied,
+            "goodput": None if audit.goodput is None else round(audit.goodput, 4),
+            "compute_seconds": round(audit.compute_seconds, 1), "applied": audit.applied,
             "doubled": audit.doubled, "lost": audit.lost,
-            "lost_to_checkpoint": audit.lost_to_checkpoint,
-            "violations": [list(v) if isinstance(v, tuple) else v
-                           for v in audit.violations][:20],
+            "lost_to_checkpoint": audit.lost_to_checkpoint, "lost_resent": audit.lost_resent,
+            "stale_retries": stale_retries(chaos.cluster.audit, audit.violations),
+            "violations": [list(v) for v in audit.violations][:20],
             "final_metric": final_metric(chaos.cluster.run_dir),
             "injected": len(injected),
             "recovered": sum(f.recovered is not None for f in injected),
@@ -444,19 +484,25 @@ def run_mode(args, mode, out: Path, faulty: bool, seconds: float) -> dict:
             "worker_exits": chaos.cluster.restarts.get("worker exits", 0), **stopped}
 
 
+def _share(value: Optional[float]) -> str:
+    return "—" if value is None else f"{value:.1%}"
+
+
 def table(rows: list, args) -> str:
     lines = [f"# Training through chaos ({args.minutes:g} min per run, {args.workers} workers, "
              f"{args.task}, mtbf {args.mtbf:g} s, kinds {args.kinds}, seed {args.seed}, "
              f"{os.cpu_count()} cores)", "",
              "| mode | faults injected / recovered | goodput | pushes applied | doubled | lost "
-             "| lost to checkpoints | final metric | fault-free metric |",
+             "(of which stale retries) | lost to checkpoints (re-sent) | final metric "
+             "| fault-free metric |",
              "|---|---|---|---|---|---|---|---|---|"]
     twins = {r["mode"]: r for r in rows if not r["faults"]}
     for r in (r for r in rows if r["faults"]):
         twin = twins.get(r["mode"], {})
         lines.append(f"| {r['mode']} | {r['injected']} / {r['recovered']} | "
-                     f"{r['goodput']:.1%} | {r['applied']} | {r['doubled']} | {r['lost']} | "
-                     f"{r['lost_to_checkpoint']} | {r['final_metric']} | "
+                     f"{_share(r['goodput'])} | {r['applied']} | {r['doubled']} | {r['lost']} "
+                     f"({r['stale_retries']}) | {r['lost_to_checkpoint']} "
+                     f"({r['lost_resent']}) | {r['final_metric']} | "
                      f"{twin.get('final_metric', '—')} |")
     lines += ["", "Time to recover (seconds; a link from when it came back up):", "",
               "| mode | kind | faults | recovered | median | max |", "|---|---|---|---|---|---|"]
@@ -464,7 +510,7 @@ def table(rows: list, args) -> str:
         for kind, t in r["recovery"].items():
             lines.append(f"| {r['mode']} | {kind} | {t['faults']} | {t['recovered']} | "
                          f"{t['median_s']} | {t['max_s']} |")
-    twins_line = [f"{m}: goodput {r['goodput']:.1%}" for m, r in twins.items()]
+    twins_line = [f"{m}: goodput {_share(r['goodput'])}" for m, r in twins.items()]
     if twins_line:
         lines += ["", "Fault-free twins: " + ", ".join(twins_line) + "."]
     return "\n".join(lines)
@@ -531,7 +577,7 @@ def main(argv=None) -> list:
             rows.append(run_mode(args, spec, where, faulty, seconds))
             r = rows[-1]
             print(f"[{spec.name}] {'with faults' if faulty else 'fault-free'}: goodput "
-                  f"{r['goodput']:.1%}, doubled {r['doubled']}, lost {r['lost']}, lost to "
+                  f"{_share(r['goodput'])}, doubled {r['doubled']}, lost {r['lost']}, lost to "
                   f"checkpoints {r['lost_to_checkpoint']}, final metric {r['final_metric']}",
                   flush=True)
     text = table(rows, args)
