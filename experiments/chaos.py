@@ -27,7 +27,9 @@ final metric to compare. Writes experiments/results/chaos.md and .json (or into 
 printing a line per fault injected and per recovery seen.
 
 Covers the parameter-server modes a ps-server runs (ps-async, ps-backup:B, diloco:H,
-...); ps-job (torchrun) and ray-job are not staged here.
+...) and ps-job under torchrun --max-restarts, where torchrun restarts the job's
+processes after a worker's or the server's death and links are not staged (its ranks
+share one host); ray-job is not staged here.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ LINKED = ("link", "throttle")  # need hosts in network namespaces
 PORT = 5555
 POLL = 0.2  # seconds between looks at the audit and the processes
 STOP_GRACE = 120.0  # seconds a run may take to stop after its end before it is forced
+PYTHON = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() \
+    else sys.executable
 STARTUP = 300.0  # seconds the processes may take to start training, beside a busy machine
 
 
@@ -202,9 +206,7 @@ class Cluster:
         return f"tcp://{host}:{self.port}"
 
     def _popen(self, host: str, argv: list, log: str, group: bool = False) -> subprocess.Popen:
-        cmd = [str(ROOT / ".venv" / "bin" / "asyncsgd")] if \
-            (ROOT / ".venv" / "bin" / "asyncsgd").exists() else [sys.executable, "-m", "asyncsgd"]
-        argv = cmd + [str(a) for a in argv]
+        argv = [PYTHON, "-m", "asyncsgd"] + [str(a) for a in argv]
         if self.hosts is not None:
             argv = self.hosts.command(host, argv)
         fh = open(self.out / log, "ab")
@@ -224,7 +226,8 @@ class Cluster:
                  "--consistency", m.consistency, "--backup-workers", m.backup_workers,
                  "--optimizer", m.optimizer, *m.flags,
                  "--checkpoint-every", a.checkpoint_every, "--heartbeat-timeout",
-                 a.heartbeat_timeout, "--threads", 1, "--seed", a.seed]
+                 a.heartbeat_timeout, "--threads", 1, "--seed", a.seed,
+                 "--shard-restarts", 1_000_000]
         # No --max-seconds: the run ends when this script stops the server (SIGTERM), its
         # time counted from the first update, however long the processes took to start.
         self.server = self._popen("server", [
@@ -319,6 +322,64 @@ class Cluster:
         return {"forced": forced, "server_exit": self.server.returncode}
 
 
+class JobCluster(Cluster):
+    """ps-job under torchrun --max-restarts on 127.0.0.1: a worker's or the server's death
+    makes torchrun restart the job's processes (the server resumes its run); a shard's is
+    the server's supervisor's to restart. Links are not staged: the ranks share one host."""
+
+    def start(self) -> None:
+        a, m = self.args, self.mode
+        self.audit.mkdir(parents=True, exist_ok=True)
+        self.deadline = float("inf")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        argv = ["-m", "torch.distributed.run", "--nnodes", 1, "--nproc-per-node",
+                a.workers + 1, "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                f"127.0.0.1:{port}", "--rdzv-id", f"chaos-{os.getpid()}",
+                "--max-restarts", 1_000_000, "-m", "asyncsgd", "ps-job", "--servers", 1,
+                "--task", a.task, "--shards", a.shards, "--consistency", m.consistency,
+                "--checkpoint-every", a.checkpoint_every, "--heartbeat-timeout",
+                a.heartbeat_timeout, "--threads", 1, "--seed", a.seed,
+                "--shard-restarts", 1_000_000, "--epochs", 100_000, "--heartbeat", 0.5,
+                "--server-timeout", 300, "--out", self.run_dir, "--progress", "log",
+                "--no-exit-when-done", *self.audit_flags()]
+        with open(self.out / "job.log", "ab") as fh:
+            self.server = subprocess.Popen(
+                [PYTHON, *map(str, argv)], stdin=subprocess.DEVNULL, stdout=fh, stderr=fh,
+                start_new_session=True, cwd=self.out,
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+    def _rank(self, rank: int):
+        """The job's process of torchrun rank ``rank`` (0 serves), once torchrun runs one."""
+        import psutil
+        deadline = time.monotonic() + STARTUP
+        while time.monotonic() < deadline:
+            for child in psutil.Process(self.server.pid).children():
+                try:
+                    if child.environ().get("RANK") == str(rank):
+                        return child
+                except psutil.Error:
+                    pass
+            time.sleep(POLL)
+        raise RuntimeError(f"torchrun ran no rank {rank} within {STARTUP:.0f} s")
+
+    def tend(self, say) -> None:
+        if self.server.poll() is not None and time.monotonic() < self.deadline:
+            raise RuntimeError(f"torchrun exited ({self.server.returncode}) before the end; "
+                               f"see {self.out / 'job.log'}")
+
+    def kill_worker(self, rank: int) -> None:
+        victim = self._rank(rank + 1)
+        victim.kill()
+        _wait_gone(victim.pid)
+
+    def kill_server(self) -> None:
+        victim = self._rank(0)
+        victim.kill()
+        _wait_gone(victim.pid)
+
+
 def _wait_gone(pid: int, timeout: float = 30.0) -> None:
     import psutil
     try:
@@ -332,7 +393,8 @@ class Chaos:
 
     def __init__(self, args, mode, out: Path, faults: List[Fault], hosts=None):
         self.args, self.mode, self.faults = args, mode, faults
-        self.cluster = Cluster(args, mode, out, hosts)
+        self.cluster = (JobCluster if mode.command == "ps-job" else Cluster)(
+            args, mode, out, hosts)
         self.watch = AuditWatch(self.cluster.audit)
         self.started = 0.0
         self.log = open(out / "chaos.log", "a")
@@ -397,7 +459,8 @@ class Chaos:
         c = self.cluster
         if fault.kind == "worker":
             c.kill_worker(fault.target)
-            what = f"SIGKILL worker {fault.target}, restarted"
+            what = f"SIGKILL worker {fault.target}, restarted" + (
+                " by torchrun" if self.mode.command == "ps-job" else "")
         elif fault.kind == "shard":
             pid = self.watch.shard_pids.get(fault.target)
             if pid is None:
@@ -407,7 +470,9 @@ class Chaos:
             what = f"SIGKILL shard {fault.target} (pid {pid})"
         elif fault.kind == "server":
             c.kill_server()
-            what = "SIGKILL the server's process group, restarted with --resume"
+            what = "SIGKILL the server's rank, torchrun restarts the job" \
+                if self.mode.command == "ps-job" else \
+                "SIGKILL the server's process group, restarted with --resume"
         elif fault.kind == "link":
             c.link(fault.target, False)
             self.say(f"link of worker {fault.target} down for {self.args.link_seconds} s")
@@ -454,11 +519,11 @@ def run_mode(args, mode, out: Path, faulty: bool, seconds: float) -> dict:
     """One mode's run (with the schedule, or its fault-free twin) and its figures."""
     from asyncsgd.analysis.audit import read_audit
     out.mkdir(parents=True, exist_ok=True)
-    kinds = args.kinds.split(",")
+    kinds = [k for k in args.kinds.split(",") if mode.command != "ps-job" or k not in LINKED]
     faults = schedule(args.mtbf, seconds, kinds, args.seed, args.workers, args.shards,
                       args.quiet) if faulty else []
     hosts = None
-    if args.namespaces:
+    if args.namespaces and mode.command != "ps-job":
         from asyncsgd.run.hosts import Hosts
         hosts = Hosts(["server", *(f"w{r}" for r in range(args.workers))])
         hosts.__enter__()
@@ -494,7 +559,7 @@ def table(rows: list, args) -> str:
              f"{os.cpu_count()} cores)", "",
              "| mode | faults injected / recovered | goodput | pushes applied | doubled | lost "
              "(of which stale retries) | lost to checkpoints (re-sent) | final metric "
-             "| fault-free metric |",
+             "| fault-free: goodput, metric |",
              "|---|---|---|---|---|---|---|---|---|"]
     twins = {r["mode"]: r for r in rows if not r["faults"]}
     for r in (r for r in rows if r["faults"]):
@@ -503,16 +568,13 @@ def table(rows: list, args) -> str:
                      f"{_share(r['goodput'])} | {r['applied']} | {r['doubled']} | {r['lost']} "
                      f"({r['stale_retries']}) | {r['lost_to_checkpoint']} "
                      f"({r['lost_resent']}) | {r['final_metric']} | "
-                     f"{twin.get('final_metric', '—')} |")
+                     f"{_share(twin.get('goodput'))}, {twin.get('final_metric', '—')} |")
     lines += ["", "Time to recover (seconds; a link from when it came back up):", "",
               "| mode | kind | faults | recovered | median | max |", "|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["faults"]):
         for kind, t in r["recovery"].items():
             lines.append(f"| {r['mode']} | {kind} | {t['faults']} | {t['recovered']} | "
                          f"{t['median_s']} | {t['max_s']} |")
-    twins_line = [f"{m}: goodput {_share(r['goodput'])}" for m, r in twins.items()]
-    if twins_line:
-        lines += ["", "Fault-free twins: " + ", ".join(twins_line) + "."]
     return "\n".join(lines)
 
 
@@ -524,8 +586,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="mean seconds between faults (exponential intervals; default 15)")
     p.add_argument("--modes", default="ps-async,ps-backup:1",
                    help="parameter-server modes as compare names them: ps-async, "
-                        "ps-backup:1 (sync with one backup worker), diloco:8 "
-                        "(default ps-async,ps-backup:1)")
+                        "ps-backup:1 (sync with one backup worker), diloco:8; or ps-job "
+                        "(async, under torchrun --max-restarts; worker, shard and server "
+                        "faults only) (default ps-async,ps-backup:1)")
     p.add_argument("--kinds", default=",".join(KINDS),
                    help=f"fault kinds to draw from, of {', '.join(KINDS)} (default all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the schedule and the runs")
@@ -563,11 +626,13 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> list:
     args = parse(argv)
-    from asyncsgd.config.modes import parse_modes
-    specs = parse_modes(args.modes)
-    wrong = [s.name for s in specs if s.command != "ps-server"]
+    from asyncsgd.config.modes import ModeSpec, parse_modes
+    names = [m for m in args.modes.split(",") if m]
+    specs = [ModeSpec("ps-job", "ps-job", "async") if name == "ps-job" else
+             parse_modes(name)[0] for name in names]
+    wrong = [s.name for s in specs if s.command not in ("ps-server", "ps-job")]
     if wrong:
-        sys.exit(f"--modes {','.join(wrong)}: chaos runs parameter-server modes")
+        sys.exit(f"--modes {','.join(wrong)}: chaos runs parameter-server modes and ps-job")
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="chaos-"))
     seconds = args.minutes * 60
     rows = []
