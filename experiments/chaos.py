@@ -255,7 +255,10 @@ class Cluster:
 
     def tend(self, say) -> None:
         """Restart what stopped before the end: a worker that exited (a job's restart
-        policy); a server that exited on its own before its time is reported."""
+        policy); a server that exited on its own before its time ends the run."""
+        if self.server.poll() is not None and time.monotonic() < self.deadline:
+            raise RuntimeError(f"the server exited ({self.server.returncode}) before the end; "
+                               f"see {self.out / 'server.log'}")
         for rank, proc in self.workers.items():
             if proc.poll() is not None and time.monotonic() < self.deadline:
                 say(f"worker {rank} exited ({proc.returncode}): restarted")
@@ -302,6 +305,19 @@ class Cluster:
                *Link.parse(self.args.throttle_rate).tbf())
         else:
             tc("-n", ns, "qdisc", "del", "dev", "eth0", "root")
+
+    def kill_all(self) -> None:
+        """After a failure of this script: SIGKILL every process it started."""
+        for proc in [self.server, *self.workers.values()]:
+            if proc is not None and proc.poll() is None:
+                try:
+                    if proc is self.server:  # with its shards (or torchrun's ranks)
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    else:
+                        proc.kill()
+                except ProcessLookupError:
+                    pass
+                proc.wait()
 
     def finish(self, say) -> dict:
         """Stop the server as Ctrl-C would (it saves the run and tells the workers), wait
@@ -409,11 +425,17 @@ class Chaos:
         return time.monotonic() - self.started
 
     def run(self, seconds: float) -> dict:
+        try:
+            return self._run(seconds)
+        except BaseException:
+            self.cluster.kill_all()
+            raise
+
+    def _run(self, seconds: float) -> dict:
         self.started = time.monotonic()
         self.cluster.start()
         while not self.watch.shard_updates:  # the clock starts with training
             if self.now() > STARTUP:
-                self.cluster.finish(self.say)
                 raise RuntimeError(f"{self.mode.name}: no update applied within {STARTUP:.0f} "
                                    f"s of the start; see the logs in {self.cluster.out}")
             time.sleep(POLL)
@@ -483,7 +505,7 @@ class Chaos:
             self.say(f"link of worker {fault.target} throttled to {self.args.throttle_rate} "
                      f"for {self.args.throttle_seconds} s")
             return (fault, marks), (fault, self.now() + self.args.throttle_seconds)
-        self.say(what)
+        self.say(f"{what} (injected at {fault.at:.1f} s)")
         return (fault, self.watch.mark(fault)), None
 
 
@@ -507,7 +529,10 @@ def stale_retries(folder: Path, violations: list) -> int:
 
 
 def final_metric(run_dir: Path) -> Optional[float]:
-    """The last evaluation's metric of the run (the resumed server's, after a restart)."""
+    """The last evaluation's metric of the run (the resumed server's, after a restart); None
+    when the server left no summary (it had to be forced to stop)."""
+    if not (run_dir / "summary.json").is_file():
+        return None
     summary = json.loads((run_dir / "summary.json").read_text())
     for key in ("final_metric", "final_accuracy"):
         if summary.get(key) is not None:
