@@ -29,7 +29,8 @@ printing a line per fault injected and per recovery seen.
 Covers the parameter-server modes a ps-server runs (ps-async, ps-backup:B, diloco:H,
 ...) and ps-job under torchrun --max-restarts, where torchrun restarts the job's
 processes after a worker's or the server's death and links are not staged (its ranks
-share one host); ray-job is not staged here.
+share one host), and ray-job on a Ray of its own, where Ray restarts a killed worker
+actor (worker and shard faults: Ray never restarts the server actor).
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ class AuditWatch:
         self.offsets: Dict[str, int] = {}
         self.shard_updates: Dict[int, int] = {}
         self.acked: Dict[int, int] = {}
+        self.file_acks: Dict[str, int] = {}  # worker file -> pushes acknowledged as applied
         self.shard_pids: Dict[int, int] = {}  # index -> pid of its newest file
 
     def poll(self) -> None:
@@ -147,6 +149,7 @@ class AuditWatch:
                 elif worker is not None and record.get("applied"):
                     rank = int(worker.group(2))
                     self.acked[rank] = self.acked.get(rank, 0) + 1
+                    self.file_acks[path.name] = self.file_acks.get(path.name, 0) + 1
 
     def _new_lines(self, path: Path) -> list:
         with open(path, "rb") as fh:
@@ -171,7 +174,16 @@ class AuditWatch:
             return {("shard", fault.target): self.shard_updates.get(fault.target, 0)}
         return {("worker", fault.target): self.acked.get(fault.target, 0)}
 
+    def mark_new_incarnation(self) -> dict:
+        """For a worker killed without knowing its rank (a Ray actor): recovered once a
+        worker file not seen yet (a new incarnation) has a push acknowledged as applied."""
+        self.poll()
+        return {("new", tuple(sorted(p.name for p in self.folder.glob("worker-*.jsonl")))): 0}
+
     def grown(self, marks: dict) -> bool:
+        for (kind, known), _ in marks.items():
+            if kind == "new":
+                return any(n > 0 for name, n in self.file_acks.items() if name not in known)
         now = {"shard": self.shard_updates, "worker": self.acked}
         return all(now[kind].get(key, 0) > n for (kind, key), n in marks.items())
 
@@ -396,6 +408,46 @@ class JobCluster(Cluster):
         _wait_gone(victim.pid)
 
 
+class RayCluster(Cluster):
+    """ray-job on a Ray of its own (127.0.0.1): Ray restarts a killed worker actor as a new
+    incarnation (--max-restarts), the server's supervisor a killed shard. Ray never
+    restarts the server actor, and links are not staged: worker and shard faults only."""
+
+    def start(self) -> None:
+        a, m = self.args, self.mode
+        self.audit.mkdir(parents=True, exist_ok=True)
+        self.deadline = float("inf")
+        self.server = self._popen("server", [
+            "ray-job", "--workers", a.workers, "--max-restarts", 1_000_000, "--task", a.task,
+            "--shards", a.shards, "--consistency", m.consistency, "--checkpoint-every",
+            a.checkpoint_every, "--heartbeat-timeout", a.heartbeat_timeout, "--threads", 1,
+            "--seed", a.seed, "--shard-restarts", 1_000_000, "--epochs", 100_000,
+            "--heartbeat", 0.5, "--server-timeout", 300, "--out", self.run_dir,
+            "--progress", "log", "--no-exit-when-done", *self.audit_flags()],
+            "job.log", group=True)
+
+    def tend(self, say) -> None:
+        if self.server.poll() is not None and time.monotonic() < self.deadline:
+            raise RuntimeError(f"ray-job exited ({self.server.returncode}) before the end; "
+                               f"see {self.out / 'job.log'}")
+
+    def kill_worker(self, rank: int) -> None:
+        """SIGKILL one worker actor's process: the ``rank``-th by pid (Ray names no rank)."""
+        import psutil
+        actors = []
+        for p in psutil.Process(self.server.pid).children(recursive=True):
+            try:
+                if "AsyncSGDWorker" in " ".join(p.cmdline()):
+                    actors.append(p)
+            except psutil.Error:
+                pass
+        if not actors:
+            raise RuntimeError("no worker actor process found")
+        victim = sorted(actors, key=lambda p: p.pid)[rank % len(actors)]
+        victim.kill()
+        _wait_gone(victim.pid)
+
+
 def _wait_gone(pid: int, timeout: float = 30.0) -> None:
     import psutil
     try:
@@ -409,8 +461,8 @@ class Chaos:
 
     def __init__(self, args, mode, out: Path, faults: List[Fault], hosts=None):
         self.args, self.mode, self.faults = args, mode, faults
-        self.cluster = (JobCluster if mode.command == "ps-job" else Cluster)(
-            args, mode, out, hosts)
+        self.cluster = {"ps-job": JobCluster, "ray-job": RayCluster}.get(
+            mode.command, Cluster)(args, mode, out, hosts)
         self.watch = AuditWatch(self.cluster.audit)
         self.started = 0.0
         self.log = open(out / "chaos.log", "a")
@@ -479,6 +531,11 @@ class Chaos:
         """Apply ``fault`` now: (pending recovery, pending healing), either may be None."""
         fault.at = self.now()
         c = self.cluster
+        if fault.kind == "worker" and self.mode.command == "ray-job":
+            marks = self.watch.mark_new_incarnation()
+            c.kill_worker(fault.target)
+            self.say(f"SIGKILL a worker actor, restarted by Ray (injected at {fault.at:.1f} s)")
+            return (fault, marks), None
         if fault.kind == "worker":
             c.kill_worker(fault.target)
             what = f"SIGKILL worker {fault.target}, restarted" + (
@@ -544,11 +601,12 @@ def run_mode(args, mode, out: Path, faulty: bool, seconds: float) -> dict:
     """One mode's run (with the schedule, or its fault-free twin) and its figures."""
     from asyncsgd.analysis.audit import read_audit
     out.mkdir(parents=True, exist_ok=True)
-    kinds = [k for k in args.kinds.split(",") if mode.command != "ps-job" or k not in LINKED]
+    kinds = [k for k in args.kinds.split(",") if mode.command == "ps-server" or (
+        k not in LINKED and (mode.command != "ray-job" or k != "server"))]
     faults = schedule(args.mtbf, seconds, kinds, args.seed, args.workers, args.shards,
                       args.quiet) if faulty else []
     hosts = None
-    if args.namespaces and mode.command != "ps-job":
+    if args.namespaces and mode.command == "ps-server":
         from asyncsgd.run.hosts import Hosts
         hosts = Hosts(["server", *(f"w{r}" for r in range(args.workers))])
         hosts.__enter__()
@@ -613,7 +671,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help="parameter-server modes as compare names them: ps-async, "
                         "ps-backup:1 (sync with one backup worker), diloco:8; or ps-job "
                         "(async, under torchrun --max-restarts; worker, shard and server "
-                        "faults only) (default ps-async,ps-backup:1)")
+                        "faults only) or ray-job (async, Ray restarts worker actors; worker "
+                        "and shard faults only) (default ps-async,ps-backup:1)")
     p.add_argument("--kinds", default=",".join(KINDS),
                    help=f"fault kinds to draw from, of {', '.join(KINDS)} (default all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the schedule and the runs")
@@ -653,11 +712,12 @@ def main(argv=None) -> list:
     args = parse(argv)
     from asyncsgd.config.modes import ModeSpec, parse_modes
     names = [m for m in args.modes.split(",") if m]
-    specs = [ModeSpec("ps-job", "ps-job", "async") if name == "ps-job" else
+    specs = [ModeSpec(name, name, "async") if name in ("ps-job", "ray-job") else
              parse_modes(name)[0] for name in names]
-    wrong = [s.name for s in specs if s.command not in ("ps-server", "ps-job")]
+    wrong = [s.name for s in specs if s.command not in ("ps-server", "ps-job", "ray-job")]
     if wrong:
-        sys.exit(f"--modes {','.join(wrong)}: chaos runs parameter-server modes and ps-job")
+        sys.exit(f"--modes {','.join(wrong)}: chaos runs parameter-server modes, ps-job "
+                 "and ray-job")
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="chaos-"))
     seconds = args.minutes * 60
     rows = []

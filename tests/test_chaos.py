@@ -92,6 +92,22 @@ def test_the_watch_counts_what_grows_across_process_lives(tmp_path):
     assert watch.acked == {1: 2} and watch.grown(marks[0])
 
 
+def test_a_worker_killed_without_its_rank_is_back_at_a_new_incarnations_applied_push(tmp_path):
+    """A Ray actor names no rank: any new worker file with an applied push is the recovery."""
+    ack = {"s": 2, "sh": 0, "applied": True, "duplicate": False, "stale": False}
+    _lines(tmp_path / "worker-h-r0-5.jsonl", {"start": 1, "w": "h-r0", "i": 5}, ack)
+    watch = chaos.AuditWatch(tmp_path)
+    marks = watch.mark_new_incarnation()
+    _lines(tmp_path / "worker-h-r0-5.jsonl", ack)  # the old incarnation: no recovery
+    _lines(tmp_path / "worker-h-r1-7.jsonl", {"start": 2, "w": "h-r1", "i": 7},
+           {**ack, "applied": False, "stale": True})
+    watch.poll()
+    assert not watch.grown(marks)
+    _lines(tmp_path / "worker-h-r1-7.jsonl", ack)
+    watch.poll()
+    assert watch.grown(marks)
+
+
 @pytest.mark.slow
 def test_a_short_chaos_run_loses_and_doubles_nothing_and_recovers_from_every_fault(
         cli_env, tmp_path):
