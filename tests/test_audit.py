@@ -140,7 +140,7 @@ def test_the_writer_is_read_back(tmp_path):
 
 
 def _push(worker, seq, inc=1):
-    return Message(type=PUSH, worker=worker, incarnation=inc, seq=seq,
+    return Message(type=PUSH, shard=0, worker=worker, incarnation=inc, seq=seq,
                    segments=[Segment(0, torch.ones(2))])
 
 

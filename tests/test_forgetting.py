@@ -18,7 +18,7 @@ def _state(cap=CAP):
 
 
 def _push(state, worker, seq, values, now, inc=1):
-    msg = Message(type=PUSH, worker=worker, incarnation=inc, seq=seq,
+    msg = Message(type=PUSH, shard=0, worker=worker, incarnation=inc, seq=seq,
                   segments=[Segment(0, torch.tensor(values, dtype=torch.float32))])
     (_, reply), *_ = state.handle(b"p", msg, now)
     return reply

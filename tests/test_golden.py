@@ -153,7 +153,7 @@ def test_a_sync_push_computed_on_a_round_a_restored_shard_lost_is_stale():
         state = ShardState(ShardConfig(index=0, start=0, end=4, lr=1.0, consistency=mode),
                            torch.zeros(4))
         state.load_state_dict({**state.state_dict(), "version": 3})
-        push = Message(type=PUSH, worker="a", incarnation=1, seq=9, clock=5,
+        push = Message(type=PUSH, shard=0, worker="a", incarnation=1, seq=9, clock=5,
                        meta={Key.PULL: True}, segments=[Segment(0, torch.ones(4))])
         replies = {r.type: r for _, r in state.handle(b"a", push, 0.0)}
         ack = replies[ACK] if ACK in replies else replies[PARAMS].meta[Key.ACK]

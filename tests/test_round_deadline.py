@@ -84,7 +84,7 @@ def _state(workers: int) -> ShardState:
 
 
 def _push(state, name, seq, now, grad, clock):
-    msg = Message(type=PUSH, worker=name, incarnation=1, seq=seq, clock=clock,
+    msg = Message(type=PUSH, shard=0, worker=name, incarnation=1, seq=seq, clock=clock,
                   meta={Key.PULL: True}, segments=[Segment(0, torch.tensor([grad, 0.0]))])
     return state.handle(name.encode(), msg, now)
 
