@@ -1,6 +1,6 @@
 """Training through chaos: faults on a seeded schedule, and what they cost.
 
-    python experiments/chaos.py --minutes 10 --mtbf 15 --modes ps-async,ps-backup:1
+    python experiments/chaos.py --minutes 10 --mtbf 15 --modes ps-async,ps-backup:auto
     python experiments/chaos.py --minutes 2 --kinds worker,shard --no-twin --out /tmp/chaos
 
 Per mode, one parameter server and --workers workers (each in a network namespace of its
@@ -566,25 +566,6 @@ class Chaos:
         return (fault, self.watch.mark(fault)), None
 
 
-def stale_retries(folder: Path, violations: list) -> int:
-    """Of the audit's ``lost`` pushes, those whose every acknowledgement was ``duplicate``
-    and that no shard life applied: a sync push concluded stale whose ack the fault ate,
-    retried and answered ``duplicate`` (PROTOCOL.md says: applied before) though it never
-    was. Counted apart so the report shows them; the test names them."""
-    lost = {(v[2], v[3], v[4], v[1]) for v in violations if v[0] == "lost"}
-    if not lost:
-        return 0
-    acks: Dict[tuple, set] = {}
-    for path in folder.glob("worker-*.jsonl"):
-        lines = [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
-        w, i = lines[0]["w"], lines[0]["i"]
-        for e in lines[1:]:
-            if "applied" in e and (w, i, e["s"], e["sh"]) in lost:
-                acks.setdefault((w, i, e["s"], e["sh"]), set()).add(
-                    "applied" if e["applied"] else "duplicate" if e["duplicate"] else "other")
-    return sum(kinds == {"duplicate"} for kinds in acks.values())
-
-
 def final_metric(run_dir: Path) -> Optional[float]:
     """The last evaluation's metric of the run (the resumed server's, after a restart); None
     when the server left no summary (it had to be forced to stop)."""
@@ -623,7 +604,6 @@ def run_mode(args, mode, out: Path, faulty: bool, seconds: float) -> dict:
             "compute_seconds": round(audit.compute_seconds, 1), "applied": audit.applied,
             "doubled": audit.doubled, "lost": audit.lost,
             "lost_to_checkpoint": audit.lost_to_checkpoint, "lost_resent": audit.lost_resent,
-            "stale_retries": stale_retries(chaos.cluster.audit, audit.violations),
             "violations": [list(v) for v in audit.violations][:20],
             "final_metric": final_metric(chaos.cluster.run_dir),
             "injected": len(injected),
@@ -641,15 +621,15 @@ def table(rows: list, args) -> str:
              f"{args.task}, mtbf {args.mtbf:g} s, kinds {args.kinds}, seed {args.seed}, "
              f"{os.cpu_count()} cores)", "",
              "| mode | faults injected / recovered | goodput | pushes applied | doubled | lost "
-             "(of which stale retries) | lost to checkpoints (re-sent) | final metric "
+             "| lost to checkpoints (re-sent) | final metric "
              "| fault-free: goodput, metric |",
              "|---|---|---|---|---|---|---|---|---|"]
     twins = {r["mode"]: r for r in rows if not r["faults"]}
     for r in (r for r in rows if r["faults"]):
         twin = twins.get(r["mode"], {})
         lines.append(f"| {r['mode']} | {r['injected']} / {r['recovered']} | "
-                     f"{_share(r['goodput'])} | {r['applied']} | {r['doubled']} | {r['lost']} "
-                     f"({r['stale_retries']}) | {r['lost_to_checkpoint']} "
+                     f"{_share(r['goodput'])} | {r['applied']} | {r['doubled']} | {r['lost']} | "
+                     f"{r['lost_to_checkpoint']} "
                      f"({r['lost_resent']}) | {r['final_metric']} | "
                      f"{_share(twin.get('goodput'))}, {twin.get('final_metric', '—')} |")
     lines += ["", "Time to recover (seconds; a link from when it came back up):", "",
@@ -667,12 +647,13 @@ def parse(argv=None) -> argparse.Namespace:
                    help="length of each run in minutes, e.g. 2 (default 10)")
     p.add_argument("--mtbf", type=float, default=15.0,
                    help="mean seconds between faults (exponential intervals; default 15)")
-    p.add_argument("--modes", default="ps-async,ps-backup:1",
+    p.add_argument("--modes", default="ps-async,ps-backup:auto",
                    help="parameter-server modes as compare names them: ps-async, "
+                        "ps-backup:auto (sync, rounds closed at an adaptive deadline), "
                         "ps-backup:1 (sync with one backup worker), diloco:8; or ps-job "
                         "(async, under torchrun --max-restarts; worker, shard and server "
                         "faults only) or ray-job (async, Ray restarts worker actors; worker "
-                        "and shard faults only) (default ps-async,ps-backup:1)")
+                        "and shard faults only) (default ps-async,ps-backup:auto)")
     p.add_argument("--kinds", default=",".join(KINDS),
                    help=f"fault kinds to draw from, of {', '.join(KINDS)} (default all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the schedule and the runs")

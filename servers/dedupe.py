@@ -8,14 +8,15 @@ import heapq
 from collections import OrderedDict
 from typing import Optional
 
-FRESH, DUPLICATE, OUT_OF_WINDOW = "fresh", "duplicate", "out-of-window"
+FRESH, DUPLICATE, STALE_AGAIN, OUT_OF_WINDOW = "fresh", "duplicate", "stale", "out-of-window"
 
 
 class SeqWindow:
     """The sequence numbers of the last ``size`` pushes concluded (applied, or acknowledged
     as stale) and a *floor*, the largest number forgotten. A push numbered ``s`` is:
 
-    * in the window: a duplicate;
+    * in the window: a duplicate, or, if it was acknowledged stale, stale again (it was
+      never applied: "duplicate" would tell its worker it was);
     * above the floor and not in the window: never concluded, so fresh;
     * at or below the floor and not in the window: unknown, refused ``out-of-window``
       rather than guessed (a worker's retries are of its one outstanding push per shard,
@@ -24,21 +25,24 @@ class SeqWindow:
     Forgetting the smallest number first keeps the invariant this rests on: every
     concluded number above the floor is in the window."""
 
-    def __init__(self, size: int, floor: int = -1, seqs=()):
+    def __init__(self, size: int, floor: int = -1, seqs=(), stale=()):
         self.size = size
         self.floor = floor
         self.seqs = set(seqs)
+        self.stale = set(stale) & self.seqs  # the concluded pushes acknowledged stale
         self._heap = list(self.seqs)
         heapq.heapify(self._heap)
 
     def classify(self, seq: int) -> str:
         if seq in self.seqs:
-            return DUPLICATE
+            return STALE_AGAIN if seq in self.stale else DUPLICATE
         return FRESH if seq > self.floor else OUT_OF_WINDOW
 
-    def add(self, seq: int) -> None:
-        """Record ``seq`` as concluded (call only for a FRESH one)."""
+    def add(self, seq: int, stale: bool = False) -> None:
+        """Record ``seq`` as concluded (call only for a FRESH one): applied, or ``stale``."""
         self.seqs.add(seq)
+        if stale:
+            self.stale.add(seq)
         heapq.heappush(self._heap, seq)
         self._forget_beyond(self.size)
 
@@ -47,15 +51,18 @@ class SeqWindow:
             oldest = heapq.heappop(self._heap)  # above the floor, like every number kept
             self.floor = oldest
             self.seqs.discard(oldest)
+            self.stale.discard(oldest)
 
     def state(self) -> list:
-        """``[floor, [seq, ...]]``: ints only, for a checkpoint."""
-        return [self.floor, sorted(self.seqs)]
+        """``[floor, [seq, ...], [stale seq, ...]]``: ints only, for a checkpoint."""
+        return [self.floor, sorted(self.seqs), sorted(self.stale)]
 
     @classmethod
     def from_state(cls, size: int, state) -> "SeqWindow":
-        floor, seqs = state
-        window = cls(size, int(floor), (int(s) for s in seqs if int(s) > int(floor)))
+        """From ``state()``; a checkpoint older than the stale list has two items."""
+        floor, seqs, *stale = state
+        window = cls(size, int(floor), (int(s) for s in seqs if int(s) > int(floor)),
+                     (int(s) for s in (stale[0] if stale else ())))
         window._forget_beyond(size)  # saved with a larger window
         return window
 

@@ -25,7 +25,7 @@ from asyncsgd.wire.protocol import (ACK, BYE, DTYPE_NAMES, ERROR, HEARTBEAT, PAR
 from asyncsgd.wire.stats import STALENESS_BUCKETS
 
 from .consistency import APPLY, STALE, live_workers, make_policy, min_live_clock
-from .dedupe import DUPLICATE, OUT_OF_WINDOW, Forgotten, SeqWindow
+from .dedupe import DUPLICATE, OUT_OF_WINDOW, STALE_AGAIN, Forgotten, SeqWindow
 from .rules import dc_asgd, make_rule, staleness_scale
 from .store import ParamStore
 from .streams import PushStreams
@@ -454,6 +454,10 @@ class ShardState:
             self.counters["duplicates"] += 1
             return [(peer, Message(type=ACK, shard=self.cfg.index, seq=msg.seq,
                                    meta={Key.APPLIED: False, Key.DUPLICATE: True}))]
+        if verdict == STALE_AGAIN:  # its stale ack was lost: it was never applied
+            self.counters["duplicates"] += 1
+            return [(peer, Message(type=ACK, shard=self.cfg.index, seq=msg.seq,
+                                   meta={Key.APPLIED: False, Key.STALE: True}))]
         if verdict == OUT_OF_WINDOW:
             return self.refuse(peer, Code.OUT_OF_WINDOW, (
                 f"push {msg.seq} is at or below {record.window.floor}, the oldest sequence "
@@ -469,7 +473,7 @@ class ShardState:
         self._account(record, msg.meta, max(0, staleness))  # ahead: from a version since lost
         if verdict == STALE:
             self.counters["stale"] += 1
-            record.window.add(msg.seq)
+            record.window.add(msg.seq, stale=True)
             return [(peer, Message(type=ACK, shard=self.cfg.index, seq=msg.seq,
                                    meta={Key.APPLIED: False, Key.STALE: True}))]
         record.pushes += 1
@@ -682,11 +686,11 @@ class ShardState:
         self.rule.load_state_dict(state["rule"])
         self.counters.update(state.get("counters", {}))
         self.staleness = [int(x) for x in state["staleness"].tolist()]
-        for worker, (incarnation, pushes, floor, seqs) in state.get("dedupe", {}).items():
+        for worker, (incarnation, pushes, *window) in state.get("dedupe", {}).items():
             self.workers[worker] = WorkerRecord(
                 worker, incarnation, peer=b"", last_seen=now or 0.0, pushes=pushes,
                 alive=now is not None,
-                window=SeqWindow.from_state(self.cfg.dedupe_window, (floor, seqs)))
+                window=SeqWindow.from_state(self.cfg.dedupe_window, window))
         self.forgotten = Forgotten.from_state(self.forgotten.size, state.get("forgotten"))
         self.lost_before = self.counters["lost_updates"]
         self.restored = {"version": self.version, "sha256": params_digest(state["params"])}

@@ -17,7 +17,7 @@ from asyncsgd.wire.protocol import (ACK, ERROR, HEARTBEAT, HELLO, PULL, PUSH, WE
                                     VERSION, Message, Segment, decode, encode)
 from conftest import shard_stats, wait_for
 from faults import observe
-from asyncsgd.servers.dedupe import DUPLICATE, FRESH, OUT_OF_WINDOW, SeqWindow
+from asyncsgd.servers.dedupe import DUPLICATE, FRESH, OUT_OF_WINDOW, STALE_AGAIN, SeqWindow
 from tasks_for_tests import index_counter
 
 TASK = "tasks_for_tests:index_counter"
@@ -121,6 +121,22 @@ def test_the_window_says_fresh_duplicate_or_cannot_tell_never_guesses():
     assert (restored.floor, restored.seqs) == (window.floor, window.seqs)
     smaller = SeqWindow.from_state(2, window.state())  # a smaller --dedupe-window on resume
     assert smaller.floor == 10 and smaller.seqs == {11, 100_000}
+
+
+def test_the_window_remembers_which_pushes_ended_stale_also_through_a_checkpoint():
+    """A push acknowledged stale was never applied: its retry (the ack lost) hears stale
+    again, not duplicate. A checkpoint keeps the stale ones; one saved before they were
+    kept ([floor, seqs]) loads with none; the stale mark is forgotten with its number."""
+    window = SeqWindow(size=2)
+    window.add(7, stale=True)
+    window.add(8)
+    assert (window.classify(7), window.classify(8)) == (STALE_AGAIN, DUPLICATE)
+    restored = SeqWindow.from_state(2, window.state())
+    assert (restored.classify(7), restored.classify(8)) == (STALE_AGAIN, DUPLICATE)
+    older = SeqWindow.from_state(2, window.state()[:2])
+    assert (older.classify(7), older.classify(8)) == (DUPLICATE, DUPLICATE)
+    window.add(9)  # 7 is forgotten: the floor
+    assert window.classify(7) == OUT_OF_WINDOW and window.stale == set()
 
 
 def test_no_lost_updates_without_a_restart(server):
