@@ -59,12 +59,13 @@ SCENARIOS = [
      ["tests/test_data_and_parts.py::test_malicious_checkpoint_is_refused_and_runs_nothing",
       "tests/test_checkpoint_faults.py"]),
     ("exactly-once", "10. Exactly once through incarnations, far-apart and reordered sequence "
-                     "numbers and a sync shard SIGKILL; lying hellos refused; shards serve only "
-                     "admitted workers; errors echo the request",
+                     "numbers, a sync shard SIGKILL and a shard that forgot the worker; lying "
+                     "hellos refused; shards serve only admitted workers; errors echo the request",
      ["tests/test_exactly_once.py"]),
     ("identities", "11. Protocol fuzzer: thousands of worker ids, incarnations, goodbyes, "
                    "malformed hellos, pushes without admission; DC-ASGD copies under 200 ids: "
-                   "exact oracle, server alive, shard memory bounded",
+                   "exact oracle, server alive, shard memory bounded; 20,000 fresh hellos "
+                   "leave the front's roster and memory bounded",
      ["tests/test_hostile_peers.py"]),
     ("liveness", "12. Liveness independent of compute: a 3 s step against a 1.5 s heartbeat "
                  "timeout is no drop; a worker stopped by Ctrl-C/SIGTERM says goodbye; threads "
@@ -74,6 +75,16 @@ SCENARIOS = [
                   "and stop included; every mode ends exit 0 without forcing a process; "
                   "single leaves busy cores alone",
      ["tests/test_lifecycle.py"]),
+    ("phases", "14. A worker killed before a push, between its parts, after the shard applied it "
+               "but before the ack was read, after the ack; a shard around its checkpoint; the "
+               "front while welcoming: every push applied once or counted lost (the audit)",
+     ["tests/test_phase_faults.py"]),
+    ("golden", "15. Golden trajectories: ps-sync, ddp, diloco and the virtual clock repeat their "
+               "recorded per-round digests; a sync server killed and resumed repeats them",
+     ["tests/test_golden.py"]),
+    ("chaos", "16. A kill schedule (workers, shard, server, links, throttling) under ps-async "
+              "and ps-backup:auto: nothing doubled or lost, every fault recovered",
+     ["tests/test_chaos.py"]),
 ]
 
 LIMITS = """\
