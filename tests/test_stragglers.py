@@ -242,7 +242,8 @@ def test_stale_pushes_in_the_summary_are_summed_over_shards(server):
                  "--consistency", "sync", "--backup-workers", 1, "--heartbeat-timeout", 60)
     ports = srv.stats()["shard_ports"]
     assert len(ports) == 2
-    peers = {(w, port): Peer(srv, port, worker=w) for w in "ab" for port in ports}
+    peers = {(w, port): Peer(srv, port, worker=w, shard=i) for w in "ab"
+             for i, port in enumerate(ports)}
     for peer in peers.values():  # each shard holds the first pull until both joined
         peer.send(PULL, 1)
     assert all(peer.reply().type == PARAMS for peer in peers.values())
