@@ -121,36 +121,22 @@ class CheckedText(click.ParamType):
         return str(value)
 
 
-class _ShardCount(click.ParamType):
-    """--shards: ``auto`` or a whole number of at least 1."""
+class _AutoOrCount(click.ParamType):
+    """``auto`` or a whole number of at least ``minimum``."""
 
-    name = "auto|N"
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        if value == "auto" or (type(value) is int and value >= 1):
-            return value
-        text = str(value).strip()
-        if text.isascii() and text.isdecimal() and int(text) >= 1:
-            return int(text)
-        self.fail(f"{value!r} is neither auto nor a whole number of at least 1", param, ctx)
-
-
-SHARD_COUNT = _ShardCount()
-
-
-class _BackupWorkers(click.ParamType):
-    """--backup-workers: ``auto`` or a whole number of at least 0."""
-
-    name = "N|auto"
+    def __init__(self, name: str, minimum: int):
+        self.name, self.minimum = name, minimum
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        if value == "auto" or (type(value) is int and value >= 0):
+        if value == "auto" or (type(value) is int and value >= self.minimum):
             return value
         text = str(value).strip()
-        if text.isascii() and text.isdecimal():
+        if text.isascii() and text.isdecimal() and int(text) >= self.minimum:
             return int(text)
-        self.fail(f"{value!r} is neither auto nor a whole number of at least 0", param, ctx)
+        self.fail(f"{value!r} is neither auto nor a whole number of at least {self.minimum}",
+                  param, ctx)
 
 
-BACKUP_WORKERS = _BackupWorkers()
+SHARD_COUNT = _AutoOrCount("auto|N", 1)  # --shards
+BACKUP_WORKERS = _AutoOrCount("N|auto", 0)  # --backup-workers
 
