@@ -203,8 +203,12 @@ def test_every_time_counts_from_the_launch_of_the_modes_first_process(compared):
         events = read_events(out / f"{mode}-r1")
         start = events[0]
         assert start["event"] == "start" and start["clock"] == "command", mode
-        for e in events:  # its Unix time less its t: the launch, for every event
-            assert launched - TICK <= e["wall"] - e["t"] <= launched + FORK, (mode, e)
+        # Its Unix time less its t is the launch: never before it (an event's wall is read
+        # after its t), and after it by a fork's time for the typical event. One event may be
+        # later still: a process descheduled between reading t and wall (1.3 s in one CI run).
+        offsets = sorted(e["wall"] - e["t"] for e in events)
+        assert launched - TICK <= offsets[0], (mode, offsets[0] - launched)
+        assert offsets[len(offsets) // 2] <= launched + FORK, (mode, offsets, launched)
         # what the process took before the run's bookkeeping began is in its t: at least
         # the time from the launch to then, less what a fork may take
         assert start["t"] >= start["wall"] - launched - FORK, mode
@@ -215,7 +219,7 @@ def test_every_time_counts_from_the_launch_of_the_modes_first_process(compared):
                    None)
         assert hit is not None, mode
         assert by_mode[mode]["time_to_target"] == hit["t"] >= first["t"], mode
-        assert launched - TICK <= hit["wall"] - hit["t"] <= launched + FORK, mode
+        assert launched - TICK <= hit["wall"] - hit["t"], mode
     report = (out / "report.md").read_text()
     assert "Every time is counted from the launch of the run's first process" in report
 
