@@ -282,6 +282,33 @@ LOCAL_STEPS = knob(
                "of ordinary DDP, ranks stop all-reducing gradients, train alone and average "
                "their parameters every this many steps. 1: plain DDP."})
 
+# LB-BSP's batches sized to speed (core.balance has the rule); ddp here, the parameter
+# server's sync modes too.
+BALANCE = (
+    knob("balance", str, "none",
+         "Size each worker's batch to its measured speed: batch keeps the global batch (the "
+         "batch size x the workers) and gives each worker a share in proportion to its "
+         "samples a second of computing (a --slowdown counts as computing), gradients "
+         "weighted by batch size so each update is the global batch's mean exactly; none: "
+         "equal batches. E.g. --balance batch with --slowdown 1:4 gives rank 1 about a fifth "
+         "of the global batch.", type=click.Choice(["none", "batch"])),
+    knob("balance_every", int, 20,
+         "With --balance batch: steps between re-sizings. Each measures the speeds over the "
+         "steps since the last one and costs one small all-reduce, so a window of a few "
+         "steps is noisy and a long one reacts late; e.g. 20.", type=click.IntRange(min=1),
+         metavar="STEPS"),
+    knob("min_batch", Optional[int], None,
+         "With --balance batch: no worker's batch goes below this many samples, however slow "
+         "it is (the others share the rest in proportion to speed); e.g. 4.",
+         type=click.IntRange(min=1), show="a quarter of --batch-size, at least 1"),
+)
+
+
+def min_batch(given: Optional[int], batch_size: int) -> int:
+    """--min-batch, or its default: a quarter of the per-worker batch, at least 1."""
+    return given if given is not None else max(1, batch_size // 4)
+
+
 TRAINING = (BATCH_SIZE, LR, MOMENTUM, WEIGHT_DECAY, EPOCHS, *PACING)
 
 RunConfig = settings(

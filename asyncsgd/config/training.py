@@ -7,7 +7,7 @@ from typing import Optional
 import click
 
 from .knobs import knob, settings
-from .shared import LOCAL_STEPS, RECORD_DIGESTS, TrainConfig
+from .shared import BALANCE, LOCAL_STEPS, RECORD_DIGESTS, TrainConfig
 from .values import CheckedText, parse_comm_hook
 
 
@@ -84,7 +84,7 @@ DDPConfig = settings(
          "approximations of each matrix, with error feedback; rank 1 by default).",
          type=CheckedText("HOOK", parse_comm_hook),
          metavar="allreduce|fp16|bf16|powersgd[:RANK]"),
-    LOCAL_STEPS,
+    LOCAL_STEPS, BALANCE,
     knob("local_warmup", int, 0,
          "Steps of ordinary DDP before --local-steps begins (post-local SGD's warm-up).",
          type=click.IntRange(min=0)),

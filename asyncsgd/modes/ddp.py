@@ -27,6 +27,7 @@ from ..run.process_group import WorkerGroup, available_cores, threads_per_proces
 from ..run.recorder import Outcome, Recorder, RunResult, check_target
 from ..run.rundir import RunDir
 from ..run.sendable import check_sendable
+from .balancing import check_balance
 from .ddp_hooks import DDPComm, check_hooks
 from .syncloop import check_settings, train_process
 
@@ -143,6 +144,7 @@ def train(cfg: DDPConfig, task: Optional[Task] = None,
         task = task or task_of(cfg)
         check_sendable(task, "DDP ranks")
         _check_model(task, cfg, backend)
+        check_balance(cfg, procs, cfg.batch_size or task.batch_size)
         check_target(cfg, task)  # before any rank starts
     threads = threads_per_process(procs, cfg.threads)
     task.share_memory_()  # every rank reads the same pages instead of a pickled copy
@@ -176,6 +178,7 @@ def _train_as_launched_rank(cfg: DDPConfig, launcher: dict, task: Optional[Task]
     run = Recorder.open_run(cfg) if rank == 0 else None
     task = task or task_of(cfg)
     _check_model(task, cfg, backend)
+    check_balance(cfg, world, cfg.batch_size or task.batch_size)
     check_target(cfg, task)  # every rank: each fails alike instead of waiting for rank 0
     threads = threads_per_process(launcher["LOCAL_WORLD_SIZE"], cfg.threads)
     if rank == 0:

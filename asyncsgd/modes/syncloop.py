@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..config import SingleConfig
+from ..config.shared import min_batch
 from ..core.pacing import Pacer, Pacing, other_seconds, pace_event, pace_note
 from ..core.tasks import Task, epoch_order, partition_indices
 from ..errors import ConfigError, WorkerError
@@ -25,6 +26,7 @@ from ..run.recorder import Outcome, RunResult
 from ..run.rundir import RunDir
 from ..run.signals import signals_as_flag
 from .optim import SGD, Adam, Delayed
+from .balancing import BatchBalance
 from .precision import Precision, check_amp
 from .resume import (Agree, StatefulRecorder, SyncState, fresh_state, resumed_start,
                      warn_model_only)
@@ -100,10 +102,12 @@ class SyncLoop:
     def __init__(self, cfg: SingleConfig, task: Task, net: nn.Module, precision: Precision,
                  part: torch.Tensor, device: torch.device, *, rank: int, world: int,
                  start: tuple, recorder: Optional[StatefulRecorder], agree: Agree,
-                 interrupted: Callable[[], bool], comm=None):
+                 interrupted: Callable[[], bool], comm=None,
+                 balance: Optional[BatchBalance] = None):
         """``comm``: what the gradients of a group of processes go through, or None for one
         process. The loop calls ``comm.attach(net, pacer or None)`` here, ``after_step(params)``
-        after each update and ``bytes(steps)`` for the summary (``modes.ddp_hooks.DDPComm``)."""
+        after each update and ``bytes(steps)`` for the summary (``modes.ddp_hooks.DDPComm``).
+        ``balance``: --balance batch's slicing of a global batch (``modes.balancing``)."""
         self.cfg, self.task, self.net, self.precision = cfg, task, net, precision
         self.part, self.device, self.rank, self.world = part, device, rank, world
         self.recorder, self.agree, self.interrupted = recorder, agree, interrupted
@@ -114,6 +118,8 @@ class SyncLoop:
                                agree=agree, start=start)
         self.steps = 0
         self.local_samples = 0
+        self.balance = balance
+        self.global_rows = 0  # --balance batch: rows every rank together trained this session
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self._loss_steps = 0
         self._pending = [0.0, 0]  # rank 0: agreed loss sum and count not yet written
@@ -127,11 +133,14 @@ class SyncLoop:
                            torch.cuda.synchronize if device.type == "cuda" else None)
         self._pace_after_backward = self.pacer.end
         self.comm = comm
-        # Whether steps are timed: a group's are only when paced (a hook in its reducer)
+        # Whether steps are timed: a group's are only when paced or balanced (a hook in its
+        # reducer); balancing needs the compute seconds, finished kernels included
         self.timed = True
         if comm is not None:  # the wait goes before the gradients are handed over
             self._pace_after_backward = None
-            self.timed = self.pacing.active
+            self.timed = self.pacing.active or balance is not None
+            if balance is not None and device.type == "cuda":
+                self.pacer.synchronize = torch.cuda.synchronize
             comm.attach(net, self.pacer if self.timed else None)
         if self.pacing.active and recorder is not None:
             log.info("stragglers: %s", self.pacing.describe())
@@ -143,6 +152,8 @@ class SyncLoop:
     def samples(self) -> int:
         """Samples trained on by all ranks, across resumes (equal on every rank by padding)."""
         offset = self.recorder.samples_offset if self.recorder else 0
+        if self.balance is not None:
+            return offset + self.global_rows
         return offset + self.world * self.local_samples
 
     def run(self) -> str:
@@ -161,8 +172,28 @@ class SyncLoop:
         if self.digests is None:
             return
         epoch, row = self.state.position
-        per_epoch = -(-len(self.part) // self.batch_size)
-        self.digests.note(epoch * per_epoch + -(-row // self.batch_size), self.net.parameters())
+        rows, step = self.epoch_rows, self.rows_per_step
+        self.digests.note(epoch * -(-rows // step) + -(-row // step), self.net.parameters())
+
+    @property
+    def epoch_rows(self) -> int:
+        """Rows of an epoch as the position counts them: this rank's partition, or, balanced,
+        the global permutation's."""
+        return self.balance.epoch_rows if self.balance is not None else len(self.part)
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.balance.global_batch if self.balance is not None else self.batch_size
+
+    def _batches(self, epoch: int, first_row: int):
+        """This process's (rows, epoch's rows done after the step, loss scale) of each step."""
+        if self.balance is not None:
+            yield from self.balance.steps(epoch, first_row)
+            return
+        order = epoch_order(self.part, self.cfg.seed, self.rank, epoch)
+        for start in range(first_row, len(order), self.batch_size):
+            yield order[start:start + self.batch_size], min(start + self.batch_size,
+                                                            len(order)), None
 
     def _train(self) -> str:
         until_check = 1
@@ -170,12 +201,13 @@ class SyncLoop:
         self.state.set_resumed_rng()
         self._note_digest()
         for epoch in range(first_epoch, self.cfg.epochs):
-            order = epoch_order(self.part, self.cfg.seed, self.rank, epoch)
-            for start in range(skip if epoch == first_epoch else 0, len(order),
-                               self.batch_size):
-                self._step(order[start:start + self.batch_size])
-                self.state.position = (epoch, min(start + self.batch_size, len(order)))
+            for index, done, scale in self._batches(epoch, skip if epoch == first_epoch else 0):
+                self._step(index, scale)
+                self.global_rows += done - self.state.position[1]
+                self.state.position = (epoch, done)
                 self._note_digest()
+                if self.balance is not None and self.balance.due(self.steps):
+                    self._resize()
                 until_check -= 1
                 if until_check == 0:
                     stopped_by, until_check = self._check(epoch)
@@ -186,7 +218,9 @@ class SyncLoop:
         self._check(self.epochs_done - 1)  # every rank gets here at the same step: the last losses
         return "epochs"
 
-    def _step(self, index: torch.Tensor) -> None:
+    def _step(self, index: torch.Tensor, scale: Optional[float] = None) -> None:
+        """One step on rows ``index``; ``scale``: --balance batch's weight of this rank's mean
+        loss, so that the ranks' averaged gradients are the global batch's mean."""
         self.pacer.begin()
         inputs, targets = self.task.train.rows(index)
         if self.device.type != "cpu":
@@ -194,6 +228,8 @@ class SyncLoop:
             targets = targets.to(self.device, non_blocking=True)
         with self.precision.autocast():
             loss = self.task.loss_fn(self.net(*inputs), targets)
+            if scale is not None:
+                loss = loss * scale
         self.opt.zero_grad()
         self.precision.backward_and_step(loss, self.opt, between=self._pace_after_backward)
         if self.comm is not None:
@@ -202,6 +238,18 @@ class SyncLoop:
         self._loss_steps += 1
         self.local_samples += len(targets)
         self.steps += 1
+
+    def _resize(self) -> None:
+        """All ranks, every --balance-every steps: each rank's samples a second of computing
+        (a paced wait included) summed into one vector, and the batches sized from it."""
+        mine = self.balance.my_speed(self.pacer.computed + self.pacer.waited,
+                                     self.local_samples)
+        speeds = self.agree(mine.to(self.device)).cpu().tolist()
+        self.balance.resize(speeds, self.steps)
+        if self.recorder is not None:
+            self.recorder.metrics.write("balance", self.recorder.t(), self.samples(),
+                                        step=self.steps, batches=self.balance.sizes,
+                                        speeds=[round(v, 3) for v in speeds])
 
     def _check(self, epoch: int) -> tuple:
         """All ranks: agree on (reason to stop or None, steps until the next check)."""
@@ -281,14 +329,17 @@ class SyncLoop:
             paced = self._summed()[:2]
             rec.train(samples, 0, self._pending[0] / self._pending[1],
                       steps=self._pending[1] // self.world, epoch=epoch, ranks=self.world,
+                      **({"batches": self.balance.sizes} if self.balance is not None else {}),
                       **(pace_event(*((now - seen) / self.world  # per rank
                                       for now, seen in zip(paced, self._paced_seen)))
                          if self.timed else {}))
             self._paced_seen = paced
             self._pending = [0.0, 0]
             self._next_train_event = rec.elapsed() + TRAIN_EVENT_SECONDS
-        rec.show(samples, self.steady_rate() or 0.0,
-                 note=pace_note(*self._summed()) if self.timed else "")
+        note = pace_note(*self._summed()) if self.timed else ""
+        if self.balance is not None:
+            note = "; ".join(filter(None, [f"batches {self.balance.sizes}", note]))
+        rec.show(samples, self.steady_rate() or 0.0, note=note)
 
     def _summed(self) -> list:
         """Rank 0: (computed, waited, span) seconds summed over the ranks."""
@@ -348,29 +399,38 @@ def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: 
         raise ConfigError(f"--optimizer adam takes dense gradients; task {task.name}'s "
                           "model has sparse ones: use --optimizer sgd")
     part = padded_partition(len(task.train), world, rank, cfg.seed)
+    balance = None
+    if getattr(cfg, "balance", "none") == "batch":
+        batch = cfg.batch_size or task.batch_size
+        balance = BatchBalance(len(task.train), world, rank, batch,
+                               min_batch(cfg.min_batch, batch), cfg.balance_every, cfg.seed)
+    epoch_rows = balance.epoch_rows if balance is not None else len(part)
     recorder = None
     if run is not None:
-        recorder = StatefulRecorder(cfg, task, model, run,
-                                    total_samples=len(part) * world * cfg.epochs, argv=argv,
-                                    started_at=started_at)
+        recorder = StatefulRecorder(
+            cfg, task, model, run, argv=argv, started_at=started_at,
+            total_samples=(epoch_rows if balance else epoch_rows * world) * cfg.epochs)
     model.to(device)
     # what rank 0 resumes (epoch, row, whether it has a training state), told to every rank
     start = torch.zeros(3, dtype=torch.float64)
     if recorder is not None:
-        start[:] = torch.tensor(resumed_start(recorder, len(part), world), dtype=torch.float64)
+        _check_balanced(recorder, balance is not None)
+        start[:] = torch.tensor(resumed_start(recorder, epoch_rows, world), dtype=torch.float64)
     start = agree(start.to(device)).cpu().tolist()
     net = wrap(model)  # DDP's constructor copies rank 0's (maybe resumed) parameters everywhere
     precision = Precision(cfg.amp, device.type)
     interrupted = [False]
     loop = SyncLoop(cfg, task, net, precision, part, device, rank=rank, world=world,
                     start=(int(start[0]), int(start[1])), recorder=recorder, agree=agree,
-                    interrupted=lambda: interrupted[0] or stop_requested(), comm=comm)
+                    interrupted=lambda: interrupted[0] or stop_requested(), comm=comm,
+                    balance=balance)
     if start[2]:
         loop.state.restore(recorder.resumed if recorder else None, recorder)
     elif recorder is not None and cfg.resume:
         warn_model_only(recorder.run.checkpoint, fresh_state(cfg), int(start[0]))
     if recorder is not None:
-        recorder.state_fn = loop.state.to_dict
+        recorder.state_fn = (loop.state.to_dict if balance is None else
+                             lambda: {**loop.state.to_dict(), "balanced": True})
     # signal handlers belong to the main thread: elsewhere (an API call from a thread)
     # Ctrl-C reaches the main thread, not this loop
     flag_signals = flag_signals and threading.current_thread() is threading.main_thread()
@@ -394,7 +454,17 @@ def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: 
                              **precision.state(), procs=world, lr=loop.opt.lr,
                              batch_size=loop.batch_size, global_batch_size=loop.batch_size * world,
                              pacing=loop.pace(), optimizer=cfg.optimizer, steps=loop.steps,
-                             **loop.rank_bytes(), **_staleness(loop.opt), **(extra or {}))
+                             **loop.rank_bytes(), **_staleness(loop.opt), **(extra or {}),
+                             **({"balance": balance.to_dict()} if balance is not None else {}))
+
+
+def _check_balanced(recorder: StatefulRecorder, balanced: bool) -> None:
+    """A checkpoint's data position counts a balanced run's global rows, another's the
+    rank's own: resuming across --balance would step from the wrong row."""
+    state = recorder.resumed
+    if state is not None and bool(state.get("balanced")) != balanced:
+        raise recorder.bad_state("it was saved with --balance " +
+                                 ("batch" if state.get("balanced") else "none"))
 
 
 def _staleness(opt) -> dict:
