@@ -254,3 +254,18 @@ def test_dc_asgd_compensates_stale_pushes_only(tmp_path):
     assert dc_engine.state.counters["dc_uncompensated"] == 0
     assert any(e[3] > 0 for e in dc_engine.trace if e[0] == "apply")
     assert not torch.equal(three_async, three_dc)
+
+
+def test_ddp_balance_sizes_batches_to_speed_and_rounds_shrink_to_the_fair_time(tmp_path):
+    """4 ranks of 1 ms steps of 16 rows, rank 3 slowed 4x; the ring takes 2*3/4*1 + 6*0.1 =
+    2.1 ms. Equal batches for 20 rounds: 4 + 2.1 ms each. Then speeds of 16,000, 16,000,
+    16,000 and 4,000 rows/s size the global 64 as 20, 20, 19, 5 (19.69 x 3 and 4.92,
+    largest remainders first), and a round takes max(20/16 x 1, 5/16 x 4) + 2.1 = 3.35 ms."""
+    setup = _setup(workers=4, costs=_costs(slowdown=((3, 4.0),)), max_seconds=0.16)
+    engine, result = _traced(tmp_path, "ddp+balance", setup)
+    ends = [t for _, t, _ in engine.trace]
+    steps = [round((b - a) / MS, 6) for a, b in zip([0.0] + ends, ends)]
+    assert steps[:20] == [6.1] * 20 and steps[20:30] == [3.35] * 10
+    assert result.summary["balance"]["batches"] == [20, 20, 19, 5]
+    assert result.summary["balance"]["changes"] == [[20, [20, 20, 19, 5]]]
+    assert result.summary["samples"] == 64 * len(steps)

@@ -60,7 +60,7 @@ def parse_modes(text: str) -> list:
                               "ps-async, ps-dc-asgd, ps-ssp (or ps-ssp:K), ps-sync, ps-backup (or "
                               "ps-backup:B, ps-backup:auto), ddp, diloco (or diloco:H), "
                               "async-diloco (or "
-                              "async-diloco:H), ddp+fp16, ddp+bf16, ddp+powersgd (or "
+                              "async-diloco:H), ddp+balance, ddp+fp16, ddp+bf16, ddp+powersgd (or "
                               "ddp+powersgd:RANK), ddp-local (or ddp-local:H); a "
                               "parameter-server mode +bf16, +fp16, +int8 or +topk:RATIO "
                               "(ps-async+int8)")
@@ -102,6 +102,8 @@ def _mode(name: str) -> Optional[ModeSpec]:
         return ModeSpec(name, "ps-server", "sync", "auto")
     if number("ps-backup", 1):
         return ModeSpec(name, "ps-server", "sync", number("ps-backup", 1))
+    if name == "ddp+balance":  # batches sized to the ranks' speeds
+        return ModeSpec(name, "ddp", flags=("--balance", "batch"))
     if name in ("ddp+fp16", "ddp+bf16") or number("ddp\\+powersgd", 1):
         return ModeSpec(name, "ddp", flags=("--comm-hook", name[4:]))
     if number("ddp-local", LOCAL_STEPS_DEFAULT):

@@ -78,11 +78,14 @@ class BatchBalance:
         mean DDP takes of the ranks' gradients the mean over the global step's rows."""
         order = self.order(epoch)
         for start in range(first_row, len(order), self.global_batch):
-            size = min(self.global_batch, len(order) - start)
-            sizes = self.split(size)
-            at = start + offsets(sizes)[self.rank]
-            yield (order[at:at + sizes[self.rank]], start + size,
-                   sizes[self.rank] * self.world / size)
+            rows = self.slices(order, start)
+            size = sum(len(r) for r in rows)
+            yield rows[self.rank], start + size, len(rows[self.rank]) * self.world / size
+
+    def slices(self, order: torch.Tensor, start: int) -> List[torch.Tensor]:
+        """Every rank's rows of the global step that begins at row ``start`` of ``order``."""
+        sizes = self.split(min(self.global_batch, len(order) - start))
+        return [order[start + at:start + at + size] for at, size in zip(offsets(sizes), sizes)]
 
     def due(self, steps: int) -> bool:
         return steps % self.every == 0

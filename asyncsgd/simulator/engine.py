@@ -24,7 +24,8 @@ from .events import Scheduler
 
 SIMULATED = ("single, hogwild, ps-async, ps-dc-asgd, ps-ssp[:K], ps-sync, "
              "ps-backup[:B|:auto], "
-             "ddp, diloco[:H] and async-diloco[:H]")
+             "ddp, ddp+balance, diloco[:H] and async-diloco[:H]")
+BALANCED = ("--balance", "batch")  # ddp+balance's flags
 FLOAT_BYTES = 4
 
 
@@ -87,8 +88,10 @@ def local_steps(spec: ModeSpec) -> int:
 
 def check_spec(spec: ModeSpec, setup: VirtualSetup) -> None:
     """Refuse what the virtual clock does not model, naming what it does."""
-    plain_ddp = spec.command == "ddp" and not spec.flags
-    if "+" in spec.name or not (plain_ddp or spec.command in ("single", "hogwild", "ps-server")):
+    plain_ddp = spec.command == "ddp" and spec.flags in ((), BALANCED)
+    balanced = spec.flags == BALANCED
+    if ("+" in spec.name and not balanced) or not (plain_ddp or spec.command in (
+            "single", "hogwild", "ps-server")):
         raise ConfigError(f"the virtual clock does not model {spec.name}; it simulates "
                           f"{SIMULATED}")
     if setup.shards != 1:
@@ -161,8 +164,12 @@ class Engine(ABC):
         self.work += 1
         self.sched.at(t, *what)
 
-    def step_time(self, worker: SimWorker) -> float:
+    def step_time(self, worker: SimWorker, samples: Optional[int] = None) -> float:
+        """A step's seconds: drawn, times the worker's slowdown, plus its delay. ``samples``:
+        a batch of that many instead of the worker's own, its compute scaled per sample."""
         seconds = self.costs.step.draw(self.rng) * worker.factor
+        if samples is not None:
+            seconds *= samples / worker.batch
         if self.pacing.delays(worker.rank):
             mean = self.pacing.delay_mean
             seconds += mean if self.pacing.delay_kind == "const" else self.rng.expovariate(

@@ -1,5 +1,5 @@
 """The modes without a server on the virtual clock: single and Hogwild (interleaved applies)
-and ddp (lock-step rounds and a ring all-reduce)."""
+and ddp (lock-step rounds and a ring all-reduce), ddp+balance's batches sized to speed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ import torch
 
 from asyncsgd.servers.rules import make_rule
 
+from ..config.shared import min_batch
+from ..modes.balancing import BatchBalance
 from .engine import Engine, SimWorker
+
+BALANCE_EVERY = 20  # rounds between re-sizings: --balance-every's default
 
 
 class _SharedEngine(Engine):
@@ -84,3 +88,52 @@ class DDPEngine(_SharedEngine):
         self.on_round(t)
 
 
+
+
+class BalancedDDPEngine(DDPEngine):
+    """ddp+balance: each round is one global batch of the epoch's permutation of all rows,
+    each rank's share sized to its speed (``modes.balancing``, as a real run slices it),
+    measured over the last ``BALANCE_EVERY`` rounds as samples per second of simulated
+    compute. A rank's step time scales with its batch: the profile's time for the batch
+    size, per sample (a fixed per-step cost is not modelled)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        batch = self.setup.batch_size or self.task.batch_size
+        n = self.setup.workers
+        self.balance = BatchBalance(len(self.task.train), n, 0, batch, min_batch(None, batch),
+                                    BALANCE_EVERY, self.setup.seed)
+        self.data_epoch, self.row, self.order = 0, 0, self.balance.order(0)
+        self.rounds = 0
+        self.window = [[0.0, 0] for _ in range(n)]  # each rank's (seconds, samples)
+
+    def epoch(self) -> int:
+        return self.data_epoch
+
+    def on_round(self, t: float) -> None:
+        if self.row >= len(self.order):
+            if self.data_epoch + 1 >= self.setup.epochs:
+                return
+            self.data_epoch, self.row = self.data_epoch + 1, 0
+            self.order = self.balance.order(self.data_epoch)
+        ranks = self.workers[:self.setup.workers]
+        slices = self.balance.slices(self.order, self.row)
+        size = sum(len(index) for index in slices)
+        self.row += size
+        total, losses, slowest = torch.zeros_like(self.shared), 0.0, 0.0
+        for w, index, window in zip(ranks, slices, self.window):
+            grad, loss, n = self.gradient(self.shared, index)
+            total.add_(grad, alpha=n / size)  # the weighted mean: the global batch's gradient
+            losses += loss * n
+            seconds = self.step_time(w, n)
+            window[0], window[1] = window[0] + seconds, window[1] + n
+            slowest = max(slowest, seconds)
+        self.rounds += 1
+        if self.balance.due(self.rounds):
+            self.balance.resize([n / s for s, n in self.window], self.rounds)
+            self.window = [[0.0, 0] for _ in ranks]
+        allreduce = self.costs.link.ring_allreduce(self.nbytes, len(ranks))
+        self.at(t + slowest + allreduce, "applied", total, losses / size, size, len(ranks))
+
+    def summary(self) -> dict:
+        return {**super().summary(), "balance": self.balance.to_dict()}

@@ -21,12 +21,15 @@ from ..errors import ConfigError, WorkerError
 from ..run.recorder import Outcome, RunResult
 from ..run.rundir import CONFIG, RunDir, _write_json
 from ..wire.layout import Layout
-from .engine import Engine, RunSettings, VirtualRecorder, VirtualSetup, check_spec, local_steps
-from .local import AloneEngine, DDPEngine
+from .engine import (BALANCED, Engine, RunSettings, VirtualRecorder, VirtualSetup, check_spec,
+                     local_steps)
+from .local import AloneEngine, BalancedDDPEngine, DDPEngine
 from .ps import PSEngine
 
 
 def _engine_of(spec: ModeSpec) -> type:
+    if spec.command == "ddp" and spec.flags == BALANCED:
+        return BalancedDDPEngine
     return {"single": AloneEngine, "hogwild": AloneEngine, "ddp": DDPEngine,
             "ps-server": PSEngine}[spec.command]
 
