@@ -136,3 +136,9 @@ def test_a_straggler_gets_a_small_batch_and_every_row_is_trained_once(tmp_path, 
         expected += sum(b * b for b in split) / g
         sizes = changes.get(step, sizes)
     assert abs(-float(weights.sum()) - expected) < 1e-3, (-float(weights.sum()), expected)
+
+    # a resume continues: sizes start equal again, and the second epoch trains every row once
+    res = run_cli("ddp", "--resume", out, "--epochs", 2, "--progress", "off")
+    assert res.returncode == 0, res.stderr
+    again = torch.load(out / "checkpoint.pt", weights_only=True)["model"]["weight"].double()
+    assert bool((again < weights).all()) and read_json(out / "summary.json")["samples"] == 4000
