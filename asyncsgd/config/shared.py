@@ -291,7 +291,8 @@ BALANCE = (
          "samples a second of computing (a --slowdown counts as computing), gradients "
          "weighted by batch size so each update is the global batch's mean exactly; none: "
          "equal batches. E.g. --balance batch with --slowdown 1:4 gives rank 1 about a fifth "
-         "of the global batch.", type=click.Choice(["none", "batch"])),
+         "of the global batch where compute time grows with the batch. One rank: an error; "
+         "a --resume starts with equal batches again.", type=click.Choice(["none", "batch"])),
     knob("balance_every", int, 20,
          "With --balance batch: steps between re-sizings. Each measures the speeds over the "
          "steps since the last one and costs one small all-reduce, so a window of a few "
