@@ -218,7 +218,12 @@ RUN = (TASK, *DATA, MAX_SECONDS, TARGET, EVAL_EVERY, SEED, DEVICE, THREADS, OUT,
 BATCH_SIZE = knob(
     "batch_size", Optional[int], None, "Samples per step in each process.",
     type=click.IntRange(min=1), show="task's default", per_command={
-        "worker": "Samples per gradient.",
+        "worker": "Samples per gradient. Under a server's --balance batch, the server sets "
+                  "each worker's batch instead.",
+        "ps": "--balance batch: each worker's batch until the first re-sizing; the global "
+              "batch is this x --workers.",
+        "ps-job": "Samples per gradient of each worker; with --balance batch, the global "
+                  "batch is this x the workers, which the server re-cuts by their speed.",
         "compare": "Samples per step in each process or worker, single's one process "
                    "included (ddp then averages one such batch per rank into each update).",
         "simulate": "Samples per step of each simulated worker (ddp averages one such batch "
@@ -283,6 +288,31 @@ LOCAL_STEPS = knob(
                "their parameters every this many steps. 1: plain DDP."})
 
 TRAINING = (BATCH_SIZE, LR, MOMENTUM, WEIGHT_DECAY, EPOCHS, *PACING)
+
+# Speed-proportional batches in synchronous modes (LB-BSP, Chen et al. 2020): the global
+# batch is kept and cut in proportion to each worker's measured throughput.
+BALANCE = (
+    knob("balance", str, "none",
+         "Load balancing of synchronous training: none (every worker takes --batch-size), or "
+         "batch (every --balance-every steps each worker's batch is set in proportion to its "
+         "measured samples per second, keeping the global batch, --batch-size x workers; "
+         "the gradients are weighted by batch size, so each update is the mean over the "
+         "global batch). E.g. --balance batch.", type=click.Choice(["none", "batch"]),
+         per_command={
+             "ps": "Load balancing of --consistency sync rounds: none, or batch (shard 0 "
+                   "measures each worker's samples per second from its pushes and every "
+                   "--balance-every rounds sets each worker's batch in proportion, keeping "
+                   "the global batch, --batch-size x --workers; each round is the "
+                   "samples-weighted mean of its pushes, the mean over the global batch). "
+                   "Needs --consistency sync and --sync-reduce mean."}),
+    knob("balance_every", int, 20,
+         "--balance batch: steps (rounds) between re-sizings of the batches; a worker "
+         "joining or leaving re-sizes at the next one. E.g. 20.",
+         type=click.IntRange(min=1)),
+    knob("min_batch", int, 0,
+         "--balance batch: the smallest batch a worker is given, in samples; 0 means a "
+         "quarter of --batch-size (at least 1). E.g. 8.", type=click.IntRange(min=0)),
+)
 
 RunConfig = settings(
     "RunConfig", "run", "Settings of every run that evaluates a model and writes a run "
