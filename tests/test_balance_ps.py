@@ -16,6 +16,7 @@ from asyncsgd.servers.consistency import make_policy
 from asyncsgd.servers.shard import ShardConfig, ShardState
 from asyncsgd.wire.protocol import (ACK, PARAMS, PULL, PUSH, Code, Key, Message,
                                     ProtocolError, Segment, decode, encode)
+from conftest import Server, finish, read_events, read_json, worker
 
 
 def test_equal_cuts_first_then_proportional_to_samples_per_second_every_k_rounds():
@@ -169,3 +170,33 @@ def test_a_push_whose_compute_is_not_finite_seconds_is_malformed(compute):
         decode(encode(msg))
     msg.meta[Key.COMPUTE] = 0.25
     assert decode(encode(msg)).meta[Key.COMPUTE] == 0.25
+
+
+def test_a_4x_straggler_gets_a_fifth_of_the_global_batch_in_a_real_run(cli_env, tmp_path):
+    """ps-sync --balance batch, 2 workers of 32 each (a global batch of 64), worker 1 4x
+    slow. Every step of slow_counter sleeps 10 ms whatever its batch, so the first
+    re-sizing (round 20) measures 4x the samples per second on worker 0 and gives worker 1
+    a fifth of 64, about 13; with --balance-every 20 that cut lasts to the end of the epoch,
+    31 whole global batches of its 2,000 rows, every one trained: 31 x 64 samples."""
+    env = dict(cli_env, ASYNCSGD_TEST_STEP_SECONDS="0.01")
+    srv = Server(env, tmp_path / "run", "--task", "tasks_for_tests:slow_counter",
+                 "--workers", 2, "--consistency", "sync", "--balance", "batch",
+                 "--batch-size", 32, "--max-seconds", 60)
+    try:
+        procs = [worker(env, srv.address, r, 2, "--task", "tasks_for_tests:slow_counter",
+                        "--epochs", 1, "--slowdown", "1:4") for r in range(2)]
+        code, _, err = srv.wait(timeout=120)
+        results = finish(procs, timeout=60)
+    finally:
+        srv.close()
+    assert code == 0, err
+    assert all(r[0] == 0 for r in results), [r[2] for r in results]
+    summary = read_json(tmp_path / "run" / "summary.json")
+    assert summary["stopped_by"] == "workers_done", summary["stopped_by"]
+    balance = summary["balance"]
+    batches = {name[-2:]: size for name, size in balance["batches"].items()}
+    assert balance["resizes"] == 2 and sum(batches.values()) == 64, balance
+    assert 10 <= batches["r1"] <= 16, balance
+    assert (summary["updates"], summary["samples"]) == (31, 31 * 64), summary
+    evals = [e for e in read_events(tmp_path / "run") if e["event"] == "eval"]
+    assert any("batches" in e for e in evals), evals[-1]
