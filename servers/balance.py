@@ -1,8 +1,9 @@
 """Shard 0's batch sizing under ``--balance batch``: each worker's share of the global batch.
 
 A plain object (no sockets): it measures every worker's samples per compute second from its
-pushes and, every ``every`` rounds or when the live workers change, cuts the global batch in
-proportion (``core.balance.batch_sizes``). Between re-sizings the allocation is fixed, so the
+pushes and cuts the global batch in proportion (``core.balance.batch_sizes``): first in equal
+shares, then once every worker has been measured, then every ``every`` rounds and whenever
+the live workers change. Between re-sizings the allocation is fixed, so the
 workers' slices of each global step stay disjoint.
 """
 
@@ -52,11 +53,13 @@ class Balancer:
         return [self.sizes[worker], self.at[worker], self.total]
 
     def round_closed(self, live: list) -> bool:
-        """A round was applied with ``live`` workers alive: re-size when ``every`` rounds
-        have passed or the live workers changed. True when it re-sized."""
+        """A round was applied with ``live`` workers alive: re-size when the live workers
+        changed, when every one of them has first been measured (the equal first cut lasts
+        only until then), or every ``every`` rounds. True when it re-sized."""
         self.rounds += 1
         names = sorted(live)
-        if not names or (names == self.members and self.rounds % self.every):
+        first = self.resizes == 1 and all(n in self.window for n in names)
+        if not names or (names == self.members and self.rounds % self.every and not first):
             return False
         self._size(names)
         return True

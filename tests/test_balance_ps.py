@@ -9,30 +9,40 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from asyncsgd.config.modes import parse_modes
 from asyncsgd.core.balance import global_slice
+from asyncsgd.core.tasks import load_task
 from asyncsgd.errors import ConfigError
 from asyncsgd.servers.balance import Balancer
 from asyncsgd.servers.consistency import make_policy
 from asyncsgd.servers.shard import ShardConfig, ShardState
+from asyncsgd.simulator import Costs, Link, StepTime, VirtualSetup
+from asyncsgd.simulator.run import finish, prepare
 from asyncsgd.wire.protocol import (ACK, PARAMS, PULL, PUSH, Code, Key, Message,
                                     ProtocolError, Segment, decode, encode)
-from conftest import Server, finish, read_events, read_json, worker
+from conftest import Server, read_events, read_json, worker
+from conftest import finish as finish_procs
 
 
 def test_equal_cuts_first_then_proportional_to_samples_per_second_every_k_rounds():
-    bal = Balancer(per_worker=32, workers=2, every=3)
+    bal = Balancer(per_worker=32, workers=2, every=4)
     assert bal.min_batch == 8, "0: a quarter of the per-worker batch"
     assert [bal.batch_of(w, ["b", "a"]) for w in "ab"] == [[32, 0, 64], [32, 32, 64]]
-    for _ in range(3):  # a: 320 samples/s; b: 80 (4x slower), its injected wait included
-        bal.observe("a", 32, 0.1)
-        bal.observe("b", 32, 0.4)
-    assert bal.round_closed(["a", "b"]) is False and bal.round_closed(["a", "b"]) is False
-    assert bal.batch_of("b", ["a", "b"]) == [32, 32, 64], "fixed between re-sizings"
-    assert bal.round_closed(["a", "b"]) is True
+    bal.observe("a", 32, 0.1)  # 320 samples/s
+    assert bal.round_closed(["a", "b"]) is False, "b not measured yet: the equal cut stays"
+    bal.observe("b", 32, 0.4)  # 80: 4x slower, its injected wait included
+    assert bal.round_closed(["a", "b"]) is True, "every worker measured: the first cut"
     # 64 x 320/400 = 51.2 and 64 x 80/400 = 12.8: 51 and 13 (the larger remainder, b's)
     assert [bal.batch_of(w, ["a", "b"]) for w in "ab"] == [[51, 0, 64], [13, 51, 64]]
-    assert bal.report()["batches"] == {"a": 51, "b": 13}
     assert bal.report()["speeds"] == {"a": 320.0, "b": 80.0}
+    bal.observe("a", 51, 0.1)  # 510 samples/s
+    bal.observe("b", 13, 0.4)  # 32.5
+    assert bal.round_closed(["a", "b"]) is False, "round 3 of every 4"
+    assert bal.batch_of("b", ["a", "b"]) == [13, 51, 64], "fixed between re-sizings"
+    assert bal.round_closed(["a", "b"]) is True
+    # 64 x 32.5/542.5 = 3.8, below the minimum: b gets 8, a the other 56
+    assert [bal.batch_of(w, ["a", "b"]) for w in "ab"] == [[56, 0, 64], [8, 56, 64]]
+    assert bal.report()["batches"] == {"a": 56, "b": 8} and bal.report()["resizes"] == 3
 
 
 def test_the_minimum_batch_bounds_a_very_slow_worker():
@@ -174,19 +184,19 @@ def test_a_push_whose_compute_is_not_finite_seconds_is_malformed(compute):
 
 def test_a_4x_straggler_gets_a_fifth_of_the_global_batch_in_a_real_run(cli_env, tmp_path):
     """ps-sync --balance batch, 2 workers of 32 each (a global batch of 64), worker 1 4x
-    slow. Every step of slow_counter sleeps 10 ms whatever its batch, so the first
-    re-sizing (round 20) measures 4x the samples per second on worker 0 and gives worker 1
-    a fifth of 64, about 13; with --balance-every 20 that cut lasts to the end of the epoch,
-    31 whole global batches of its 2,000 rows, every one trained: 31 x 64 samples."""
+    slow. Every step of slow_counter sleeps 10 ms whatever its batch, so the re-sizing
+    after round 1 measures 4x the samples per second on worker 0 and gives worker 1 a fifth
+    of 64, about 13; with --balance-every 100 that cut lasts to the end of the epoch, 31
+    whole global batches of its 2,000 rows, every one trained: 31 x 64 samples."""
     env = dict(cli_env, ASYNCSGD_TEST_STEP_SECONDS="0.01")
     srv = Server(env, tmp_path / "run", "--task", "tasks_for_tests:slow_counter",
                  "--workers", 2, "--consistency", "sync", "--balance", "batch",
-                 "--batch-size", 32, "--max-seconds", 60)
+                 "--batch-size", 32, "--balance-every", 100, "--max-seconds", 60)
     try:
         procs = [worker(env, srv.address, r, 2, "--task", "tasks_for_tests:slow_counter",
                         "--epochs", 1, "--slowdown", "1:4") for r in range(2)]
         code, _, err = srv.wait(timeout=120)
-        results = finish(procs, timeout=60)
+        results = finish_procs(procs, timeout=60)
     finally:
         srv.close()
     assert code == 0, err
@@ -200,3 +210,22 @@ def test_a_4x_straggler_gets_a_fifth_of_the_global_batch_in_a_real_run(cli_env, 
     assert (summary["updates"], summary["samples"]) == (31, 31 * 64), summary
     evals = [e for e in read_events(tmp_path / "run") if e["event"] == "eval"]
     assert any("batches" in e for e in evals), evals[-1]
+
+
+def test_on_the_virtual_clock_balance_recovers_a_4x_stragglers_cost(tmp_path):
+    """4 workers of 1 ms steps (16 samples), worker 3 4x slow: ps-sync waits for it every
+    round; balanced, it takes 5 of the 64 samples and a round costs 1.25 ms, so the time to
+    the target is within 1.35x of unslowed ps-sync's (the bound: 64 / 52 samples a ms, 1.23x)."""
+    task = load_task("tasks_for_tests:regression")
+    times = {}
+    for mode, slow in (("ps-sync", ()), ("ps-sync", ((3, 4.0),)),
+                       ("ps-sync+balance", ((3, 4.0),))):
+        costs = Costs(StepTime(1e-3, 0.0), Link(1e9, 1e-5), 1e-10, 1000, slowdown=slow)
+        setup = VirtualSetup(workers=4, seed=0, costs=costs, epochs=1000, eval_every=0.0025,
+                             max_seconds=1.0, target=0.003, stop_at_target=True)
+        out = tmp_path / f"{mode}-{len(slow)}"
+        result = finish(prepare(task, parse_modes(mode)[0], setup, str(out), progress="off"))
+        times[mode, bool(slow)] = result.summary["time_to_target"]
+    base = times["ps-sync", False]
+    assert times["ps-sync", True] > 3 * base, times
+    assert times["ps-sync+balance", True] <= 1.35 * base, times

@@ -306,8 +306,10 @@ BALANCE = (
                    "samples-weighted mean of its pushes, the mean over the global batch). "
                    "Needs --consistency sync and --sync-reduce mean."}),
     knob("balance_every", int, 20,
-         "--balance batch: steps (rounds) between re-sizings of the batches; a worker "
-         "joining or leaving re-sizes at the next one. E.g. 20.",
+         "--balance batch: steps (rounds) between re-sizings of the batches. The first "
+         "cut is equal; it is re-sized once every worker has been measured (after its "
+         "first step), then every this many steps, and at the next step after a worker "
+         "joins or leaves. E.g. 20.",
          type=click.IntRange(min=1)),
     knob("min_batch", int, 0,
          "--balance batch: the smallest batch a worker is given, in samples; 0 means a "

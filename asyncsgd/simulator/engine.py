@@ -23,7 +23,7 @@ from .events import Scheduler
 
 
 SIMULATED = ("single, hogwild, ps-async, ps-dc-asgd, ps-ssp[:K], ps-sync, "
-             "ps-backup[:B|:auto], "
+             "ps-backup[:B|:auto], ps-sync+balance, ps-backup[:B]+balance, "
              "ddp, diloco[:H] and async-diloco[:H]")
 FLOAT_BYTES = 4
 
@@ -88,7 +88,9 @@ def local_steps(spec: ModeSpec) -> int:
 def check_spec(spec: ModeSpec, setup: VirtualSetup) -> None:
     """Refuse what the virtual clock does not model, naming what it does."""
     plain_ddp = spec.command == "ddp" and not spec.flags
-    if "+" in spec.name or not (plain_ddp or spec.command in ("single", "hogwild", "ps-server")):
+    balanced = spec.command == "ps-server" and spec.name.endswith("+balance")
+    if ("+" in spec.name and not balanced) or \
+            not (plain_ddp or spec.command in ("single", "hogwild", "ps-server")):
         raise ConfigError(f"the virtual clock does not model {spec.name}; it simulates "
                           f"{SIMULATED}")
     if setup.shards != 1:
