@@ -59,8 +59,10 @@ class Policy(ABC):
         (the ``max_pull_lead`` stat), or None when the policy does not bound it."""
         return None
 
-    def push(self, record, segments: list, seq: int, staleness: int, version: int) -> str:
-        """APPLY, GATHERED (``segments`` are summed into the open round) or STALE."""
+    def push(self, record, segments: list, seq: int, staleness: int, version: int,
+             weight: float = 1.0) -> str:
+        """APPLY, GATHERED (``segments`` are summed into the open round, ``weight`` times
+        under a weighted round) or STALE."""
         return APPLY
 
     def releasable(self, workers: dict, version: int) -> list:
@@ -121,13 +123,17 @@ class Sync(Policy):
     restored from an older checkpoint has not applied (its clock is ahead): it belongs to no
     round here, and its worker pulls and computes the round again (kill + resume then
     repeats the uninterrupted run exactly). ``backup_workers="auto"``: the round closes when
-    its ``RoundDeadline`` says (``deadline.py``)."""
+    its ``RoundDeadline`` says (``deadline.py``). ``weighted`` (--balance batch): each
+    push counts by its weight, its samples, and the round is the weighted mean, the mean
+    over all the samples of the pushes that made it."""
 
     stale_if_ahead = True
 
     def __init__(self, size: int, expected_workers: int = 1, reduce: str = "mean",
-                 backup_workers: Union[int, str] = 0):
+                 backup_workers: Union[int, str] = 0, weighted: bool = False):
         self.expected_workers = expected_workers
+        self.weighted = weighted
+        self.weight = 0.0  # the open round's weights, summed (weighted rounds)
         self.reduce = reduce
         self.backup_workers = backup_workers
         self.deadline = RoundDeadline() if backup_workers == "auto" else None
@@ -140,7 +146,8 @@ class Sync(Policy):
             return False
         return record.round_pushed is None or version > record.round_pushed
 
-    def push(self, record, segments: list, seq: int, staleness: int, version: int) -> str:
+    def push(self, record, segments: list, seq: int, staleness: int, version: int,
+             weight: float = 1.0) -> str:
         if staleness != 0 or record.round_pushed == version:
             # Computed before this round began (it was dropped and came back) or on a round
             # since lost, or a second push in one round: it must not skew the round's mean.
@@ -148,7 +155,11 @@ class Sync(Policy):
                 self.deadline.arrived(version - staleness, self.now)
             return STALE
         for seg in segments:
-            self.total[seg.offset:seg.offset + len(seg.data)].add_(seg.data)
+            if self.weighted:
+                self.total[seg.offset:seg.offset + len(seg.data)].add_(seg.data, alpha=weight)
+            else:
+                self.total[seg.offset:seg.offset + len(seg.data)].add_(seg.data)
+        self.weight += weight
         record.round_pushed = version
         self.members.append((record, seq))
         self.round = version
@@ -166,13 +177,16 @@ class Sync(Policy):
                 return None
         elif pushed < max(1, len(live) - self.backup_workers):
             return None
-        if self.reduce == "mean" and len(self.members) > 1:
+        if self.weighted:
+            self.total.div_(self.weight)
+        elif self.reduce == "mean" and len(self.members) > 1:
             self.total.div_(len(self.members))
         return self.total
 
     def next_round(self) -> list:
         members, self.members = self.members, []
         self.total.zero_()
+        self.weight = 0.0
         if self.deadline is not None:
             self.deadline.closed(self.round, self.now)
         return members
@@ -189,15 +203,19 @@ class Sync(Policy):
 
 
 def make_policy(kind: str, bound: int = 0, *, size: int, expected_workers: int = 1,
-                reduce: str = "mean", backup_workers: Union[int, str] = 0) -> Policy:
+                reduce: str = "mean", backup_workers: Union[int, str] = 0,
+                weighted: bool = False) -> Policy:
     """The policy of a parsed ``--consistency`` (``kind``: async, ssp or sync; ``bound``:
-    ssp's K) for a shard of ``size`` values."""
+    ssp's K) for a shard of ``size`` values; ``weighted``: sync rounds weighted by samples."""
     if reduce not in ("mean", "sum"):
         raise ConfigError(f"sync reduce {reduce!r}: use mean or sum")
+    if weighted and (kind != "sync" or reduce != "mean"):
+        raise ConfigError(f"--balance batch weights the pushes of sync rounds: it needs "
+                          f"--consistency sync and --sync-reduce mean, not {kind} and {reduce}")
     if kind == "async":
         return Async()
     if kind == "ssp":
         return SSP(bound, expected_workers)
     if kind == "sync":
-        return Sync(size, expected_workers, reduce, backup_workers)
+        return Sync(size, expected_workers, reduce, backup_workers, weighted)
     raise ConfigError(f"consistency {kind!r}: use async, ssp or sync")

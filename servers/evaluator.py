@@ -169,12 +169,17 @@ class Evaluator:
         updates0, t_updates0 = self._updates_mark
         rate = (obs["updates"] - updates0) / max(1e-9, now - t_updates0)
         self._updates_mark = (obs["updates"], now)
+        # --balance batch: shard 0's current cut of the global batch, worker by worker
+        batches = (self.latest[0].get("balance") or {}).get("batches") if self.latest else None
         self.recorder.evaluate(self.samples, updates=obs["updates"],
                                updates_per_second=round(rate, 1),
                                staleness_p50=obs["staleness_p50"],
-                               staleness_p99=obs["staleness_p99"])
+                               staleness_p99=obs["staleness_p99"],
+                               **({"batches": batches} if batches else {}))
         samples0, t0 = self._samples_mark
-        self.recorder.show(self.samples, (self.samples - samples0) / max(1e-9, now - t0))
+        self.recorder.show(self.samples, (self.samples - samples0) / max(1e-9, now - t0),
+                           note="batches " + "/".join(str(b) for b in batches.values())
+                           if batches else "")
         self._samples_mark = (self.samples, now)
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ The parent process is the front (``front.py``) and evaluator (``evaluator.py``);
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable, Optional
 
@@ -61,6 +62,10 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
             f"--backup-workers {cfg.backup_workers}: backup workers are those a sync round "
             f"does not wait for, so it needs --consistency sync (got {cfg.consistency}) and "
             f"fewer than --workers ({cfg.workers})")
+    if cfg.balance == "batch" and (cfg.consistency.kind != "sync" or cfg.sync_reduce != "mean"):
+        raise ConfigError(f"--balance batch sizes the batches of sync rounds: it needs "
+                          f"--consistency sync and --sync-reduce mean (got {cfg.consistency}, "
+                          f"{cfg.sync_reduce}); drop --balance for {cfg.consistency}")
     host, _ = parse_endpoint(cfg.bind, "--bind")
     keys = ServerKeys.load(cfg.curve_secret, cfg.allowed_clients)
     if cfg.audit_dir:  # each shard writes its own file there
@@ -90,7 +95,9 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
     except BaseException:
         ctx.term()
         raise
-    supervisor = ShardSupervisor.for_server(cfg, layout.flatten(model), ranges, lr, host,
+    # --balance batch: the global batch is the per-worker batch (the task's by default) x workers
+    sized = dataclasses.replace(cfg, batch_size=cfg.batch_size or task.batch_size)
+    supervisor = ShardSupervisor.for_server(sized, layout.flatten(model), ranges, lr, host,
                                             str(run.path), keys, sessions.key, beside)
     evaluator = Evaluator(model, layout, recorder)
     outcome = Outcome("workers_done")
@@ -176,6 +183,8 @@ def _summary(cfg: ServerConfig, lr: float, obs: dict, front: Front, supervisor: 
             "refused_handshakes": front.refused,
             "refused_connections": front.stats()["refused_connections"],
             "shard_restarts": supervisor.restarts,
+            **({"balance": evaluator.latest[0]["balance"]}
+               if evaluator.latest and "balance" in evaluator.latest[0] else {}),
             "lost_updates": sum(s.get("lost_updates", 0) for s in evaluator.latest),
             "wire": _wire_formats(evaluator.latest),
             "worker_bytes": {name: {"sent": sent, "received": received} for name, (sent, received)

@@ -24,6 +24,7 @@ from asyncsgd.wire.protocol import (ACK, BYE, DTYPE_NAMES, ERROR, HEARTBEAT, PAR
                                     Segment, error_message)
 from asyncsgd.wire.stats import STALENESS_BUCKETS
 
+from .balance import Balancer
 from .consistency import APPLY, STALE, live_workers, make_policy, min_live_clock
 from .dedupe import DUPLICATE, OUT_OF_WINDOW, STALE_AGAIN, Forgotten, SeqWindow
 from .rules import dc_asgd, make_rule, staleness_scale
@@ -82,6 +83,12 @@ class ShardConfig:
     # al. 2016's backup workers); the pushes that come after it are stale, never applied.
     # "auto": at an adaptive deadline (deadline.py).
     backup_workers: Union[int, str] = 0
+    # --balance batch: rounds weighted by samples; shard 0 sizes each worker's batch (of
+    # ``batch_size``, per worker, before the first re-sizing) every ``balance_every`` rounds
+    balance: str = "none"
+    balance_every: int = 20
+    min_batch: int = 0
+    batch_size: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.consistency, Consistency):
@@ -119,7 +126,14 @@ class ShardState:
         self.cfg = cfg
         self.policy = make_policy(cfg.consistency.kind, cfg.consistency.bound, size=len(params),
                                   expected_workers=cfg.expected_workers,
-                                  reduce=cfg.sync_reduce, backup_workers=cfg.backup_workers)
+                                  reduce=cfg.sync_reduce, backup_workers=cfg.backup_workers,
+                                  weighted=cfg.balance == "batch")
+        self.balancer = None  # shard 0's under --balance batch: what it tells each worker
+        if cfg.balance == "batch" and cfg.index == 0:
+            if cfg.batch_size < 1:
+                raise ConfigError("--balance batch needs each worker's --batch-size")
+            self.balancer = Balancer(cfg.batch_size, cfg.expected_workers, cfg.balance_every,
+                                     cfg.min_batch)
         self.size = len(params)
         self.max_workers = cfg.max_workers or max(256, 4 * cfg.expected_workers)
         self.max_dc_copies = cfg.max_dc_copies or max(8, 2 * cfg.expected_workers)
@@ -370,9 +384,12 @@ class ShardState:
         if dtype is not None:  # cast copies: what is pending on the views is applied first
             self.store.apply_pending()
             segments = [Segment(s.offset, s.data.to(dtype), transient=True) for s in segments]
+        meta = {Key.VERSION: self.version, Key.UPDATES: self.counters["updates"]}
+        if self.balancer is not None and record is not None:
+            meta[Key.BATCH] = self.balancer.batch_of(
+                record.worker, [w.worker for w in live_workers(self.workers)])
         return Message(type=PARAMS, shard=self.cfg.index, seq=msg.seq, clock=self.version,
-                       meta={Key.VERSION: self.version, Key.UPDATES: self.counters["updates"]},
-                       segments=segments)
+                       meta=meta, segments=segments)
 
     def _keep_copy(self, record: WorkerRecord) -> None:
         """DC-ASGD compensates a push against the parameters its worker pulled: a copy of
@@ -466,8 +483,17 @@ class ShardState:
         problem = self._check(msg, finite=not checked)
         if problem:
             return self.refuse(peer, *problem, msg)
+        weight = 1.0
+        if self.cfg.balance == "batch":  # the round weighs each push by its samples
+            weight = msg.meta.get(Key.SAMPLES)
+            if type(weight) is not int or weight < 1:
+                return self.refuse(peer, Code.BAD_FIELD, "under --balance batch a push names "
+                                   "its samples ('m.samples', at least 1)", msg)
+            if self.balancer is not None:
+                self.balancer.observe(record.worker, weight, msg.meta.get(Key.COMPUTE))
         staleness = self.version - msg.clock
-        verdict = self.policy.push(record, msg.segments, msg.seq, staleness, self.version)
+        verdict = self.policy.push(record, msg.segments, msg.seq, staleness, self.version,
+                                   weight=weight)
         if verdict == APPLY:
             return self._apply(record, msg, staleness)
         self._account(record, msg.meta, max(0, staleness))  # ahead: from a version since lost
@@ -573,6 +599,8 @@ class ShardState:
         members = self.policy.next_round()
         self.version += 1
         self.counters["updates"] += 1
+        if self.balancer is not None:  # before the pulls of the next round are answered
+            self.balancer.round_closed([w.worker for w in live_workers(self.workers)])
         acks = []
         for record, seq in members:
             if self.audit is not None:
@@ -656,6 +684,7 @@ class ShardState:
             "traffic_total": [self.traffic_forgotten[i] + sum(t[i] for t in self.traffic.values())
                               for i in range(2)],
             "restored": self.restored,
+            **({"balance": self.balancer.report()} if self.balancer is not None else {}),
         }
 
     def state_dict(self) -> dict:
@@ -670,7 +699,9 @@ class ShardState:
                 "dedupe": {w.worker: [w.incarnation, w.pushes, *w.window.state()]
                            for w in self.workers.values()},
                 # What forgotten records left behind: their old pushes stay refused.
-                "forgotten": self.forgotten.state()}
+                "forgotten": self.forgotten.state(),
+                # --balance batch: shard 0's allocation, which a resumed run continues
+                **({"balance": self.balancer.state_dict()} if self.balancer is not None else {})}
 
     def load_state_dict(self, state: dict, now: Optional[float] = None) -> None:
         """Continue from ``state``. With ``now``, the workers it names stay barrier members
@@ -693,4 +724,6 @@ class ShardState:
                 window=SeqWindow.from_state(self.cfg.dedupe_window, window))
         self.forgotten = Forgotten.from_state(self.forgotten.size, state.get("forgotten"))
         self.lost_before = self.counters["lost_updates"]
+        if self.balancer is not None:
+            self.balancer.load_state_dict(state.get("balance"))
         self.restored = {"version": self.version, "sha256": params_digest(state["params"])}

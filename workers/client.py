@@ -67,6 +67,15 @@ def _said(meta: dict, limit: int = 1000) -> str:
     return "".join(c if c.isprintable() else "?" for c in text[:limit])
 
 
+def _batch(value) -> list:
+    """Shard 0's ``batch``: [size, offset, global batch], the slice within the global batch."""
+    if type(value) is not list or len(value) != 3 or any(type(v) is not int for v in value) \
+            or not (1 <= value[0] and 0 <= value[1] and value[0] + value[1] <= value[2]):
+        raise ProtocolError(Code.BAD_FIELD, f"shard 0 sent batch {value!r:.60}, not [size, "
+                                            "offset, total] with 0 < size <= total - offset")
+    return value
+
+
 def new_incarnation() -> int:
     """Larger at every start of a worker process: its start time in milliseconds, then
     its pid (distinct for two starts in one millisecond). Shards refuse an incarnation
@@ -116,6 +125,8 @@ class PSClient:
         self.ctx = zmq.Context()
         self.seq = 0
         self.info: dict = {}  # the latest welcome: shards, instance, session token
+        # --balance batch: [size, offset, global batch] of the next step, as shard 0 said
+        self.batch: Optional[list] = None
         self._readmitting = False  # a shard did not know our session: hello sent again
         self._linger = 0  # ms close() waits for goodbyes still queued
         self._left = False  # said goodbye (bye), or heard the run is over (_farewell)
@@ -558,6 +569,8 @@ class PSClient:
             if self._intake.take(key, reply, params, start, end - start):
                 owed.discard(PARAMS)
             self.versions[i] = version
+            if i == 0 and Key.BATCH in meta:
+                self.batch = _batch(meta[Key.BATCH])
         if not owed:
             del outstanding[key]
 

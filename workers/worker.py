@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from asyncsgd.config import WorkerConfig
+from asyncsgd.core.balance import global_slice
 from asyncsgd.core.pacing import Pacer, Pacing, pace_note
 from asyncsgd.core.signature import PS_PARTITION_SEED, data_signature
 from asyncsgd.core.tasks import epoch_order, partition_indices, task_of
@@ -233,6 +234,8 @@ class _Loop:
     def run(self) -> WorkerResult:
         self.client.push_pull(None, self.flat_params)
         self._pulled()
+        if self.client.batch is not None:
+            return self._run_balanced()
         per_epoch = -(-len(self.part) // self.batch_size)
         order, ordered = None, None  # the batches of epoch ``ordered``
         while self.position < per_epoch * self.cfg.epochs:
@@ -244,6 +247,27 @@ class _Loop:
             self.position += 1
             self._step(order[batch * self.batch_size:(batch + 1) * self.batch_size])
         return self._finish()
+
+    def _run_balanced(self) -> WorkerResult:
+        """--balance batch on the server: each step's rows are this worker's slice of the
+        global batch of the round it pulled (shard 0's version), cut from one permutation
+        of all training rows per epoch that every worker draws alike."""
+        if self.cfg.local_steps > 1 or self.cfg.push_every > 1:
+            raise ConfigError("the server balances batches (--balance batch): each push is one "
+                              "batch's gradient, so drop --local-steps and --push-every")
+        rows = len(self.task.train)
+        every = partition_indices(rows, 1, 0, PS_PARTITION_SEED)
+        order, ordered = None, None
+        while True:
+            size, offset, total = self.client.batch
+            epoch, start, end = global_slice(self.client.versions[0], rows, total, offset, size)
+            if epoch >= self.cfg.epochs:
+                return self._finish()
+            if ordered != epoch:
+                order, ordered = epoch_order(every, PS_PARTITION_SEED, 0, epoch), epoch
+            if self.out_of_time():
+                return self._finish()
+            self._step(order[start:end])
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -285,7 +309,7 @@ class _Loop:
 
     def _push(self) -> None:
         meta = {Key.LOSS: self.loss_sum / max(1, self.loss_steps), Key.SAMPLES: self.unpushed,
-                Key.TRAFFIC: self._traffic()}
+                Key.TRAFFIC: self._traffic(), Key.COMPUTE: self.computed}
         if self.anchor is not None:  # the pseudo-gradient: pulled minus local parameters
             grads = self.anchor.sub_(self.flat_params)
         else:
@@ -301,7 +325,10 @@ class _Loop:
 
     def _show(self, force: bool = False) -> None:
         elapsed = self.elapsed()
-        self.progress.note(pace_note(self.pacer.computed, self.pacer.waited, self.pacer.span))
+        note = pace_note(self.pacer.computed, self.pacer.waited, self.pacer.span)
+        if self.client.batch is not None:  # the batch the server gives it (--balance batch)
+            note = f"batch {self.client.batch[0]}" + (f", {note}" if note else "")
+        self.progress.note(note)
         self.progress.update(elapsed, self.samples, self.samples / max(1e-9, elapsed), force=force)
 
     def _traffic(self) -> list:

@@ -63,7 +63,7 @@ def parse_modes(text: str) -> list:
                               "async-diloco:H), ddp+balance, ddp+fp16, ddp+bf16, ddp+powersgd (or "
                               "ddp+powersgd:RANK), ddp-local (or ddp-local:H); a "
                               "parameter-server mode +bf16, +fp16, +int8 or +topk:RATIO "
-                              "(ps-async+int8)")
+                              "(ps-async+int8); ps-sync+balance or ps-backup:B+balance")
         if name in seen:
             raise ConfigError(f"--modes: {name} is listed twice; use --repeats to run it again")
         seen.add(name)
@@ -79,6 +79,8 @@ def _mode(name: str) -> Optional[ModeSpec]:
         found = re.fullmatch(pattern + r"(?::(\d+))?", name)
         return None if found is None else int(found.group(1) or default)
 
+    if name.endswith("+balance") and not name.startswith("ddp"):
+        return _balanced(name)
     if "+" in name and not name.startswith("ddp"):  # a PS mode, compressed: ps-async+int8
         base, _, wire = name.partition("+")
         spec, flags = _mode(base), WIRE_FLAGS.get(wire)
@@ -116,6 +118,16 @@ def _mode(name: str) -> Optional[ModeSpec]:
             return ModeSpec(name, "ps-server", consistency, optimizer=rule, flags=OUTER,
                             worker_flags=("--local-steps", str(steps)))
     return None
+
+
+def _balanced(name: str) -> Optional[ModeSpec]:
+    """ps-sync+balance, ps-backup:B+balance: sync rounds whose batches shard 0 sizes to
+    each worker's speed (--balance batch); None for any other mode."""
+    spec = _mode(name[:-len("+balance")])
+    if spec is None or spec.command != "ps-server" or spec.consistency != "sync" \
+            or spec.worker_flags:
+        return None
+    return dataclasses.replace(spec, name=name, flags=spec.flags + ("--balance", "batch"))
 
 
 def parse_mode_args(items: tuple, specs: list) -> dict:

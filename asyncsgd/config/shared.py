@@ -218,7 +218,12 @@ RUN = (TASK, *DATA, MAX_SECONDS, TARGET, EVAL_EVERY, SEED, DEVICE, THREADS, OUT,
 BATCH_SIZE = knob(
     "batch_size", Optional[int], None, "Samples per step in each process.",
     type=click.IntRange(min=1), show="task's default", per_command={
-        "worker": "Samples per gradient.",
+        "worker": "Samples per gradient. Under a server's --balance batch, the server sets "
+                  "each worker's batch instead.",
+        "ps": "--balance batch: each worker's batch until the first re-sizing; the global "
+              "batch is this x --workers.",
+        "ps-job": "Samples per gradient of each worker; with --balance batch, the global "
+                  "batch is this x the workers, which the server re-cuts by their speed.",
         "compare": "Samples per step in each process or worker, single's one process "
                    "included (ddp then averages one such batch per rank into each update).",
         "simulate": "Samples per step of each simulated worker (ddp averages one such batch "
@@ -292,12 +297,24 @@ BALANCE = (
          "weighted by batch size so each update is the global batch's mean exactly; none: "
          "equal batches. E.g. --balance batch with --slowdown 1:4 gives rank 1 about a fifth "
          "of the global batch where compute time grows with the batch. One rank: an error; "
-         "a --resume starts with equal batches again.", type=click.Choice(["none", "batch"])),
+         "a --resume starts with equal batches again.", type=click.Choice(["none", "batch"]),
+         per_command={
+             "ps": "Load balancing of --consistency sync rounds: none, or batch (shard 0 "
+                   "measures each worker's samples per second from its pushes and every "
+                   "--balance-every rounds sets each worker's batch in proportion, keeping "
+                   "the global batch, --batch-size x --workers; each round is the "
+                   "samples-weighted mean of its pushes, the mean over the global batch). "
+                   "Needs --consistency sync and --sync-reduce mean."}),
     knob("balance_every", int, 20,
          "With --balance batch: steps between re-sizings. Each measures the speeds over the "
          "steps since the last one and costs one small all-reduce, so a window of a few "
          "steps is noisy and a long one reacts late; e.g. 20.", type=click.IntRange(min=1),
-         metavar="STEPS"),
+         metavar="STEPS",
+         per_command={
+             "ps": "With --balance batch: rounds between re-sizings of the batches. The first "
+                   "cut is equal; it is re-sized once every worker has been measured (after "
+                   "its first step), then every this many rounds, and at the next round after "
+                   "a worker joins or leaves. E.g. 20."}),
     knob("min_batch", Optional[int], None,
          "With --balance batch: no worker's batch goes below this many samples, however slow "
          "it is (the others share the rest in proportion to speed); e.g. 4.",

@@ -80,3 +80,15 @@ def local_steps(speeds: Sequence[float], fastest: int) -> List[int]:
         raise ValueError(f"the fastest worker's local steps, {fastest}: at least 1")
     top = max(speeds)
     return [max(1, min(fastest, int(round(fastest * s / top)))) for s in speeds]
+
+
+def global_slice(step: int, rows: int, global_batch: int, offset: int, size: int) -> tuple:
+    """``(epoch, start, end)``: the rows of one worker's batch at global ``step``, as
+    positions in that epoch's permutation of all ``rows`` training rows. Step s of an epoch
+    is the global batch [s*B, (s+1)*B); the worker takes [s*B + offset, s*B + offset + size).
+    An epoch is ``rows // B`` whole global batches (at least 1): the last ``rows % B`` rows
+    of each epoch's permutation, a different few every epoch, wait for a later epoch."""
+    per_epoch = max(1, rows // global_batch)
+    epoch, k = divmod(step, per_epoch)
+    start = min(k * global_batch + offset, rows)
+    return epoch, start, min(start + size, rows)

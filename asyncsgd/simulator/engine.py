@@ -23,7 +23,7 @@ from .events import Scheduler
 
 
 SIMULATED = ("single, hogwild, ps-async, ps-dc-asgd, ps-ssp[:K], ps-sync, "
-             "ps-backup[:B|:auto], "
+             "ps-backup[:B|:auto], ps-sync+balance, ps-backup[:B]+balance, "
              "ddp, ddp+balance, diloco[:H] and async-diloco[:H]")
 BALANCED = ("--balance", "batch")  # ddp+balance's flags
 FLOAT_BYTES = 4
@@ -88,8 +88,8 @@ def local_steps(spec: ModeSpec) -> int:
 
 def check_spec(spec: ModeSpec, setup: VirtualSetup) -> None:
     """Refuse what the virtual clock does not model, naming what it does."""
+    balanced = spec.name.endswith("+balance") and spec.command in ("ddp", "ps-server")
     plain_ddp = spec.command == "ddp" and spec.flags in ((), BALANCED)
-    balanced = spec.flags == BALANCED
     if ("+" in spec.name and not balanced) or not (plain_ddp or spec.command in (
             "single", "hogwild", "ps-server")):
         raise ConfigError(f"the virtual clock does not model {spec.name}; it simulates "

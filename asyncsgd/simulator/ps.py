@@ -4,12 +4,16 @@ real ``ShardState``; the server's link and its applies queue in arrival order.""
 from __future__ import annotations
 
 from collections import Counter
+from typing import Optional
 
 import torch
 
 from asyncsgd.servers.shard import ShardConfig, ShardState
 
 from ..config import ServerConfig
+from ..core.balance import global_slice
+from ..core.signature import PS_PARTITION_SEED
+from ..core.tasks import epoch_order, partition_indices
 from ..errors import WorkerError
 from ..run.digests import DIGESTS, DigestLog
 from ..wire.protocol import BYE, ERROR, PARAMS, PULL, PUSH, Code, Key, Message, Segment
@@ -33,12 +37,19 @@ class PSEngine(Engine):
             hyper["period"] = self.setup.workers
         self.H = local_steps(self.spec)
         server_lr = float(flags["--lr"]) if "--lr" in flags else self.lr
+        # --balance batch: shard 0 cuts the global batch by speed; a step's time is per sample
+        self.batch = self.setup.batch_size or self.task.batch_size
+        self.balance = flags.get("--balance", "none")
+        self.orders: dict = {}  # epoch -> its permutation of all training rows (balanced)
         self.state = ShardState(ShardConfig(
             index=0, start=0, end=len(self.flat), rule=self.spec.optimizer, lr=server_lr,
             hyper=hyper, consistency=self.spec.consistency or "async",
             expected_workers=self.setup.workers, heartbeat_timeout=float("inf"),
             sync_reduce=server.sync_reduce, backup_workers=self.spec.backup_workers,
-            dc_lambda=float(flags["--dc-asgd"]) if "--dc-asgd" in flags else None),
+            dc_lambda=float(flags["--dc-asgd"]) if "--dc-asgd" in flags else None,
+            balance=self.balance, batch_size=self.batch,
+            balance_every=int(flags.get("--balance-every", server.balance_every)),
+            min_batch=int(flags.get("--min-batch", server.min_batch or 0))),
             self.flat.detach().clone())
         # the staleness of every push the shard took, uncapped: the shard's histogram ends
         # at 63, and 256 async workers see about 255
@@ -111,7 +122,7 @@ class PSEngine(Engine):
         self.egress = start + self.nbytes / self.link.bandwidth
         self.bytes += self.nbytes
         self.at(self.egress + self.link.latency, "pulled", self.by_peer[peer], params,
-                reply.meta[Key.VERSION])
+                reply.meta[Key.VERSION], reply.meta.get(Key.BATCH))
 
     def set_deadline(self, t: float) -> None:
         """A sync round with a deadline (--backup-workers auto) closes at that virtual time,
@@ -131,13 +142,35 @@ class PSEngine(Engine):
             self.trace.append(("deadline", t, wake, self.state.version > version))
         self.set_deadline(t)
 
-    def on_pulled(self, t: float, w: SimWorker, params: torch.Tensor, version: int) -> None:
+    def balanced_batch(self, w: SimWorker, version: int, batch: list):
+        """Under --balance batch: ``w``'s rows of the global batch of round ``version`` (as
+        the real worker slices them), or None after the last epoch."""
+        size, offset, total = batch
+        rows = len(self.task.train)
+        epoch, start, end = global_slice(version, rows, total, offset, size)
+        if epoch >= self.setup.epochs:
+            return None
+        if epoch not in self.orders:
+            self.orders = {epoch: epoch_order(partition_indices(rows, 1, 0, PS_PARTITION_SEED),
+                                              PS_PARTITION_SEED, 0, epoch)}
+        w.epoch = epoch
+        return self.orders[epoch][start:end]
+
+    def on_pulled(self, t: float, w: SimWorker, params: torch.Tensor, version: int,
+                  batch: Optional[list] = None) -> None:
         """New parameters reached ``w``: it computes its next push from them, for real."""
         if w.gone:
             return
         if self.trace is not None:
             self.trace.append(("pulled", t, w.rank))
-        if self.H > 1:
+        if batch is not None:
+            index = self.balanced_batch(w, version, batch)
+            samples = 0
+            if index is not None and len(index):
+                grad, loss, samples = self.gradient(params, index)
+                # the profile's step time is of --batch-size samples: this step's scales
+                seconds = self.step_time(w) * samples / self.batch
+        elif self.H > 1:
             # --local-steps H: H inner SGD steps on its own copy, then the pseudo-gradient
             local, seconds, samples, losses, steps = params.clone(), 0.0, 0, 0.0, 0
             for _ in range(self.H):
@@ -159,16 +192,16 @@ class PSEngine(Engine):
         if not samples:
             self.leave(t, w)
             return
-        self.at(t + seconds, "push", w, grad, version, loss, samples)
+        self.at(t + seconds, "push", w, grad, version, loss, samples, seconds)
 
     def on_push(self, t: float, w: SimWorker, grad: torch.Tensor, version: int, loss: float,
-                samples: int) -> None:
+                samples: int, seconds: float) -> None:
         if w.gone:
             return  # it left while computing: its step is lost
         w.seq += 1
         self.send(t, w, Message(type=PUSH, worker=w.name, incarnation=1, seq=w.seq, shard=0,
                                 clock=version, meta={Key.PULL: True, Key.SAMPLES: samples,
-                                                     Key.LOSS: loss},
+                                                     Key.LOSS: loss, Key.COMPUTE: seconds},
                                 segments=[Segment(0, grad)]), self.nbytes)
 
     def leave(self, t: float, w: SimWorker) -> None:
@@ -210,6 +243,8 @@ class PSEngine(Engine):
                 "staleness_mean": (sum(k * n for k, n in enumerate(uncapped)) / pushes
                                    if pushes else None),
                 "stale_pushes": self.state.counters["stale"],
+                **({"balance": self.state.balancer.report()}
+                   if self.state.balancer is not None else {}),
                 "consistency": str(self.state.cfg.consistency)}
 
 

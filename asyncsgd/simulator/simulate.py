@@ -58,13 +58,15 @@ def check_modes(specs: list) -> None:
     the bytes on the wire or DDP's communication (+int8, +topk, +bf16, +fp16, ddp's comm
     hooks and post-local SGD) has no cost model here."""
     for spec in specs:
-        modelled = spec.name == "ddp+balance"  # batches sized to speed: no wire change
-        if ("+" in spec.name and not modelled) or spec.name.startswith("ddp-local"):
+        # batches sized to speed change no traffic: modelled
+        balanced = spec.name.endswith("+balance") and spec.command in ("ddp", "ps-server")
+        if ("+" in spec.name and not balanced) or spec.name.startswith("ddp-local"):
             raise ConfigError(f"--modes: the virtual clock does not model {spec.name} (no cost "
                               "model for compressed or cast traffic, DDP's comm hooks or "
                               "post-local SGD); simulate single, hogwild, ps-async, "
                               "ps-dc-asgd, ps-ssp[:K], "
-                              "ps-sync, ps-backup[:B|:auto], ddp, ddp+balance, diloco[:H] or "
+                              "ps-sync, ps-backup[:B|:auto] (each +balance), ddp, "
+                              "ddp+balance, diloco[:H] or "
                               "async-diloco[:H], "
                               "or run it with the real clock")
 

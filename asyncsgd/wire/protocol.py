@@ -45,9 +45,13 @@ class Key:
     OBSERVER, PULL_DTYPE = "observer", "pull_dtype"
     # params (and PART, PARTS of a message sent in parts)
     VERSION, UPDATES, ACK = "version", "updates", "ack"
+    # params of shard 0 under --balance batch: [size, offset, global batch] of the next step
+    BATCH = "batch"
     PART, PARTS = "part", "parts"
     # push; TRAFFIC: [bytes sent, bytes received] by the worker since its previous push
     LOSS, SAMPLES, PULL, TRAFFIC = "loss", "samples", "pull", "traffic"
+    # push: seconds of computation behind it (a straggler's injected slowdown included)
+    COMPUTE = "compute"
     # ack
     APPLIED, STALENESS, DUPLICATE, STALE = "applied", "staleness", "duplicate", "stale"
     # error
@@ -237,6 +241,8 @@ _FLAG = ("a boolean", (bool,), None)
 _COUNT = (f"an integer in [0, {_I63}]", (int,), lambda v: 0 <= v <= _I63)
 _NUMBER = ("a number", (int, float), None)
 _TEXT = ("a string", (str,), None)
+_SECONDS = ("a finite number of seconds, at least 0", (int, float),
+            lambda v: math.isfinite(v) and v >= 0)
 _PAIR = (f"a list of two integers in [0, {_I63}]", (list,),
          lambda v: len(v) == 2 and type(v[0]) is int and type(v[1]) is int
          and 0 <= v[0] <= _I63 and 0 <= v[1] <= _I63)
@@ -250,7 +256,7 @@ META_FIELDS = {
     HELLO: {Key.RANK: _COUNT, Key.WORLD: _COUNT, Key.REJOIN: _FLAG, Key.HOST: _TEXT},
     PULL: {Key.OBSERVER: _FLAG, Key.PULL_DTYPE: _TEXT},
     PUSH: {Key.LOSS: _NUMBER, Key.SAMPLES: _COUNT, Key.TRAFFIC: _PAIR, Key.PULL: _FLAG,
-           Key.PULL_DTYPE: _TEXT, Key.PART: _COUNT, Key.PARTS: _COUNT},
+           Key.PULL_DTYPE: _TEXT, Key.PART: _COUNT, Key.PARTS: _COUNT, Key.COMPUTE: _SECONDS},
 }
 
 
