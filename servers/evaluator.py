@@ -169,10 +169,13 @@ class Evaluator:
         updates0, t_updates0 = self._updates_mark
         rate = (obs["updates"] - updates0) / max(1e-9, now - t_updates0)
         self._updates_mark = (obs["updates"], now)
+        # --local-steps auto: each worker's H as shard 0 last set it
+        dylu = {"local_steps": self.latest[0]["local_steps"]} \
+            if self.latest[0].get("local_steps") else {}
         self.recorder.evaluate(self.samples, updates=obs["updates"],
                                updates_per_second=round(rate, 1),
                                staleness_p50=obs["staleness_p50"],
-                               staleness_p99=obs["staleness_p99"])
+                               staleness_p99=obs["staleness_p99"], **dylu)
         samples0, t0 = self._samples_mark
         self.recorder.show(self.samples, (self.samples - samples0) / max(1e-9, now - t0))
         self._samples_mark = (self.samples, now)

@@ -48,6 +48,9 @@ class Key:
     PART, PARTS = "part", "parts"
     # push; TRAFFIC: [bytes sent, bytes received] by the worker since its previous push
     LOSS, SAMPLES, PULL, TRAFFIC = "loss", "samples", "pull", "traffic"
+    # COMPUTE: seconds of computation behind this push; AUTO_STEPS: --local-steps auto's H,
+    # LOCAL_STEPS: the steps behind it (in shard 0's ack: the H to run next; PROTOCOL.md, DyLU)
+    COMPUTE, AUTO_STEPS, LOCAL_STEPS = "compute", "auto_steps", "local_steps"
     # ack
     APPLIED, STALENESS, DUPLICATE, STALE = "applied", "staleness", "duplicate", "stale"
     # error
