@@ -13,6 +13,7 @@ from asyncsgd.modes.ddp_hooks import check_hooks
 from asyncsgd.servers.dylu import DyLU
 from asyncsgd.servers.shard import ShardConfig, ShardState
 from asyncsgd.wire.protocol import ACK, ERROR, PARAMS, PULL, PUSH, Key, Message, Segment
+from conftest import finish, read_events, read_json, worker
 
 
 def test_h_follows_the_measured_speeds_4_to_1_with_h_8_gives_8_and_2():
@@ -122,3 +123,23 @@ def test_a_bad_local_steps_is_a_clear_error(text):
 def test_ddp_refuses_auto_local_steps():
     with pytest.raises(ConfigError, match="auto.* is for the parameter server's workers"):
         check_hooks(DDPConfig(local_steps="auto:8"), "gloo")
+
+
+def test_a_real_4x_straggler_of_2_runs_a_quarter_of_the_local_steps(server, cli_env):
+    """DiLoCo (sync) with --local-steps auto:8, rank 1 slowed 4x, every step 10 ms: shard 0
+    measures 4:1 and sets H 8 and 2, as the server's evaluations record."""
+    env = dict(cli_env, ASYNCSGD_TEST_STEP_SECONDS="0.01")
+    srv = server("--task", "tasks_for_tests:slow_counter", "--samples", 4000, "--workers", 2,
+                 "--consistency", "sync", "--optimizer", "nesterov", "--lr", 0.7,
+                 "--momentum", 0.9, "--eval-every", 0.25)
+    procs = [worker(env, srv.address, r, 2, "--task", "tasks_for_tests:slow_counter",
+                    "--samples", 4000, "--local-steps", "auto:8", "--slowdown", "1:4",
+                    "--max-seconds", 3) for r in range(2)]
+    results = finish(procs, timeout=60)
+    code, _, err = srv.wait()
+    assert code == 0, err
+    assert all(c == 0 for c, _, _ in results), results
+    told = [{name[-3:]: steps for name, steps in e["local_steps"].items()}
+            for e in read_events(srv.out) if "local_steps" in e]
+    assert {"-r0": 8, "-r1": 2} in told, told
+    assert "local_steps" in read_json(srv.out / "summary.json")
