@@ -14,6 +14,7 @@ from asyncsgd.servers.dylu import DyLU
 from asyncsgd.servers.shard import ShardConfig, ShardState
 from asyncsgd.wire.protocol import ACK, ERROR, PARAMS, PULL, PUSH, Key, Message, Segment
 from conftest import finish, read_events, read_json, worker
+from test_simulator import MS, _costs, _setup, _traced
 
 
 def test_h_follows_the_measured_speeds_4_to_1_with_h_8_gives_8_and_2():
@@ -143,3 +144,21 @@ def test_a_real_4x_straggler_of_2_runs_a_quarter_of_the_local_steps(server, cli_
             for e in read_events(srv.out) if "local_steps" in e]
     assert {"-r0": 8, "-r1": 2} in told, told
     assert "local_steps" in read_json(srv.out / "summary.json")
+
+
+@pytest.mark.parametrize("mode", ["diloco:8", "diloco:auto:8"])
+def test_on_the_virtual_clock_dylu_cuts_the_rounds_wait_for_a_4x_straggler(tmp_path, mode):
+    """4 workers, steps of 1 ms, worker 3 four times slower. diloco:8: every round waits
+    for its 8 x 4 ms, 37.4 ms between worker 0's pulls, 29.4 of them idle. diloco:auto:8: after
+    the first round shard 0 sets H 8, 8, 8, 2, the straggler computes 8 ms as the others do,
+    and rounds take 13.4 ms: the 24 ms it saved, exactly."""
+    setup = _setup(workers=4, costs=_costs(slowdown=((3, 4.0),)), max_seconds=0.1)
+    engine, result = _traced(tmp_path, mode, setup)
+    pulls = [t / MS for what, t, rank, *_ in engine.trace if what == "pulled" and rank == 0]
+    gaps = {round(b - a, 6) for a, b in zip(pulls[1:], pulls[2:])}  # after the first round
+    if mode == "diloco:8":
+        assert gaps == {37.4} and "local_steps" not in result.summary
+    else:
+        assert gaps == {13.4}
+        assert result.summary["local_steps"] == {"sim-r0": 8, "sim-r1": 8, "sim-r2": 8,
+                                                 "sim-r3": 2}
