@@ -50,7 +50,12 @@ def read(meta: dict) -> Optional[tuple]:
 
 
 class DyLU:
-    """Each worker's steps a second, from its pushes, and the local steps it runs next."""
+    """Each worker's steps a second, from its pushes, and the local steps it runs next.
+
+    It sizes steps only: a sync round still takes the plain mean of the pseudo-gradients.
+    One over fewer steps is about that much shorter already, so each worker's samples
+    count in proportion; weighting it by its steps too would discount them twice (DyLU,
+    Liu et al. 2024, sizes the steps and applies each pseudo-gradient as it comes)."""
 
     def __init__(self):
         self.speeds: dict = {}  # worker -> steps a second over its latest push
