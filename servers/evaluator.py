@@ -171,11 +171,14 @@ class Evaluator:
         self._updates_mark = (obs["updates"], now)
         # --balance batch: shard 0's current cut of the global batch, worker by worker
         batches = (self.latest[0].get("balance") or {}).get("batches") if self.latest else None
+        # --local-steps auto: each worker's H as shard 0 last set it
+        dylu = {"local_steps": self.latest[0]["local_steps"]} \
+            if self.latest and self.latest[0].get("local_steps") else {}
         self.recorder.evaluate(self.samples, updates=obs["updates"],
                                updates_per_second=round(rate, 1),
                                staleness_p50=obs["staleness_p50"],
                                staleness_p99=obs["staleness_p99"],
-                               **({"batches": batches} if batches else {}))
+                               **({"batches": batches} if batches else {}), **dylu)
         samples0, t0 = self._samples_mark
         self.recorder.show(self.samples, (self.samples - samples0) / max(1e-9, now - t0),
                            note="batches " + "/".join(str(b) for b in batches.values())

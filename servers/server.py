@@ -176,7 +176,10 @@ def _summary(cfg: ServerConfig, lr: float, obs: dict, front: Front, supervisor: 
     # missed a round), acknowledged and not applied; summed over shards, as updates are
     stale = {} if cfg.consistency.kind != "sync" else {
         "stale_pushes": sum(s.get("stale", 0) for s in evaluator.latest)}
-    return {**dc, **stale, "updates": obs["updates"], "staleness_p50": obs["staleness_p50"],
+    # --local-steps auto: each worker's H as shard 0 last set it (DyLU)
+    dylu = {"local_steps": evaluator.latest[0]["local_steps"]} \
+        if evaluator.latest and evaluator.latest[0].get("local_steps") else {}
+    return {**dc, **stale, **dylu, "updates": obs["updates"], "staleness_p50": obs["staleness_p50"],
             "staleness_p99": obs["staleness_p99"], "staleness_hist": obs["staleness_hist"],
             "shards": len(supervisor.settings), "consistency": cfg.consistency,
             "optimizer": cfg.optimizer, "lr": lr, "workers_joined": sorted(front.joined),

@@ -27,6 +27,7 @@ from asyncsgd.wire.stats import STALENESS_BUCKETS
 from .balance import Balancer
 from .consistency import APPLY, STALE, live_workers, make_policy, min_live_clock
 from .dedupe import DUPLICATE, OUT_OF_WINDOW, STALE_AGAIN, Forgotten, SeqWindow
+from .dylu import DyLU, read as read_dylu
 from .rules import dc_asgd, make_rule, staleness_scale
 from .store import ParamStore
 from .streams import PushStreams
@@ -163,6 +164,7 @@ class ShardState:
         self._unsettled: Optional[tuple] = None
         # --audit-dir: called (worker, incarnation, seq, version after) per push applied
         self.audit: Optional[Callable[[str, int, int, int], None]] = None
+        self.dylu = DyLU()  # --local-steps auto: each worker's H, shard 0's to decide
         self._handlers = {HEARTBEAT: self._on_heartbeat, BYE: self._on_bye,
                           PULL: self._on_pull, PUSH: self._on_push}
 
@@ -480,7 +482,7 @@ class ShardState:
                 f"push {msg.seq} is at or below {record.window.floor}, the oldest sequence "
                 f"number shard {self.cfg.index} has forgotten: it cannot tell whether it was "
                 "applied, so it applies nothing"), msg)
-        problem = self._check(msg, finite=not checked)
+        problem = self._check(msg, finite=not checked) or self._note_speed(record, msg.meta)
         if problem:
             return self.refuse(peer, *problem, msg)
         weight = 1.0
@@ -522,7 +524,7 @@ class ShardState:
         if self.audit is not None:
             self.audit(record.worker, record.incarnation, msg.seq, self.version)
         ack = Message(type=ACK, shard=self.cfg.index, seq=msg.seq, clock=self.version,
-                      meta={Key.APPLIED: True, Key.STALENESS: staleness})
+                      meta={Key.APPLIED: True, Key.STALENESS: staleness, **self._told(record)})
         self._unsettled = (record, msg.seq, msg.meta, staleness)
         if at_once and self.settle_later:
             return [(record.peer, ack)]
@@ -610,8 +612,28 @@ class ShardState:
             # To the peer it spoke from last: a retry may have come on a new connection.
             acks.append((record.peer, Message(type=ACK, shard=self.cfg.index, seq=seq,
                                               clock=self.version,
-                                              meta={Key.APPLIED: True, Key.STALENESS: 0})))
+                                              meta={Key.APPLIED: True, Key.STALENESS: 0,
+                                                    **self._told(record)})))
         return acks + self._release()
+
+    # ---- DyLU: local steps sized to speed (dylu.py) ----------------------------------
+
+    def _note_speed(self, record: WorkerRecord, meta: dict) -> Optional[tuple]:
+        """Check a push's DyLU fields (every shard); shard 0 notes its worker's speed."""
+        try:
+            said = read_dylu(meta)
+        except ProtocolError as exc:
+            return exc.code, str(exc)
+        if said is not None and self.cfg.index == 0:
+            self.dylu.note(record.worker, *said)
+        return None
+
+    def _told(self, record: WorkerRecord) -> dict:
+        """What shard 0's ack tells an auto worker: the H it runs next."""
+        if self.cfg.index or record.worker not in self.dylu.fastest:
+            return {}
+        live = [w.worker for w in live_workers(self.workers)]
+        return {Key.LOCAL_STEPS: self.dylu.steps_for(record.worker, live)}
 
     # ---- metrics the workers report -------------------------------------------------
 
@@ -685,6 +707,8 @@ class ShardState:
                               for i in range(2)],
             "restored": self.restored,
             **({"balance": self.balancer.report()} if self.balancer is not None else {}),
+            "local_steps": {w.worker: self.dylu.assigned[w.worker] for w in recent
+                            if w.worker in self.dylu.assigned},
         }
 
     def state_dict(self) -> dict:

@@ -76,6 +76,14 @@ def _batch(value) -> list:
     return value
 
 
+def _told_steps(value) -> int:
+    """Shard 0's ``local_steps`` (DyLU), checked as any reply field the worker acts on."""
+    if type(value) is not int or not 1 <= value <= 1 << 20:
+        raise ProtocolError(Code.BAD_FIELD, f"shard 0 sent local_steps {value!r:.40}, not a "
+                                            "whole number in [1, 2**20]")
+    return value
+
+
 def new_incarnation() -> int:
     """Larger at every start of a worker process: its start time in milliseconds, then
     its pid (distinct for two starts in one millisecond). Shards refuse an incarnation
@@ -128,6 +136,7 @@ class PSClient:
         # --balance batch: [size, offset, global batch] of the next step, as shard 0 said
         self.batch: Optional[list] = None
         self._readmitting = False  # a shard did not know our session: hello sent again
+        self.local_steps: Optional[int] = None  # --local-steps auto: the H shard 0 last set
         self._linger = 0  # ms close() waits for goodbyes still queued
         self._left = False  # said goodbye (bye), or heard the run is over (_farewell)
         # bytes: every frame this worker's sockets sent and received (headers included;
@@ -558,6 +567,8 @@ class PSClient:
             if ACK in owed and self.audit is not None:
                 self.audit.acked(reply.seq, i, ack)
             owed.discard(ACK)
+            if i == 0 and Key.LOCAL_STEPS in ack:  # DyLU: shard 0 sized this worker's H
+                self.local_steps = _told_steps(ack[Key.LOCAL_STEPS])
             if ack.get(Key.DUPLICATE):
                 self.stats["duplicate_acks"] += 1
         if kind == PARAMS:

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from asyncsgd.config import WorkerConfig
+from asyncsgd.config import WorkerConfig, parse_local_steps
 from asyncsgd.core.balance import global_slice
 from asyncsgd.core.pacing import Pacer, Pacing, pace_note
 from asyncsgd.core.signature import PS_PARTITION_SEED, data_signature
@@ -130,7 +130,8 @@ def run_worker(cfg: WorkerConfig, seen: Optional[list] = None,
         raise ConfigError("--transport shared moves float32 through memory: compressed "
                           "pushes or pulls (--compress, --push-dtype, --pull-dtype) need "
                           "--transport tcp or auto")
-    if cfg.local_steps > 1 and cfg.push_every > 1:
+    auto, steps = parse_local_steps(cfg.local_steps)
+    if (auto or steps > 1) and cfg.push_every > 1:
         raise ConfigError(f"--local-steps {cfg.local_steps} and --push-every {cfg.push_every}: "
                           "choose one (--local-steps pushes the change of the parameters, "
                           "--push-every the sum of the gradients)")
@@ -207,11 +208,16 @@ class _Loop:
             layout.bind(model, self.flat_params, self.flat_grads)
         self.accum = torch.zeros(layout.total) if cfg.push_every > 1 else None
         self.local_lr = cfg.local_lr or task.lr
+        # --local-steps H, or auto:H (DyLU): then H is what shard 0 last set, from its next
+        # push on; until shard 0 has measured this worker, the fastest's H
+        self.auto, self.fastest = parse_local_steps(cfg.local_steps)
+        self.H = self.fastest
+        self.local_done = 0  # local steps since the last push
         # --local-steps: the inner optimizer steps the flat parameters themselves, and
         # ``anchor`` keeps the pulled ones (the pseudo-gradient is computed into it)
         self.inner = (inner_optimizer(cfg.inner_optimizer, self.flat_params, self.flat_grads,
                                       self.local_lr, cfg.inner_weight_decay)
-                      if cfg.local_steps > 1 else None)
+                      if self.auto or self.H > 1 else None)
         self.anchor = torch.zeros(layout.total) if self.inner is not None else None
         self.batch_size = cfg.batch_size or task.batch_size
         self.steps = self.pushes = self.samples = 0
@@ -296,7 +302,8 @@ class _Loop:
             self.loss_sum, self.loss_steps = self.loss_sum + value, self.loss_steps + 1
         if self.inner is not None:
             self.inner.step()  # on flat_params, from flat_grads
-            if self.steps % self.cfg.local_steps:
+            self.local_done += 1
+            if self.local_done < self.H:
                 self._load()
                 return
         elif self.accum is not None:
@@ -310,12 +317,16 @@ class _Loop:
     def _push(self) -> None:
         meta = {Key.LOSS: self.loss_sum / max(1, self.loss_steps), Key.SAMPLES: self.unpushed,
                 Key.TRAFFIC: self._traffic(), Key.COMPUTE: self.computed}
+        if self.auto:  # what shard 0 sizes this worker's H by (PROTOCOL.md, DyLU)
+            meta.update({Key.AUTO_STEPS: self.fastest, Key.LOCAL_STEPS: max(1, self.local_done)})
         if self.anchor is not None:  # the pseudo-gradient: pulled minus local parameters
             grads = self.anchor.sub_(self.flat_params)
         else:
             grads = self.accum if self.accum is not None else self.flat_grads
         self.client.push_pull(grads, self.flat_params, meta, compute=self.computed)
-        self.computed = 0.0
+        self.computed, self.local_done = 0.0, 0
+        if self.auto and self.client.local_steps:
+            self.H = self.client.local_steps
         self._pulled()
         if self.accum is not None:
             self.accum.zero_()
@@ -328,6 +339,8 @@ class _Loop:
         note = pace_note(self.pacer.computed, self.pacer.waited, self.pacer.span)
         if self.client.batch is not None:  # the batch the server gives it (--balance batch)
             note = f"batch {self.client.batch[0]}" + (f", {note}" if note else "")
+        if self.auto:
+            note = "; ".join(filter(None, (f"local steps {self.H} (auto)", note)))
         self.progress.note(note)
         self.progress.update(elapsed, self.samples, self.samples / max(1e-9, elapsed), force=force)
 
@@ -356,7 +369,8 @@ class _Loop:
         version = min(self.client.versions)
         if self.joined_at is None:
             self.joined_at = version
-        per_push = max(self.cfg.local_steps, self.cfg.push_every)
+        # (under auto, the steps of the rounds it goes back over are counted at its current H)
+        per_push = max(self.H, self.cfg.push_every)
         position = max(0, version - self.joined_at) * per_push
         if position < self.position:
             log.warning("worker %d: the server is back at round %d; training again from the "

@@ -9,10 +9,10 @@ from .shared import RunConfig, TrainConfig
 from .simulate import SimulateConfig
 from .training import DDPConfig, HogwildConfig, SingleConfig
 from .values import (Compression, Consistency, parse_comm_hook, parse_compress,
-                     parse_consistency)
+                     parse_consistency, parse_local_steps)
 
 __all__ = ["COMPARE_MODES", "RENAMED", "CompareConfig", "Compression", "Consistency",
            "DDPConfig", "HogwildConfig", "JobConfig", "PlotConfig", "RayJobConfig", "RunConfig",
            "ServerConfig", "SimulateConfig", "SingleConfig", "TrainConfig", "WorkerConfig",
            "click_options", "config_from_dict", "identity_fields", "make_config",
-           "parse_comm_hook", "parse_compress", "parse_consistency"]
+           "parse_comm_hook", "parse_compress", "parse_consistency", "parse_local_steps"]

@@ -34,7 +34,9 @@ MODES = knob(
     "that do not wait for 1 worker; ps-backup:B for B, ps-backup:auto for rounds that close "
     "at an adaptive deadline, as --backup-workers auto), ddp. Communicating less: "
     "diloco:H (workers --local-steps H, sync rounds through Nesterov lr 0.7, momentum "
-    "0.9; H 8 by default), async-diloco:H (the same, async, delayed Nesterov), ddp+fp16, "
+    "0.9; H 8 by default), async-diloco:H (the same, async, delayed Nesterov), "
+    "diloco:auto[:H] and async-diloco:auto[:H] (each worker's H sized to its speed, the "
+    "fastest's H: --local-steps auto:H, DyLU), ddp+fp16, "
     "ddp+bf16, ddp+powersgd[:RANK] (PyTorch's comm hooks) and ddp-local:H (post-local "
     "SGD); --lr is then the workers' inner lr. Any parameter-server mode +bf16 or +fp16 "
     "(pushes and pulls cast), +int8 or +topk:RATIO (compressed pushes with error "
@@ -43,7 +45,8 @@ MODES = knob(
             "Comma-separated modes to simulate, in this order, named as compare names them: "
             "ps-async, ps-dc-asgd, ps-ssp[:K], ps-sync, ps-backup[:B] (sync rounds that do "
             "not wait for the last B workers; ps-backup:auto: at an adaptive deadline), ddp, "
-            "diloco[:H], async-diloco[:H], hogwild, single; e.g. "
+            "diloco[:H|:auto[:H]], async-diloco[:H|:auto[:H]] (auto: DyLU, each worker's H "
+            "sized to its speed), hogwild, single; e.g. "
             "ps-async,ps-sync,ps-backup:4,ddp. A mode the simulator does not model is "
             "refused before anything runs."))})
 BUDGET = knob(

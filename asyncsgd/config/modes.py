@@ -58,9 +58,10 @@ def parse_modes(text: str) -> list:
         if spec is None:
             raise ConfigError(f"--modes: unknown mode {name!r}; choose from single, hogwild, "
                               "ps-async, ps-dc-asgd, ps-ssp (or ps-ssp:K), ps-sync, ps-backup (or "
-                              "ps-backup:B, ps-backup:auto), ddp, diloco (or diloco:H), "
-                              "async-diloco (or "
-                              "async-diloco:H), ddp+balance, ddp+fp16, ddp+bf16, ddp+powersgd (or "
+                              "ps-backup:B, ps-backup:auto), ddp, diloco (or diloco:H, "
+                              "diloco:auto[:H]), async-diloco (or "
+                              "async-diloco:H, async-diloco:auto[:H]), ddp+balance, ddp+fp16, "
+                              "ddp+bf16, ddp+powersgd (or "
                               "ddp+powersgd:RANK), ddp-local (or ddp-local:H); a "
                               "parameter-server mode +bf16, +fp16, +int8 or +topk:RATIO "
                               "(ps-async+int8); ps-sync+balance or ps-backup:B+balance")
@@ -111,6 +112,9 @@ def _mode(name: str) -> Optional[ModeSpec]:
     if number("ddp-local", LOCAL_STEPS_DEFAULT):
         return ModeSpec(name, "ddp", flags=(
             "--local-steps", str(number("ddp-local", LOCAL_STEPS_DEFAULT))))
+    dylu = _dylu(name)
+    if dylu is not None:
+        return dylu
     for prefix, consistency, rule in (("diloco", "sync", "nesterov"),
                                       ("async-diloco", "async", "delayed-nesterov")):
         steps = number(prefix, LOCAL_STEPS_DEFAULT)
@@ -128,6 +132,15 @@ def _balanced(name: str) -> Optional[ModeSpec]:
             or spec.worker_flags:
         return None
     return dataclasses.replace(spec, name=name, flags=spec.flags + ("--balance", "batch"))
+def _dylu(name: str) -> Optional[ModeSpec]:
+    """``diloco:auto[:H]``, ``async-diloco:auto[:H]``: DiLoCo whose workers' local steps
+    shard 0 sizes to their speeds, the fastest running H (DyLU); None for another name."""
+    found = re.fullmatch(r"((?:async-)?diloco):auto(?::(\d+))?", name)
+    base = found and _mode(f"{found.group(1)}:{found.group(2) or LOCAL_STEPS_DEFAULT}")
+    if not base:
+        return None
+    return dataclasses.replace(base, name=name, worker_flags=(
+        "--local-steps", f"auto:{base.worker_flags[1]}"))
 
 
 def parse_mode_args(items: tuple, specs: list) -> dict:

@@ -6,13 +6,13 @@ Each is declared here once, with what a command says otherwise in its ``per_comm
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import click
 
 from ..core.pacing import parse_delay, parse_slowdown
 from .knobs import knob, settings
-from .values import CheckedText
+from .values import LOCAL_STEPS_VALUE, CheckedText
 
 _PROGRESS = click.Choice(["auto", "bar", "log", "off"])
 
@@ -276,16 +276,20 @@ PACING = (  # the stragglers of every mode that trains (core.pacing says how the
          type=CheckedText("KIND:MEAN", parse_delay), metavar="KIND:MEAN[@RANKS]", show="none"),
 )
 LOCAL_STEPS = knob(
-    "local_steps", int, 1,
+    "local_steps", Union[int, str], 1,
     "Local SGD / DiLoCo: train this many steps (H) with --inner-optimizer from the pulled "
     "parameters, then push the pseudo-gradient, pulled minus local parameters, for the "
     "server's rule to apply (DiLoCo: the server's --optimizer nesterov --lr 0.7 with "
     "--consistency sync; async: asynchronous Local SGD). The inner optimizer keeps its state "
-    "across rounds. 1: push every gradient.", type=click.IntRange(min=1), per_command={
+    "across rounds. 1: push every gradient. auto:H (DyLU): shard 0 sizes each worker's H "
+    "to its measured steps a second, the fastest running H, so sync rounds find every "
+    "worker ready together and async pushes come at one rate (e.g. auto:8; plain auto: 8).",
+    type=LOCAL_STEPS_VALUE, metavar="H|auto[:H]", per_command={
         "ddp": "Post-local SGD with PyTorch's own pieces (post_localSGD_hook and the periodic "
                "model averager that PostLocalSGDOptimizer runs): after --local-warmup steps "
                "of ordinary DDP, ranks stop all-reducing gradients, train alone and average "
-               "their parameters every this many steps. 1: plain DDP."})
+               "their parameters every this many steps. 1: plain DDP. auto is for the "
+               "parameter server's workers only."})
 
 # LB-BSP's batches sized to speed (core.balance has the rule); ddp here, the parameter
 # server's sync modes too.

@@ -140,3 +140,39 @@ class _AutoOrCount(click.ParamType):
 SHARD_COUNT = _AutoOrCount("auto|N", 1)  # --shards
 BACKUP_WORKERS = _AutoOrCount("N|auto", 0)  # --backup-workers
 
+AUTO_LOCAL_STEPS = 8  # plain ``--local-steps auto``: the fastest worker's H (DiLoCo's usual)
+
+
+def parse_local_steps(value: Any) -> tuple:
+    """``(auto, H)`` of a --local-steps value: ``4`` -> (False, 4); ``auto`` -> (True, 8);
+    ``auto:H`` -> (True, H), H the fastest worker's local steps (DyLU)."""
+    if type(value) is int and value >= 1:
+        return False, value
+    text = str(value).strip()
+    kind, sep, steps = text.partition(":")
+    if text.isascii() and text.isdecimal() and int(text) >= 1:
+        return False, int(text)
+    if kind == "auto" and not sep:
+        return True, AUTO_LOCAL_STEPS
+    if kind == "auto" and steps.isascii() and steps.isdecimal() and int(steps) >= 1:
+        return True, int(steps)
+    raise ConfigError(f"--local-steps {value!r}: use a whole number H >= 1, auto or auto:H "
+                      f"(each worker's H sized to its speed, the fastest's H; auto: "
+                      f"{AUTO_LOCAL_STEPS})")
+
+
+class _LocalSteps(click.ParamType):
+    """--local-steps: a whole number of at least 1 (an int), or ``auto[:H]`` (its text)."""
+
+    name = "H|auto[:H]"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        try:
+            auto, steps = parse_local_steps(value)
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+        return str(value).strip() if auto else steps
+
+
+LOCAL_STEPS_VALUE = _LocalSteps()
+

@@ -12,6 +12,11 @@ from ..errors import ConfigError
 
 def check_hooks(cfg: DDPConfig, backend: str) -> None:
     """--comm-hook and --local-steps that cannot run together or on this backend."""
+    if type(cfg.local_steps) is not int:  # DyLU's auto needs a server that measures speeds
+        raise ConfigError(f"ddp --local-steps {cfg.local_steps}: post-local SGD averages "
+                          "every rank at the same step; auto[:H] is for the parameter "
+                          "server's workers (asyncsgd worker, compare's diloco:auto); give "
+                          "a whole number, e.g. --local-steps 8")
     if cfg.local_steps > 1 and cfg.comm_hook != "allreduce":
         raise ConfigError(f"--local-steps {cfg.local_steps} with --comm-hook {cfg.comm_hook}: "
                           "post-local SGD registers its own hook; choose one")

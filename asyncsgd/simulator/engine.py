@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from ..config import parse_local_steps
 from ..config.modes import ModeSpec
 from ..core.pacing import Pacing
 from ..core.signature import PS_PARTITION_SEED
@@ -24,7 +25,7 @@ from .events import Scheduler
 
 SIMULATED = ("single, hogwild, ps-async, ps-dc-asgd, ps-ssp[:K], ps-sync, "
              "ps-backup[:B|:auto], ps-sync+balance, ps-backup[:B]+balance, "
-             "ddp, ddp+balance, diloco[:H] and async-diloco[:H]")
+             "ddp, ddp+balance, diloco[:H|:auto[:H]] and async-diloco[:H|:auto[:H]]")
 BALANCED = ("--balance", "batch")  # ddp+balance's flags
 FLOAT_BYTES = 4
 
@@ -81,9 +82,13 @@ class VirtualRecorder(Recorder):
         return self.now
 
 
-def local_steps(spec: ModeSpec) -> int:
+def local_steps(spec: ModeSpec):
+    """The mode's --local-steps: H (an int), or DyLU's ``auto:H`` (its text)."""
     flags = list(spec.worker_flags)
-    return int(flags[flags.index("--local-steps") + 1]) if "--local-steps" in flags else 1
+    if "--local-steps" not in flags:
+        return 1
+    auto, steps = parse_local_steps(flags[flags.index("--local-steps") + 1])
+    return f"auto:{steps}" if auto else steps
 
 
 def check_spec(spec: ModeSpec, setup: VirtualSetup) -> None:

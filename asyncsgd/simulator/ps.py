@@ -10,13 +10,13 @@ import torch
 
 from asyncsgd.servers.shard import ShardConfig, ShardState
 
-from ..config import ServerConfig
+from ..config import ServerConfig, parse_local_steps
 from ..core.balance import global_slice
 from ..core.signature import PS_PARTITION_SEED
 from ..core.tasks import epoch_order, partition_indices
 from ..errors import WorkerError
 from ..run.digests import DIGESTS, DigestLog
-from ..wire.protocol import BYE, ERROR, PARAMS, PULL, PUSH, Code, Key, Message, Segment
+from ..wire.protocol import ACK, BYE, ERROR, PARAMS, PULL, PUSH, Code, Key, Message, Segment
 from ..wire.stats import percentile
 from .engine import Engine, SimWorker, local_steps
 
@@ -35,7 +35,9 @@ class PSEngine(Engine):
             hyper["momentum"] = float(flags.get("--momentum", server.momentum))
         if self.spec.optimizer == "delayed-nesterov":
             hyper["period"] = self.setup.workers
-        self.H = local_steps(self.spec)
+        # --local-steps H, or auto:H (DyLU): each worker's H as the shard's acks set it
+        self.auto, self.H = parse_local_steps(local_steps(self.spec))
+        self.steps_of = {w.name: self.H for w in self.workers}
         server_lr = float(flags["--lr"]) if "--lr" in flags else self.lr
         # --balance batch: shard 0 cuts the global batch by speed; a step's time is per sample
         self.batch = self.setup.batch_size or self.task.batch_size
@@ -110,6 +112,9 @@ class PSEngine(Engine):
                     "smaller --lr, or --tune lr)"))
             if reply.type == ERROR:  # anything else would be the simulator's own mistake
                 raise RuntimeError(f"the shard refused a simulated {msg.type}: {reply.meta}")
+            told = (reply.meta if reply.type == ACK else reply.meta.get(Key.ACK)) or {}
+            if Key.LOCAL_STEPS in told:  # DyLU: this worker's H from its next push on
+                self.steps_of[self.by_peer[peer].name] = told[Key.LOCAL_STEPS]
             if reply.type == PARAMS:
                 self.send_params(t, peer, reply)
         self.set_deadline(t)
@@ -163,6 +168,7 @@ class PSEngine(Engine):
             return
         if self.trace is not None:
             self.trace.append(("pulled", t, w.rank))
+        steps = 1
         if batch is not None:
             index = self.balanced_batch(w, version, batch)
             samples = 0
@@ -170,10 +176,10 @@ class PSEngine(Engine):
                 grad, loss, samples = self.gradient(params, index)
                 # the profile's step time is of --batch-size samples: this step's scales
                 seconds = self.step_time(w) * samples / self.batch
-        elif self.H > 1:
+        elif self.auto or self.H > 1:
             # --local-steps H: H inner SGD steps on its own copy, then the pseudo-gradient
             local, seconds, samples, losses, steps = params.clone(), 0.0, 0, 0.0, 0
-            for _ in range(self.H):
+            for _ in range(self.steps_of[w.name]):
                 index = w.next_batch()
                 if index is None:
                     break
@@ -192,17 +198,19 @@ class PSEngine(Engine):
         if not samples:
             self.leave(t, w)
             return
-        self.at(t + seconds, "push", w, grad, version, loss, samples, seconds)
+        self.at(t + seconds, "push", w, grad, version, loss, samples, seconds, steps)
 
     def on_push(self, t: float, w: SimWorker, grad: torch.Tensor, version: int, loss: float,
-                samples: int, seconds: float) -> None:
+                samples: int, seconds: float, steps: int) -> None:
         if w.gone:
             return  # it left while computing: its step is lost
         w.seq += 1
+        meta = {Key.PULL: True, Key.SAMPLES: samples, Key.LOSS: loss, Key.COMPUTE: seconds}
+        if self.auto:  # as a real auto worker's push (PROTOCOL.md, DyLU)
+            meta.update({Key.LOCAL_STEPS: max(1, steps), Key.AUTO_STEPS: self.H})
         self.send(t, w, Message(type=PUSH, worker=w.name, incarnation=1, seq=w.seq, shard=0,
-                                clock=version, meta={Key.PULL: True, Key.SAMPLES: samples,
-                                                     Key.LOSS: loss, Key.COMPUTE: seconds},
-                                segments=[Segment(0, grad)]), self.nbytes)
+                                clock=version, meta=meta, segments=[Segment(0, grad)]),
+                  self.nbytes)
 
     def leave(self, t: float, w: SimWorker) -> None:
         if not w.gone:
@@ -245,6 +253,7 @@ class PSEngine(Engine):
                 "stale_pushes": self.state.counters["stale"],
                 **({"balance": self.state.balancer.report()}
                    if self.state.balancer is not None else {}),
+                **({"local_steps": dict(self.state.dylu.assigned)} if self.auto else {}),
                 "consistency": str(self.state.cfg.consistency)}
 
 

@@ -50,8 +50,9 @@ class Key:
     PART, PARTS = "part", "parts"
     # push; TRAFFIC: [bytes sent, bytes received] by the worker since its previous push
     LOSS, SAMPLES, PULL, TRAFFIC = "loss", "samples", "pull", "traffic"
-    # push: seconds of computation behind it (a straggler's injected slowdown included)
-    COMPUTE = "compute"
+    # COMPUTE: seconds of computation behind this push; AUTO_STEPS: --local-steps auto's H,
+    # LOCAL_STEPS: the steps behind it (in shard 0's ack: the H to run next; PROTOCOL.md, DyLU)
+    COMPUTE, AUTO_STEPS, LOCAL_STEPS = "compute", "auto_steps", "local_steps"
     # ack
     APPLIED, STALENESS, DUPLICATE, STALE = "applied", "staleness", "duplicate", "stale"
     # error
