@@ -14,7 +14,9 @@ from asyncsgd.analysis.tuning import refined
 from asyncsgd.config.compare import REFINE_ROUNDS
 from asyncsgd.comparison.virtual import settings_of
 from asyncsgd.config import CompareConfig, SimulateConfig
-from asyncsgd.config.simulate import parse_join, parse_leave, parse_slow_workers
+from asyncsgd.config.simulate import (parse_join, parse_leave, parse_slow_workers,
+                                      parse_worker_speeds)
+from asyncsgd.simulator.engine import worker_speeds
 from asyncsgd.core.scoring import ACCURACY
 from asyncsgd.core.tasks import load_task
 from asyncsgd.errors import ConfigError
@@ -64,6 +66,10 @@ def test_the_structured_values_parse_to_exact_parts():
     assert parse_slow_workers(None) == (0.0, 1.0)
     assert parse_leave("60:5, 30:3") == ((30.0, 3), (60.0, 5))
     assert parse_join("90,45") == ((45.0,), (90.0,))
+    assert parse_worker_speeds("lognormal:0.5") == 0.5 and parse_worker_speeds(None) == 0.0
+    for bad in ("normal:0.5", "lognormal:0", "lognormal"):
+        with pytest.raises(ConfigError, match="--worker-speeds"):
+            parse_worker_speeds(bad)
     for bad in ("30:3,40:3", "30:-1", "x:1"):
         with pytest.raises(ConfigError, match="--leave"):
             parse_leave(bad)
@@ -192,3 +198,14 @@ def test_simulate_tune_lr_runs_each_mode_with_its_soonest_candidate(run_cli_here
     assert run["config"]["lr"] == tuning["chosen"]
     report = (out / "report.md").read_text().splitlines()
     assert report[2] == f"Learning rate tuned per mode (--tune lr): ps-sync {tuning['chosen']:g}."
+
+
+def test_worker_speeds_are_drawn_once_per_worker_by_the_seed():
+    import math
+    import random
+    rng = random.Random("speeds-7")
+    assert worker_speeds(3, 0.5, 7) == [rng.lognormvariate(0.0, 0.5) for _ in range(3)]
+    assert worker_speeds(3, 0.0, 7) == [1.0, 1.0, 1.0]
+    speeds = worker_speeds(4000, 0.5, 1)  # a lognormal of median 1 and sigma 0.5
+    logs = sorted(math.log(s) for s in speeds)
+    assert abs(logs[len(logs) // 2]) < 0.05 and abs(logs[int(0.8413 * 4000)] - 0.5) < 0.05

@@ -41,6 +41,20 @@ def parse_slow_workers(text: Optional[str]) -> tuple:
     return share_, factor_
 
 
+def parse_worker_speeds(text: Optional[str]) -> float:
+    """``lognormal:0.5`` -> 0.5: each worker's step-time factor drawn once from a lognormal of
+    median 1 and that sigma; none -> 0.0 (every worker at --step-time)."""
+    if not text:
+        return 0.0
+    kind, sep, sigma = text.partition(":")
+    if kind != "lognormal" or not sep:
+        raise ConfigError(f"--worker-speeds {text!r}: use lognormal:SIGMA, e.g. lognormal:0.5")
+    value = _number(sigma, "--worker-speeds")
+    if not value > 0:
+        raise ConfigError(f"--worker-speeds {text!r}: SIGMA is above 0, e.g. lognormal:0.5")
+    return value
+
+
 def parse_leave(text: Optional[str]) -> tuple:
     """``30:3,60:5`` -> ((30.0, 3), (60.0, 5)): worker 3 leaves at virtual second 30."""
     events = []
@@ -100,6 +114,14 @@ SLOW_WORKERS = knob(
     "SHARE:FACTOR, e.g. 0.25:4 (a quarter of them 4x slower). --slowdown names the slow "
     "ranks instead.", type=CheckedText("SHARE:FACTOR", parse_slow_workers),
     metavar="SHARE:FACTOR", show="none")
+WORKER_SPEEDS = knob(
+    "worker_speeds", Optional[str], None,
+    "A population of unequal workers: lognormal:SIGMA draws each worker's factor once, by "
+    "--seed, from a lognormal of median 1 (exp of a normal of mean 0 and that sigma); its "
+    "every step takes that factor times --step-time. E.g. lognormal:0.5 (about a third of "
+    "the workers 1.6x slower or more, as many 1.6x faster).",
+    type=CheckedText("lognormal:SIGMA", parse_worker_speeds), metavar="lognormal:SIGMA",
+    show="none")
 LEAVE = knob(
     "leave", Optional[str], None,
     "Workers that leave for good at a virtual time: T:RANK[,...], e.g. 30:3 (worker 3 leaves "
@@ -114,7 +136,7 @@ JOIN = knob(
 SimulateConfig = settings(
     "SimulateConfig", "simulate", "Settings of ``asyncsgd simulate``: compare's modes in "
     "one process on a virtual clock, learning for real.", TASK, *DATA, MODES, WORKERS,
-    STEP_TIME, GRADIENT_BYTES, LINK, LATENCY, SLOW_WORKERS, PACING, LEAVE, JOIN, BUDGET,
-    TARGET, STOP_AT_TARGET, TUNE, TUNE_BUDGET, REPEATS, SEED, BATCH_SIZE, LR, EPOCHS,
+    STEP_TIME, GRADIENT_BYTES, LINK, LATENCY, SLOW_WORKERS, WORKER_SPEEDS, PACING, LEAVE, JOIN,
+    BUDGET, TARGET, STOP_AT_TARGET, TUNE, TUNE_BUDGET, REPEATS, SEED, BATCH_SIZE, LR, EPOCHS,
     EVAL_EVERY, OUT, PROGRESS, RECORD_DIGESTS,
     module=__name__)

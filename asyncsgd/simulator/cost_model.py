@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import SimulateConfig
-from ..config.simulate import parse_slow_workers
+from ..config.simulate import parse_slow_workers, parse_worker_speeds
 from ..core.pacing import parse_slowdown
 from ..errors import ConfigError
 from . import profile
@@ -59,7 +59,8 @@ def cost_model(cfg: SimulateConfig, given: Given, task) -> tuple:
                 latency=profile.LOOPBACK_LATENCY if latency is None else latency)
     costs = Costs(step=step, link=link, apply_per_byte=profile.apply_seconds_per_byte(nbytes),
                   gradient_bytes=nbytes, slow_share=share, slow_factor=factor,
-                  slowdown=parse_slowdown(cfg.slowdown), delay=cfg.delay)
+                  slowdown=parse_slowdown(cfg.slowdown), delay=cfg.delay,
+                  speed_sigma=parse_worker_speeds(cfg.worker_speeds))
     return costs, frozenset(measured)
 
 
@@ -70,4 +71,5 @@ def costs_record(costs: Costs, measured: frozenset) -> dict:
             "latency": costs.link.latency, "apply_per_byte": costs.apply_per_byte,
             "slow_share": costs.slow_share, "slow_factor": costs.slow_factor,
             "slowdown": list(costs.slowdown), "delay": costs.delay,
+            "speed_sigma": costs.speed_sigma,
             "profiled": sorted(measured)}

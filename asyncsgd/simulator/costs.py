@@ -121,4 +121,5 @@ class Costs:
     slow_share: float = 0.0  # this share of the workers (chosen by the seed) ...
     slow_factor: float = 1.0  # ... takes this many times as long per step
     slowdown: tuple = ()  # (rank, factor), as --slowdown
+    speed_sigma: float = 0.0  # --worker-speeds lognormal:SIGMA: each worker's factor, drawn once
     delay: Optional[str] = None  # as --delay: a wait after each step

@@ -148,9 +148,10 @@ class Engine(ABC):
         world = setup.workers + len(setup.join)
         slow = slow_ranks(setup.workers, self.costs.slow_share, setup.seed)
         batch = setup.batch_size or task.batch_size
+        speeds = worker_speeds(world, self.costs.speed_sigma, setup.seed)
         self.workers = []
         for rank in range(world):
-            factor = dict(self.costs.slowdown).get(
+            factor = speeds[rank] * dict(self.costs.slowdown).get(
                 rank, self.costs.slow_factor if rank in slow else 1.0)
             part = partition_indices(len(task.train), world, rank, PS_PARTITION_SEED)
             self.workers.append(SimWorker(rank, part, factor, setup.seed, setup.epochs, batch))
@@ -266,6 +267,13 @@ class Engine(ABC):
 
     def summary(self) -> dict:
         return {}
+
+
+def worker_speeds(workers: int, sigma: float, seed: int) -> list:
+    """Each worker's step-time factor under --worker-speeds lognormal:SIGMA, drawn once by
+    the seed (apart from step times and the slow ranks); all 1 when sigma is 0."""
+    rng = random.Random(f"speeds-{seed}")
+    return [rng.lognormvariate(0.0, sigma) if sigma else 1.0 for _ in range(workers)]
 
 
 def slow_ranks(workers: int, share: float, seed: int) -> set:
