@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from asyncsgd.config import HogwildConfig
-from asyncsgd.errors import WorkerError
+from asyncsgd.config.modes import parse_modes
+from asyncsgd.errors import ConfigError, WorkerError
 from asyncsgd.modes import hogwild
 from asyncsgd.modes.hogwild_dispatch import DynamicRows, RowLedger, StaticRows
 from asyncsgd.modes.hogwild_state import POSITION
@@ -89,6 +90,14 @@ def test_static_rows_walk_the_partition_from_the_saved_position():
         rows.done(batch)
     assert [len(b) for b in seen] == [2, 1]  # rows 2..4 of epoch 1's order
     assert (count[POSITION], rows.epoch) == (2 << 32, 2)
+
+
+def test_hogwild_dynamic_is_a_mode_of_compare():
+    spec, = parse_modes("hogwild+dynamic")
+    assert (spec.command, spec.flags) == ("hogwild", ("--data-dispatch", "dynamic"))
+    for other in ("single+dynamic", "ddp+dynamic"):
+        with pytest.raises(ConfigError, match="unknown mode"):
+            parse_modes(other)
 
 
 def _cfg(out, **settings) -> HogwildConfig:
