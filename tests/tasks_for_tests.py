@@ -14,6 +14,7 @@ lost updates show in its own value.
 
 import functools
 import os
+import signal
 import time
 
 import torch
@@ -76,6 +77,23 @@ def index_counter(samples=None):
 def failing(samples=None):
     n = samples or 1000
     return _rows_task("failing", functools.partial(RowWeights, n, 7), n)
+
+
+class KilledAtRow(RowWeights):
+    """RowWeights whose process is SIGKILLed as its batch holding ``fail_row`` computes."""
+
+    def forward(self, index):
+        if self.fail_row >= 0 and bool((index == self.fail_row).any()):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.weight(index.view(-1, 1))
+
+
+def killed_at_row7(samples=None):
+    """index_counter whose worker dies mid-batch at row 7 while ``ASYNCSGD_TEST_KILL_ROW7``
+    is set where the task is built; a run resumed without it trains on."""
+    n = samples or 1000
+    row = 7 if os.environ.get("ASYNCSGD_TEST_KILL_ROW7") else -1
+    return _rows_task("killed-at-row7", functools.partial(KilledAtRow, n, row), n)
 
 
 def dense_counter(samples=None):

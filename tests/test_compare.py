@@ -22,7 +22,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from asyncsgd.analysis.report import Attempt, Goal, mode_rows, parse_table, table_cells, verdict
+from asyncsgd.analysis.report import (Attempt, Goal, mode_rows, parse_table, render_table,
+                                      table_cells, verdict)
 from asyncsgd.comparison.cli_launcher import Child, stop_all
 from asyncsgd.config.modes import parse_modes
 from asyncsgd.comparison.progress import CompareProgress
@@ -391,6 +392,31 @@ def test_repeats_fold_into_median_and_spread_with_speedups_over_single(tmp_path)
     assert verdict(mode_rows(attempts, most), most) == (
         "No mode reached 99% within the budget; the closest was single "
         "(best 50.00% (50.00–50.00)).")
+
+
+def test_the_table_shows_each_modes_coverage_spread_from_its_summary(tmp_path):
+    """summary.json's coverage: the median spread over repeats with their min–max, a dash
+    for a mode whose runs report none; results.json keeps each run's whole coverage."""
+    def attempt(label, repeat, spread=None):
+        cover = None if spread is None else {"granularity": "sample", "min": 1.0,
+                                             "max": spread, "mean": 1.5, "spread": spread}
+        extra = {} if cover is None else {"coverage": cover}
+        run = _fake_run(tmp_path / f"{label}-{repeat}", label, repeat, [(1, 100, 0.5)],
+                        **extra)
+        return Attempt(label, repeat, repeat, run=run)
+
+    attempts = [attempt("hogwild", 0, 4.0), attempt("hogwild", 1, 3.5),
+                attempt("hogwild", 2, 3.9), attempt("hogwild+dynamic", 0, 1.0),
+                attempt("ps-async", 0)]
+    goal = Goal.of(attempts, None)
+    rows = {r.label: table_cells(r, goal) for r in mode_rows(attempts, goal)}
+    assert rows["hogwild"]["coverage spread"] == "3.90× (3.50×–4.00×)"
+    assert rows["hogwild+dynamic"]["coverage spread"] == "1.00×"
+    assert rows["ps-async"]["coverage spread"] == "—"
+    assert "coverage spread" in render_table(list(mode_rows(attempts, goal)), goal)
+    record = attempts[0].to_dict(goal)
+    assert record["coverage_spread"] == 4.0 and record["coverage"]["max"] == 4.0
+    assert attempts[-1].to_dict(goal)["coverage"] is None
 
 
 def test_a_lower_is_better_metric_ranks_and_times_downwards(tmp_path):

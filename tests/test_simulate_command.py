@@ -104,7 +104,8 @@ def test_a_table_of_virtual_runs_says_virtual_seconds():
     goal = Goal(ACCURACY, 0.85, clock="virtual")
     names = columns(goal)
     assert "samples/virtual s" in names and "start-up virtual s" in names
-    assert columns(Goal(ACCURACY, 0.85))[-3:-1] == ["start-up s", "staleness p50 / p99"]
+    assert columns(Goal(ACCURACY, 0.85))[-4:-1] == ["start-up s", "staleness p50 / p99",
+                                                    "coverage spread"]
     assert goal.seconds(0.01234) == "0.0123" and Goal(ACCURACY).seconds(12.34) == "12.3"
 
 

@@ -126,6 +126,7 @@ class Attempt:
                   "logs": self.logs, "wall_seconds": self.seconds}
         if self.run is not None:
             record.update(self.run.numbers(goal))
+            record["coverage"] = self.run.summarized.get("coverage")
         return record
 
 
@@ -303,6 +304,7 @@ def table_cells(row: Row, goal: Goal) -> dict:
         "staleness p50 / p99": (f"{_fmt(s['staleness_p50'], _count)} / "
                                 f"{_fmt(s['staleness_p99'], _count)}"
                                 if s["staleness_p50"].n else DASH),
+        "coverage spread": _fmt(s["coverage_spread"], _times),
         "runs ok": runs,
     })
     return cells
@@ -316,7 +318,8 @@ def columns(goal: Goal, grouped: bool = False) -> list:
         names += [f"time to {goal.label}", "speed-up (time)", f"samples to {goal.label}",
                   f"MB to {goal.label}"]
     return names + [f"samples/{goal.unit}", f"speed-up (samples/{goal.unit})",
-                    f"start-up {goal.unit}", "staleness p50 / p99", "runs ok"]
+                    f"start-up {goal.unit}", "staleness p50 / p99", "coverage spread",
+                    "runs ok"]
 
 
 def render_table(rows: list, goal: Goal) -> str:
@@ -369,6 +372,10 @@ How to read this table:
   over the mode's, where both reached the target, and the mode's samples/s over single's.
 - *staleness*: parameter-server modes only, in versions of a shard's parameters between
   a worker's pull and its push (percentiles over every push).
+- *coverage spread*: how evenly the run trained its samples, the most times a sample
+  was trained over the fewest (summary.json's `coverage`): 1.00× is even; fixed
+  partitions with a straggler give about its slowdown; — where a run reports none, or
+  left some sample untrained.
 - With several repeats: the median over the runs that succeeded, and in parentheses
   their spread, min–max (a time to target: over the runs that reached it). The plots
   draw a mode's median curve and its min–max band. The verdict names a winner only

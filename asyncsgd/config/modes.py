@@ -45,6 +45,7 @@ LOCAL_STEPS_DEFAULT = 8
 WIRE_FLAGS = {"bf16": ("--push-dtype", "bf16", "--pull-dtype", "bf16"),
               "fp16": ("--push-dtype", "fp16", "--pull-dtype", "fp16"),
               "int8": ("--compress", "int8")}
+DYNAMIC = ("--data-dispatch", "dynamic")  # +dynamic: rows handed out on demand
 
 
 def parse_modes(text: str) -> list:
@@ -64,7 +65,8 @@ def parse_modes(text: str) -> list:
                               "ddp+bf16, ddp+powersgd (or "
                               "ddp+powersgd:RANK), ddp-local (or ddp-local:H); a "
                               "parameter-server mode +bf16, +fp16, +int8 or +topk:RATIO "
-                              "(ps-async+int8); ps-sync+balance or ps-backup:B+balance")
+                              "(ps-async+int8); ps-sync+balance or ps-backup:B+balance; "
+                              "hogwild+dynamic")
         if name in seen:
             raise ConfigError(f"--modes: {name} is listed twice; use --repeats to run it again")
         seen.add(name)
@@ -82,6 +84,8 @@ def _mode(name: str) -> Optional[ModeSpec]:
 
     if name.endswith("+balance") and not name.startswith("ddp"):
         return _balanced(name)
+    if name.endswith("+dynamic"):
+        return _dynamic(name)
     if "+" in name and not name.startswith("ddp"):  # a PS mode, compressed: ps-async+int8
         base, _, wire = name.partition("+")
         spec, flags = _mode(base), WIRE_FLAGS.get(wire)
@@ -132,6 +136,8 @@ def _balanced(name: str) -> Optional[ModeSpec]:
             or spec.worker_flags:
         return None
     return dataclasses.replace(spec, name=name, flags=spec.flags + ("--balance", "batch"))
+
+
 def _dylu(name: str) -> Optional[ModeSpec]:
     """``diloco:auto[:H]``, ``async-diloco:auto[:H]``: DiLoCo whose workers' local steps
     shard 0 sizes to their speeds, the fastest running H (DyLU); None for another name."""
@@ -141,6 +147,14 @@ def _dylu(name: str) -> Optional[ModeSpec]:
         return None
     return dataclasses.replace(base, name=name, worker_flags=(
         "--local-steps", f"auto:{base.worker_flags[1]}"))
+
+
+def _dynamic(name: str) -> Optional[ModeSpec]:
+    """``hogwild+dynamic``: the mode with its rows handed out on demand."""
+    spec = _mode(name[:-len("+dynamic")])
+    if spec is None or spec.command != "hogwild":
+        return None
+    return dataclasses.replace(spec, name=name, flags=spec.flags + DYNAMIC)
 
 
 def parse_mode_args(items: tuple, specs: list) -> dict:

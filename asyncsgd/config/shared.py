@@ -331,6 +331,20 @@ def min_batch(given: Optional[int], batch_size: int) -> int:
     return given if given is not None else max(1, batch_size // 4)
 
 
+DATA_DISPATCH = knob(
+    "data_dispatch", str, "static",
+    "How training rows reach the workers: static gives each its fixed partition (a slow "
+    "worker's rows are trained less often); dynamic hands out batches of each epoch's "
+    "shuffle of all rows as workers ask, so every row is trained once an epoch whatever "
+    "their speeds. summary.json's coverage says how evenly rows were trained.",
+    type=click.Choice(["static", "dynamic"]), per_command={
+        "hogwild": "How rows reach the processes: static, each its own partition (a slowed "
+                   "process's rows are trained less often); dynamic, processes claim the next "
+                   "batch of each epoch's shuffle of all rows from a shared counter, so every "
+                   "row is trained exactly once an epoch whatever their speeds (an epoch ends "
+                   "once its rows are all claimed). summary.json's coverage gives the spread "
+                   "of how many times rows were trained (max over min: 1.0 is even)."})
+
 TRAINING = (BATCH_SIZE, LR, MOMENTUM, WEIGHT_DECAY, EPOCHS, *PACING)
 
 RunConfig = settings(

@@ -7,7 +7,7 @@ from typing import Optional
 import click
 
 from .knobs import knob, settings
-from .shared import BALANCE, LOCAL_STEPS, RECORD_DIGESTS, TrainConfig
+from .shared import BALANCE, DATA_DISPATCH, LOCAL_STEPS, RECORD_DIGESTS, TrainConfig
 from .values import CheckedText, parse_comm_hook
 
 
@@ -47,6 +47,7 @@ HogwildConfig = settings(
     knob("quantum_ms", float, 250.0,
          "Milliseconds a process computes before passing its run token on (ring only). Each "
          "switch costs: short quanta lose throughput.", type=click.FloatRange(min=1)),
+    DATA_DISPATCH,
     extends=TrainConfig, module=__name__)
 
 SingleConfig = settings(

@@ -65,6 +65,16 @@ class BatchBalance:
         order = epoch_order(torch.arange(self.rows), self.seed, 0, epoch)
         return torch.cat([order, order[:self.epoch_rows - self.rows]])
 
+    def counts(self, epoch: int, row: int) -> torch.Tensor:
+        """How many times each training row was trained after ``epoch`` whole epochs and
+        ``row`` rows of the next: every row once an epoch, a padded epoch's first rows twice."""
+        counts = torch.zeros(self.rows, dtype=torch.int64)
+        for e in range(epoch):
+            order = self.order(e)
+            counts.index_add_(0, order, torch.ones_like(order))
+        done = self.order(epoch)[:row]
+        return counts.index_add_(0, done, torch.ones_like(done))
+
     def split(self, size: int) -> List[int]:
         """Every rank's rows of a global step of ``size`` rows (the epoch's last may be short)."""
         if size == self.global_batch:

@@ -17,14 +17,15 @@ import torch
 
 from ..config import HogwildConfig
 from ..core.pacing import Pacer, Pacing, other_seconds, pace_event, pace_note
-from ..core.tasks import Task, epoch_order, partition_indices, task_of
+from ..core import coverage
+from ..core.tasks import Task, partition_indices, task_of
 from ..errors import ConfigError, WorkerError
 from ..run.sendable import check_sendable
 from ..run.pipe_semaphore import PipeSemaphore
 from ..run.process_group import WorkerGroup, available_cores, context, threads_per_process
 from ..run.recorder import Outcome, RunResult, check_target
-from .hogwild_state import (POSITION, RNG_SAVED, HogwildState, pack, set_worker_rngs, unpack,
-                            worker_rngs)
+from .hogwild_dispatch import DynamicRows, RowLedger, StaticRows
+from .hogwild_state import RNG_SAVED, HogwildState, set_worker_rngs, unpack, worker_rngs
 from .optim import SGD
 from .resume import StatefulRecorder, warn_model_only
 from .token_ring import TokenRing
@@ -62,7 +63,8 @@ class WorkerSettings:
 
 def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lock,
             ring_sems: Optional[tuple], control: torch.Tensor, counters: torch.Tensor,
-            losses: torch.Tensor, shared_state: tuple) -> None:
+            losses: torch.Tensor, shared_state: tuple, ledger: RowLedger,
+            pending: list) -> None:
     rngs, buffers = shared_state
     count = counters.numpy()[rank]  # views of shared memory: plain stores, no tensor op per step
     torch.set_num_threads(s.threads)
@@ -70,56 +72,61 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
     device = torch.device(s.device)
     if count[RNG_SAVED]:  # resumed: this worker's generators continue where they stopped
         set_worker_rngs(rngs[rank], device)
-    part = partition_indices(len(task.train), s.procs, rank, s.seed)
     opt = SGD(model.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
     if buffers:
         opt.keep_buffers_in(buffers)
-    first_epoch, skip = unpack(int(count[POSITION]))
     loss_acc = losses.numpy()[rank]
     pacer = Pacer(s.pacing, rank, s.seed, torch.cuda.synchronize if device.type == "cuda"
                   else None)
     stop = control.numpy()
     ring = TokenRing(rank, *ring_sems, counters.numpy()[:, DONE], stop, s.quantum) \
         if ring_sems else None
-    log.info("worker %d: %d thread(s), %d rows, epochs %d..%d%s%s", rank, s.threads, len(part),
-             first_epoch + 1, s.epochs, f" from row {skip}" if skip else "",
-             ", run token ring" if ring else "")
+    if ledger.dynamic:
+        batches = DynamicRows(ledger, rank, s.epochs, s.batch_size, pending, count)
+        log.info("worker %d: %d thread(s), batches claimed on demand%s%s", rank, s.threads,
+                 f", {len(pending)} handed again first" if pending else "",
+                 ", run token ring" if ring else "")
+    else:
+        part = partition_indices(len(task.train), s.procs, rank, s.seed)
+        batches = StaticRows(part, s.seed, rank, s.epochs, s.batch_size, count)
+        log.info("worker %d: %d thread(s), %d rows, epochs %d..%d%s%s", rank, s.threads,
+                 len(part), batches.epoch + 1, s.epochs,
+                 f" from row {batches.start}" if batches.start else "",
+                 ", run token ring" if ring else "")
     # From here the saved generator is this worker's no more: one killed past this point
     # is seeded anew on resume; one killed while starting keeps it.
     count[RNG_SAVED] = 0
     count[READY] = 1
     holding = ring.acquire() if ring else True
     try:
-        for epoch in range(first_epoch, s.epochs):
-            order = epoch_order(part, s.seed, rank, epoch)
-            for start in range(skip if epoch == first_epoch else 0, len(order), s.batch_size):
-                if stop[0] or not holding:
-                    return
-                pacer.begin()
-                inputs, targets = task.train.rows(order[start:start + s.batch_size])
-                if device.type != "cpu":
-                    inputs = tuple(t.to(device, non_blocking=True) for t in inputs)
-                    targets = targets.to(device, non_blocking=True)
-                loss = task.loss_fn(model(*inputs), targets)
-                opt.zero_grad()
-                loss.backward()
-                pacer.end()  # a straggler waits here: its gradient lands late
-                loss_acc[COMPUTED], loss_acc[WAITED] = pacer.computed, pacer.waited
-                loss_acc[SPAN] = pacer.span
-                if lock is None:
+        while not stop[0] and holding:  # checked before a claim: a claimed batch is trained
+            rows = batches.next()
+            if rows is None:
+                return
+            pacer.begin()
+            inputs, targets = task.train.rows(rows)
+            if device.type != "cpu":
+                inputs = tuple(t.to(device, non_blocking=True) for t in inputs)
+                targets = targets.to(device, non_blocking=True)
+            loss = task.loss_fn(model(*inputs), targets)
+            opt.zero_grad()
+            loss.backward()
+            pacer.end()  # a straggler waits here: its gradient lands late
+            loss_acc[COMPUTED], loss_acc[WAITED] = pacer.computed, pacer.waited
+            loss_acc[SPAN] = pacer.span
+            if lock is None:
+                opt.step()
+            else:
+                with lock:
                     opt.step()
-                else:
-                    with lock:
-                        opt.step()
-                loss_acc[LOSS_SUM] += loss.item()
-                loss_acc[LOSS_STEPS] += 1
-                count[SAMPLES] += len(targets)
-                count[STEPS] += 1
-                count[POSITION] = pack(epoch, min(start + s.batch_size, len(order)))
-                if ring:
-                    holding = ring.tick()
-            count[POSITION] = pack(epoch + 1, 0)
-            count[EPOCHS] = epoch + 1
+            ledger.trained(rank, rows)
+            loss_acc[LOSS_SUM] += loss.item()
+            loss_acc[LOSS_STEPS] += 1
+            count[SAMPLES] += len(targets)
+            count[STEPS] += 1
+            batches.done(rows)
+            if ring:
+                holding = ring.tick()
     finally:
         rngs[rank] = worker_rngs(device)
         count[RNG_SAVED] = 1
@@ -174,6 +181,7 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
         device=cfg.device, quantum=cfg.quantum_ms / 1000, pacing=pacing)
     counters = torch.zeros(procs, COLUMNS, dtype=torch.int64).share_memory_()
     state = _shared_state(cfg, task, model, recorder, procs, counters)
+    ledger, pending = _ledger(cfg, task, recorder, procs, state)
     control = torch.zeros(1, dtype=torch.int64).share_memory_()
     counters[:, EPOCHS] = torch.tensor([unpack(int(p))[0] for p in state.positions])
     losses = torch.zeros(procs, SPAN + 1, dtype=torch.float64).share_memory_()
@@ -185,17 +193,21 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
     group = WorkerGroup(_worker, procs, name="worker", start_method=cfg.start_method, args=[
         (settings, task, model, lock,
          ring_sems and (ring_sems[rank], ring_sems[(rank + 1) % procs]),  # its own, the next's
-         control, counters, losses, state.for_worker(rank)) for rank in range(procs)])
+         control, counters, losses, state.for_worker(rank), ledger, pending[rank::procs])
+        for rank in range(procs)])
     log.info("hogwild: %d processes x %d thread(s), task %s, lr %g, batch %d%s%s", procs,
              threads, task.name, lr, batch_size, ", locked updates" if cfg.lock else "",
              f", {len(TokenRing.first_holders(procs, available_cores()))} run tokens"
              if ring_sems else "")
     if pacing.active:
         log.info("hogwild: stragglers: %s", pacing.describe())
-    return _supervise(cfg, recorder, group, control, counters, losses,
+    return _supervise(cfg, recorder, group, control, counters, losses, ledger,
                       extra={"procs": procs, "threads": threads, "lock": cfg.lock, "lr": lr,
                              "batch_size": batch_size, "token_ring": bool(ring_sems),
-                             "pacing": pacing.to_dict()})
+                             "pacing": pacing.to_dict(), "data_dispatch": {
+                                 "kind": cfg.data_dispatch,
+                                 # resumed rows of claims a stopped run left untrained
+                                 "rehanded_samples": sum(e - s for _, s, e in pending)}})
 
 
 def _shared_state(cfg: HogwildConfig, task: Task, model: torch.nn.Module,
@@ -215,6 +227,24 @@ def _shared_state(cfg: HogwildConfig, task: Task, model: torch.nn.Module,
                         if cfg.momentum else [], recorder.epochs_done)
     recorder.state_fn = state.state
     return state
+
+
+def _ledger(cfg: HogwildConfig, task: Task, recorder: StatefulRecorder, procs: int,
+            state: HogwildState) -> tuple:
+    """The rows' shared ledger (its counts and dispatch from the resumed checkpoint), and
+    the claims to hand out again first; checkpoints hold its state beside the workers'."""
+    dynamic = cfg.data_dispatch == "dynamic"
+    lock = context(cfg.start_method, preload=[__name__]).Lock() if dynamic else None
+    ledger = RowLedger(len(task.train), procs, cfg.seed, dynamic, lock, recorder.epochs_done)
+    saved = (recorder.resumed or {}).get("dispatch")
+    if saved is not None and saved.get("kind") != cfg.data_dispatch:
+        log.warning("the checkpoint's rows were dispatched %s, this run's are %s: epoch %d "
+                    "starts from its first row", saved.get("kind"), cfg.data_dispatch,
+                    recorder.epochs_done + 1)
+    pending = ledger.restore(saved)
+    workers = state.state
+    recorder.state_fn = lambda: {**workers(), "dispatch": ledger.state()}
+    return ledger, pending
 
 
 def _ring_semaphores(cfg: HogwildConfig, procs: int, threads: int) -> Optional[list]:
@@ -293,7 +323,10 @@ class _TrainEvents:
 
 def _supervise(cfg: HogwildConfig, recorder: StatefulRecorder, group: WorkerGroup,
                control: torch.Tensor, counters: torch.Tensor, losses: torch.Tensor,
-               extra: dict) -> RunResult:
+               ledger: RowLedger, extra: dict) -> RunResult:
+    def epochs_done() -> int:
+        return ledger.epochs_done() if ledger.dynamic else int(counters[:, EPOCHS].min())
+
     events = _TrainEvents(recorder, counters, losses)
     outcome = Outcome("epochs")
     next_train_event = 0.0
@@ -317,7 +350,7 @@ def _supervise(cfg: HogwildConfig, recorder: StatefulRecorder, group: WorkerGrou
                     break
                 if finished:
                     break
-                recorder.checkpoint_if_due(samples, int(counters[:, EPOCHS].min()))
+                recorder.checkpoint_if_due(samples, epochs_done())
                 recorder.show(samples, events.rate(), note=events.pace_note())
     finally:
         control[0] = 1
@@ -333,5 +366,6 @@ def _supervise(cfg: HogwildConfig, recorder: StatefulRecorder, group: WorkerGrou
     events.emit()
     samples = events.samples()
     extra["pacing"]["ranks"] = events.pace()
-    return recorder.conclude(samples, int(counters[:, EPOCHS].min()), outcome,
+    extra["coverage"] = coverage.of_samples(ledger.counts)
+    return recorder.conclude(samples, epochs_done(), outcome,
                              rate=throughput["steady_samples_per_second"], **throughput, **extra)

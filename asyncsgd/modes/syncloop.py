@@ -19,6 +19,7 @@ import torch.nn as nn
 from ..config import SingleConfig
 from ..config.shared import min_batch
 from ..core.pacing import Pacer, Pacing, other_seconds, pace_event, pace_note
+from ..core import coverage
 from ..core.tasks import Task, epoch_order, partition_indices
 from ..errors import ConfigError, WorkerError
 from ..run.digests import DIGESTS, DigestLog
@@ -217,6 +218,22 @@ class SyncLoop:
             self.state.position = (epoch + 1, 0)
         self._check(self.epochs_done - 1)  # every rank gets here at the same step: the last losses
         return "epochs"
+
+    def coverage(self) -> dict:
+        """How many times each row was trained, from the position every rank shares: whole
+        epochs of each rank's padded partition (its padding rows twice), then the rows of
+        this epoch's order done (exact unless a resume repeated or changed the ranks).
+        Balanced, the epochs of the global order (``BatchBalance.counts``)."""
+        epoch, row = self.state.position
+        if self.balance is not None:
+            return coverage.of_samples(self.balance.counts(epoch, row))
+        counts = torch.zeros(len(self.task.train), dtype=torch.int64)
+        for rank in range(self.world):
+            part = padded_partition(len(counts), self.world, rank, self.cfg.seed)
+            counts.index_add_(0, part, torch.full_like(part, epoch))
+            done = epoch_order(part, self.cfg.seed, rank, epoch)[:row]
+            counts.index_add_(0, done, torch.ones_like(done))
+        return coverage.of_samples(counts)
 
     def _step(self, index: torch.Tensor, scale: Optional[float] = None) -> None:
         """One step on rows ``index``; ``scale``: --balance batch's weight of this rank's mean
@@ -454,6 +471,7 @@ def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: 
                              **precision.state(), procs=world, lr=loop.opt.lr,
                              batch_size=loop.batch_size, global_batch_size=loop.batch_size * world,
                              pacing=loop.pace(), optimizer=cfg.optimizer, steps=loop.steps,
+                             coverage=loop.coverage(),
                              **loop.rank_bytes(), **_staleness(loop.opt), **(extra or {}),
                              **({"balance": balance.to_dict()} if balance is not None else {}))
 

@@ -160,4 +160,6 @@ class Run:
             "train_seconds": summary.get("train_seconds"),
             "staleness_p50": summary.get("staleness_p50"),
             "staleness_p99": summary.get("staleness_p99"),
+            # max over min of how many times samples were trained (core.coverage)
+            "coverage_spread": (summary.get("coverage") or {}).get("spread"),
         }

@@ -13,6 +13,7 @@ import torch
 
 from ..config import parse_local_steps
 from ..config.modes import ModeSpec
+from ..core import coverage
 from ..core.pacing import Pacing
 from ..core.signature import PS_PARTITION_SEED
 from ..core.tasks import Task, epoch_order, partition_indices
@@ -118,6 +119,7 @@ class SimWorker:
         self.epochs, self.batch = epochs, batch
         self.epoch, self.pos, self.order = 0, 0, epoch_order(part, seed, rank, 0)
         self.seq, self.gone, self.done = 0, False, False
+        self.taken = 0  # samples of its partition it has computed on
 
     def next_batch(self) -> Optional[torch.Tensor]:
         """The next batch's indices, as the real worker takes them; None after its epochs."""
@@ -128,6 +130,7 @@ class SimWorker:
             self.order, self.pos = epoch_order(self.part, self.seed, self.rank, self.epoch), 0
         index = self.order[self.pos:self.pos + self.batch]
         self.pos += self.batch
+        self.taken += len(index)
         return index
 
 
@@ -267,6 +270,11 @@ class Engine(ABC):
 
     def summary(self) -> dict:
         return {}
+
+    def coverage(self) -> dict:
+        """How evenly the workers' fixed partitions were trained (core.coverage)."""
+        return coverage.of_partitions([w.taken for w in self.workers],
+                                      [len(w.part) for w in self.workers])
 
 
 def worker_speeds(workers: int, sigma: float, seed: int) -> list:

@@ -106,4 +106,6 @@ def finish(engine: Engine, played: bool = False,
     rec = engine.rec
     return rec.conclude(engine.samples, engine.epoch(), outcome,
                         rate=engine.samples / max(rec.now, 1e-12), clock="virtual",
-                        workers=len(engine.workers), bytes=engine.bytes, **engine.summary())
+                        workers=len(engine.workers), bytes=engine.bytes,
+                        # a mode that dispatches on demand gives its own coverage
+                        **{"coverage": engine.coverage(), **engine.summary()})
