@@ -121,7 +121,7 @@ def _client_stats(out: str) -> dict:
 @pytest.mark.parametrize("transport", ["tcp", "shared"])
 def test_drops_and_duplicates_lose_and_double_nothing(server, cli_env, transport):
     """Through shared memory too: the headers still cross the lossy proxy."""
-    rows, epochs = 400, 2  # two workers, batch 8: 25 pushes an epoch each
+    rows, epochs = 400, 3  # two workers, batch 8: 25 pushes an epoch each
     srv = server("--task", "tasks_for_tests:index_counter", "--samples", rows, "--shards", 2,
                  "--no-exit-when-done")
     proxy = FaultProxy(srv.port, drop=0.15, dup=0.15, seed=7)
