@@ -116,8 +116,18 @@ def test_one_host_job_reaches_the_target(cli_env, tmp_path):
     assert [e["event"] for e in read_events(out)].count("resume") == 0
 
 
-def _kill_once_training(mark: str, out, rank: int) -> int:
-    wait_for(lambda: training(out), JOB_SECONDS / 2, "the job to train")
+def _ended(agents: list) -> bool:
+    """A torchrun agent exited: a job that died at its start (no torchrun, a rendezvous
+    refused) then fails its test on its exit code and output, not after a timeout."""
+    return any(a.poll() is not None for a in agents)
+
+
+def _kill_once_training(mark: str, out, rank: int, agents: list) -> int:
+    """The pid of global ``rank``'s process, SIGKILLed once the job trains; None when the
+    job ended first."""
+    wait_for(lambda: training(out) or _ended(agents), JOB_SECONDS / 2, "the job to train")
+    if not training(out):
+        return None
     victim = wait_for(lambda: job_process(mark, rank), 30, f"rank {rank}'s process")
     victim.send_signal(signal.SIGKILL)
     return victim.pid
@@ -136,7 +146,7 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_nothing_is_lost(cli_env, t
                  job_env(cli_env, mark))
     killed = None
     try:
-        killed = _kill_once_training(mark, out, rank=2)
+        killed = _kill_once_training(mark, out, rank=2, agents=[proc])
     finally:
         [(code, output)] = finish_job([proc], mark)
     assert code == 0, output
@@ -165,10 +175,10 @@ def test_a_killed_server_resumes_from_its_checkpoint_and_counts_what_it_lost(cli
     proc = start([str(a) for a in argv + ["--out", out, "--progress", "off", *KILL_EVAL,
                                            "--checkpoint-every", 1]], job_env(cli_env, mark))
     try:
-        wait_for(lambda: periodic_checkpoint(out) and training(out), JOB_SECONDS / 2,
-                 "a shard checkpoint and training")
+        wait_for(lambda: periodic_checkpoint(out) and training(out) or _ended([proc]),
+                 JOB_SECONDS / 2, "a shard checkpoint and training")
         time.sleep(0.5)  # updates beyond the checkpoint (over a thousand a second)
-        killed = _kill_once_training(mark, out, rank=0)
+        killed = _kill_once_training(mark, out, rank=0, agents=[proc])
     finally:
         [(code, output)] = finish_job([proc], mark)
     assert code == 0, output
@@ -212,7 +222,7 @@ def test_two_hosts_with_a_c10d_rendezvous_survive_a_worker_kill(cli_env, tmp_pat
                         popen=lambda cmd, name=name, **kw: hosts.popen(name, cmd, **kw))
                   for name in ("a", "b")]
         try:
-            killed = _kill_once_training(mark, out, rank=3)  # rank 3: host b's second
+            killed = _kill_once_training(mark, out, rank=3, agents=agents)  # host b's second
         finally:
             results = finish_job(agents, mark)
     for code, output in results:
