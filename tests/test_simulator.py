@@ -269,3 +269,9 @@ def test_ddp_balance_sizes_batches_to_speed_and_rounds_shrink_to_the_fair_time(t
     assert result.summary["balance"]["batches"] == [20, 20, 19, 5]
     assert result.summary["balance"]["changes"] == [[20, [20, 20, 19, 5]]]
     assert result.summary["samples"] == 64 * len(steps)
+    # the ranks slice one global order: each row's own count, every row once an epoch
+    rows = len(engine.row_counts)
+    # (counted as computed: the round in flight when the budget ran out is in)
+    assert int(engine.row_counts.sum()) - result.summary["samples"] in (0, 64)
+    assert engine.coverage()["granularity"] == "sample"
+    assert engine.row_counts.max() - engine.row_counts.min() <= 1 + (rows % 64 > 0)

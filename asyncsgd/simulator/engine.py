@@ -161,6 +161,11 @@ class Engine(ABC):
         # cumulative samples trained on, and the sum and count of step losses; the train
         # event of each evaluation reports the mean loss since the one before
         self.samples, self.loss_sum, self.loss_steps = 0, 0.0, 0
+        # the times each row's gradient was computed (a step in flight at the stop included);
+        # coverage reads it where the workers
+        # share one order of the rows (``global_rows``: balanced batches, rows on demand)
+        self.row_counts = torch.zeros(len(task.train), dtype=torch.int64)
+        self.global_rows = False
         self._reported = (0.0, 0)
         self.bytes = 0
         self.work = 0  # events pending besides evaluations: none left, nothing can happen
@@ -193,6 +198,7 @@ class Engine(ABC):
         inputs, targets = self.task.train.rows(index)
         loss = self.task.loss_fn(self.model(*inputs), targets)
         loss.backward()
+        self.row_counts.index_add_(0, index, torch.ones_like(index))
         return self.grads.clone(), loss.item(), len(targets)
 
     def trained(self, samples: int, loss: float, steps: int = 1) -> None:
@@ -272,7 +278,10 @@ class Engine(ABC):
         return {}
 
     def coverage(self) -> dict:
-        """How evenly the workers' fixed partitions were trained (core.coverage)."""
+        """How evenly the rows were trained (core.coverage): each row's count where the
+        workers take rows from one global order, else their fixed partitions' shares."""
+        if self.global_rows:
+            return coverage.of_samples(self.row_counts)
         return coverage.of_partitions([w.taken for w in self.workers],
                                       [len(w.part) for w in self.workers])
 

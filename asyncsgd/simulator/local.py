@@ -104,6 +104,7 @@ class BalancedDDPEngine(DDPEngine):
         self.balance = BatchBalance(len(self.task.train), n, 0, batch, min_batch(None, batch),
                                     BALANCE_EVERY, self.setup.seed)
         self.data_epoch, self.row, self.order = 0, 0, self.balance.order(0)
+        self.global_rows = True
         self.rounds = 0
         self.window = [[0.0, 0] for _ in range(n)]  # each rank's (seconds, samples)
 

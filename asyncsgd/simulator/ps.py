@@ -43,6 +43,7 @@ class PSEngine(Engine):
         self.batch = self.setup.batch_size or self.task.batch_size
         self.balance = flags.get("--balance", "none")
         self.orders: dict = {}  # epoch -> its permutation of all training rows (balanced)
+        self.global_rows = self.balance == "batch"
         self.state = ShardState(ShardConfig(
             index=0, start=0, end=len(self.flat), rule=self.spec.optimizer, lr=server_lr,
             hyper=hyper, consistency=self.spec.consistency or "async",
