@@ -162,8 +162,8 @@ class Engine(ABC):
         # event of each evaluation reports the mean loss since the one before
         self.samples, self.loss_sum, self.loss_steps = 0, 0.0, 0
         # the times each row's gradient was computed (a step in flight at the stop included);
-        # coverage reads it where the workers
-        # share one order of the rows (``global_rows``: balanced batches, rows on demand)
+        # coverage reads it where the workers share one order of the rows (``global_rows``:
+        # balanced batches, rows on demand)
         self.row_counts = torch.zeros(len(task.train), dtype=torch.int64)
         self.global_rows = False
         self._reported = (0.0, 0)
