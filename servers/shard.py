@@ -17,6 +17,8 @@ from typing import Callable, Optional, Union
 import torch
 
 from asyncsgd.config import Consistency
+from asyncsgd.core.coverage import of_samples
+from asyncsgd.core.dispatch import Dispatcher
 from asyncsgd.errors import ConfigError
 from asyncsgd.wire.compression import expand, segment_values, wire_dtype
 from asyncsgd.wire.protocol import (ACK, BYE, DTYPE_NAMES, ERROR, HEARTBEAT, PARAMS, PULL, PUSH,
@@ -82,6 +84,8 @@ class ShardConfig:
     # al. 2016's backup workers); the pushes that come after it are stale, never applied.
     # "auto": at an adaptive deadline (deadline.py).
     backup_workers: Union[int, str] = 0
+    # --data-dispatch dynamic, on shard 0: (rows, epochs, seed, chunk) of its Dispatcher
+    dispatch: Optional[tuple] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.consistency, Consistency):
@@ -149,6 +153,7 @@ class ShardState:
         self._unsettled: Optional[tuple] = None
         # --audit-dir: called (worker, incarnation, seq, version after) per push applied
         self.audit: Optional[Callable[[str, int, int, int], None]] = None
+        self.dispatcher = Dispatcher(*cfg.dispatch) if cfg.dispatch else None
         self._handlers = {HEARTBEAT: self._on_heartbeat, BYE: self._on_bye,
                           PULL: self._on_pull, PUSH: self._on_push}
 
@@ -194,6 +199,7 @@ class ShardState:
     def _on_bye(self, record: WorkerRecord, msg: Message, now: float) -> list:
         record.alive = False
         record.backup = None  # a DC-ASGD copy of the slice is kept for live workers only
+        self._give_back(record.worker)
         return [(record.peer, Message(type=BYE, shard=self.cfg.index, seq=msg.seq))] + \
             self._release()
 
@@ -300,6 +306,7 @@ class ShardState:
     def _forget(self, record: WorkerRecord) -> None:
         """Drop a departed worker's record, keeping what refuses its old pushes."""
         del self.workers[record.worker]
+        self._give_back(record.worker)
         self.forgotten.remember(record.worker, record.incarnation, record.window)
         for i, value in enumerate(self.train.pop(record.worker, ())):
             self.train_forgotten[i] += value
@@ -312,6 +319,7 @@ class ShardState:
         if record is None or record.incarnation != msg.incarnation:
             clock = min_live_clock(self.workers)
             if record is not None:  # a restarted worker: new incarnation, fresh dedupe window
+                self._give_back(record.worker)
                 log.info("shard %d: worker %s restarted (incarnation %d)", self.cfg.index,
                          msg.worker, msg.incarnation)
                 clock = max(record.pushes, clock or 0)
@@ -370,9 +378,12 @@ class ShardState:
         if dtype is not None:  # cast copies: what is pending on the views is applied first
             self.store.apply_pending()
             segments = [Segment(s.offset, s.data.to(dtype), transient=True) for s in segments]
+        meta = {Key.VERSION: self.version, Key.UPDATES: self.counters["updates"]}
+        if record is not None and self.dispatcher is not None:  # the rows it trains next
+            meta[Key.CHUNKS] = [[c.epoch, c.start, c.stop]
+                                for c in self.dispatcher.top_up(record.worker)]
         return Message(type=PARAMS, shard=self.cfg.index, seq=msg.seq, clock=self.version,
-                       meta={Key.VERSION: self.version, Key.UPDATES: self.counters["updates"]},
-                       segments=segments)
+                       meta=meta, segments=segments)
 
     def _keep_copy(self, record: WorkerRecord) -> None:
         """DC-ASGD compensates a push against the parameters its worker pulled: a copy of
@@ -468,6 +479,8 @@ class ShardState:
             return self.refuse(peer, *problem, msg)
         staleness = self.version - msg.clock
         verdict = self.policy.push(record, msg.segments, msg.seq, staleness, self.version)
+        if self.dispatcher is not None and verdict != STALE:  # a stale push's rows: again
+            self.dispatcher.done(record.worker, msg.meta.get(Key.SAMPLES, 0))
         if verdict == APPLY:
             return self._apply(record, msg, staleness)
         self._account(record, msg.meta, max(0, staleness))  # ahead: from a version since lost
@@ -603,6 +616,11 @@ class ShardState:
 
     # ---- liveness, stats and checkpoints --------------------------------------------
 
+    def _give_back(self, worker: str) -> None:
+        """A worker gone (left, silent, forgotten, restarted): its unfinished rows go back."""
+        if self.dispatcher is not None:
+            self.dispatcher.release(worker)
+
     def tick(self, now: float) -> list:
         """Drop workers silent for longer than the heartbeat timeout, close a sync round
         whose deadline passed; release what that frees."""
@@ -617,6 +635,7 @@ class ShardState:
                 record.alive = False
                 record.held_pull = None
                 record.backup = None
+                self._give_back(record.worker)
                 self.counters["dropped_workers"] += 1
                 dropped = True
         if dropped:
@@ -656,7 +675,14 @@ class ShardState:
             "traffic_total": [self.traffic_forgotten[i] + sum(t[i] for t in self.traffic.values())
                               for i in range(2)],
             "restored": self.restored,
+            **({"dispatch": self.dispatch_stats()} if self.dispatcher else {}),
         }
+
+    def dispatch_stats(self) -> dict:
+        """--data-dispatch dynamic: how evenly rows were trained, and what was handed again."""
+        d = self.dispatcher
+        return {"coverage": of_samples(d.counts), "rehanded": d.rehanded,
+                "unattributed": d.unattributed, "epoch": d.cursor[0], "finished": d.finished}
 
     def state_dict(self) -> dict:
         self.settle()
@@ -670,7 +696,8 @@ class ShardState:
                 "dedupe": {w.worker: [w.incarnation, w.pushes, *w.window.state()]
                            for w in self.workers.values()},
                 # What forgotten records left behind: their old pushes stay refused.
-                "forgotten": self.forgotten.state()}
+                "forgotten": self.forgotten.state(),
+                **({"dispatch": self.dispatcher.state_dict()} if self.dispatcher else {})}
 
     def load_state_dict(self, state: dict, now: Optional[float] = None) -> None:
         """Continue from ``state``. With ``now``, the workers it names stay barrier members
@@ -693,4 +720,6 @@ class ShardState:
                 window=SeqWindow.from_state(self.cfg.dedupe_window, window))
         self.forgotten = Forgotten.from_state(self.forgotten.size, state.get("forgotten"))
         self.lost_before = self.counters["lost_updates"]
+        if self.dispatcher is not None and "dispatch" in state:
+            self.dispatcher.load_state_dict(state["dispatch"])
         self.restored = {"version": self.version, "sha256": params_digest(state["params"])}

@@ -46,6 +46,10 @@ WIRE_FLAGS = {"bf16": ("--push-dtype", "bf16", "--pull-dtype", "bf16"),
               "fp16": ("--push-dtype", "fp16", "--pull-dtype", "fp16"),
               "int8": ("--compress", "int8")}
 
+# A mode's +dynamic: data handed out on demand (--data-dispatch dynamic)
+DYNAMIC = "+dynamic"
+DYNAMIC_FLAGS = ("--data-dispatch", "dynamic")
+
 
 def parse_modes(text: str) -> list:
     """``single,hogwild,ps-async,ps-ssp,ps-ssp:4,ps-sync,ps-backup:1,ps-backup:auto,ddp,...``
@@ -63,7 +67,7 @@ def parse_modes(text: str) -> list:
                               "async-diloco:H), ddp+fp16, ddp+bf16, ddp+powersgd (or "
                               "ddp+powersgd:RANK), ddp-local (or ddp-local:H); a "
                               "parameter-server mode +bf16, +fp16, +int8 or +topk:RATIO "
-                              "(ps-async+int8)")
+                              "(ps-async+int8) or +dynamic (ps-async+dynamic)")
         if name in seen:
             raise ConfigError(f"--modes: {name} is listed twice; use --repeats to run it again")
         seen.add(name)
@@ -79,6 +83,8 @@ def _mode(name: str) -> Optional[ModeSpec]:
         found = re.fullmatch(pattern + r"(?::(\d+))?", name)
         return None if found is None else int(found.group(1) or default)
 
+    if name.endswith(DYNAMIC):
+        return _dynamic(name)
     if "+" in name and not name.startswith("ddp"):  # a PS mode, compressed: ps-async+int8
         base, _, wire = name.partition("+")
         spec, flags = _mode(base), WIRE_FLAGS.get(wire)
@@ -114,6 +120,14 @@ def _mode(name: str) -> Optional[ModeSpec]:
             return ModeSpec(name, "ps-server", consistency, optimizer=rule, flags=OUTER,
                             worker_flags=("--local-steps", str(steps)))
     return None
+
+
+def _dynamic(name: str) -> Optional[ModeSpec]:
+    """``ps-async+dynamic``: the parameter server hands data out on demand."""
+    spec = _mode(name[:-len(DYNAMIC)])
+    if spec is None or spec.command != "ps-server":
+        return None
+    return dataclasses.replace(spec, name=name, flags=spec.flags + DYNAMIC_FLAGS)
 
 
 def parse_mode_args(items: tuple, specs: list) -> dict:

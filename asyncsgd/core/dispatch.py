@@ -15,6 +15,9 @@ from typing import Optional
 
 import torch
 
+# Rows a chunk holds by default: a few batches, so that a straggler holds little at an
+# epoch's end (the others wait on no one) and a chunk costs one list in a reply
+CHUNK = 128
 AHEAD = 2  # chunks a worker holds: the one it trains and the next (it never waits for data)
 
 

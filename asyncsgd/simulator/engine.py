@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ..config.modes import ModeSpec
+from ..config.modes import DYNAMIC, ModeSpec
 from ..core.pacing import Pacing
 from ..core.signature import PS_PARTITION_SEED
 from ..core.tasks import Task, epoch_order, partition_indices
@@ -24,7 +24,7 @@ from .events import Scheduler
 
 SIMULATED = ("single, hogwild, ps-async, ps-dc-asgd, ps-ssp[:K], ps-sync, "
              "ps-backup[:B|:auto], "
-             "ddp, diloco[:H] and async-diloco[:H]")
+             "ddp, diloco[:H] and async-diloco[:H] (a parameter-server mode also +dynamic)")
 FLOAT_BYTES = 4
 
 
@@ -88,7 +88,9 @@ def local_steps(spec: ModeSpec) -> int:
 def check_spec(spec: ModeSpec, setup: VirtualSetup) -> None:
     """Refuse what the virtual clock does not model, naming what it does."""
     plain_ddp = spec.command == "ddp" and not spec.flags
-    if "+" in spec.name or not (plain_ddp or spec.command in ("single", "hogwild", "ps-server")):
+    dynamic = spec.command == "ps-server" and spec.name.endswith(DYNAMIC)
+    base = spec.name[:-len(DYNAMIC)] if dynamic else spec.name
+    if "+" in base or not (plain_ddp or spec.command in ("single", "hogwild", "ps-server")):
         raise ConfigError(f"the virtual clock does not model {spec.name}; it simulates "
                           f"{SIMULATED}")
     if setup.shards != 1:
@@ -110,9 +112,18 @@ class SimWorker:
         self.epochs, self.batch = epochs, batch
         self.epoch, self.pos, self.order = 0, 0, epoch_order(part, seed, rank, 0)
         self.seq, self.gone, self.done = 0, False, False
+        self.plan: Optional[list] = None  # --data-dispatch dynamic: the rows shard 0 handed
+
+    def follow(self, plan: list) -> None:
+        """Dynamic dispatch: train ``plan``'s rows next (from shard 0's reply)."""
+        self.plan = plan
 
     def next_batch(self) -> Optional[torch.Tensor]:
         """The next batch's indices, as the real worker takes them; None after its epochs."""
+        if self.plan is not None:
+            index = torch.cat(self.plan)[:self.batch] if self.plan else self.part[:0]
+            self.plan = _after(self.plan, len(index))
+            return index if len(index) else None
         if self.pos >= len(self.order):
             self.epoch += 1
             if self.epoch >= self.epochs or not len(self.order):
@@ -254,6 +265,14 @@ class Engine(ABC):
 
     def summary(self) -> dict:
         return {}
+
+
+def _after(plan: list, rows: int) -> list:
+    """``plan`` (row tensors, in order) without its first ``rows`` rows."""
+    while plan and rows >= len(plan[0]):
+        rows -= len(plan[0])
+        plan = plan[1:]
+    return [plan[0][rows:]] + plan[1:] if plan else []
 
 
 def slow_ranks(workers: int, share: float, seed: int) -> set:

@@ -10,6 +10,8 @@ import torch
 from asyncsgd.servers.shard import ShardConfig, ShardState
 
 from ..config import ServerConfig
+from ..core.coverage import of_partitions
+from ..core.dispatch import CHUNK, Chunk
 from ..errors import WorkerError
 from ..run.digests import DIGESTS, DigestLog
 from ..wire.protocol import BYE, ERROR, PARAMS, PULL, PUSH, Code, Key, Message, Segment
@@ -33,12 +35,15 @@ class PSEngine(Engine):
             hyper["period"] = self.setup.workers
         self.H = local_steps(self.spec)
         server_lr = float(flags["--lr"]) if "--lr" in flags else self.lr
+        dynamic = flags.get("--data-dispatch") == "dynamic"
         self.state = ShardState(ShardConfig(
             index=0, start=0, end=len(self.flat), rule=self.spec.optimizer, lr=server_lr,
             hyper=hyper, consistency=self.spec.consistency or "async",
             expected_workers=self.setup.workers, heartbeat_timeout=float("inf"),
             sync_reduce=server.sync_reduce, backup_workers=self.spec.backup_workers,
-            dc_lambda=float(flags["--dc-asgd"]) if "--dc-asgd" in flags else None),
+            dc_lambda=float(flags["--dc-asgd"]) if "--dc-asgd" in flags else None,
+            dispatch=((len(self.task.train), self.setup.epochs, self.setup.seed, CHUNK)
+                      if dynamic else None)),
             self.flat.detach().clone())
         # the staleness of every push the shard took, uncapped: the shard's histogram ends
         # at 63, and 256 async workers see about 255
@@ -110,7 +115,11 @@ class PSEngine(Engine):
         start = max(t, self.egress)
         self.egress = start + self.nbytes / self.link.bandwidth
         self.bytes += self.nbytes
-        self.at(self.egress + self.link.latency, "pulled", self.by_peer[peer], params,
+        worker = self.by_peer[peer]
+        if Key.CHUNKS in reply.meta:  # dynamic dispatch: the rows it trains next
+            dispatcher = self.state.dispatcher
+            worker.follow([dispatcher.rows(Chunk(*c)) for c in reply.meta[Key.CHUNKS]])
+        self.at(self.egress + self.link.latency, "pulled", worker, params,
                 reply.meta[Key.VERSION])
 
     def set_deadline(self, t: float) -> None:
@@ -210,6 +219,14 @@ class PSEngine(Engine):
                 "staleness_mean": (sum(k * n for k, n in enumerate(uncapped)) / pushes
                                    if pushes else None),
                 "stale_pushes": self.state.counters["stale"],
-                "consistency": str(self.state.cfg.consistency)}
+                "consistency": str(self.state.cfg.consistency),
+                **(self.state.dispatch_stats() if self.state.dispatcher else
+                   {"coverage": self.partition_coverage()})}
+
+    def partition_coverage(self) -> dict:
+        """Static partitions: each worker's samples over its partition's rows."""
+        taken = [w for w in self.workers if w.name in self.state.train]
+        return of_partitions([self.state.train[w.name][2] for w in taken],
+                             [len(w.part) for w in taken])
 
 

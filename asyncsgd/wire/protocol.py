@@ -45,6 +45,8 @@ class Key:
     OBSERVER, PULL_DTYPE = "observer", "pull_dtype"
     # params (and PART, PARTS of a message sent in parts)
     VERSION, UPDATES, ACK = "version", "updates", "ack"
+    # params from shard 0 under --data-dispatch dynamic: [[epoch, start, stop], ...] to train
+    CHUNKS = "chunks"
     PART, PARTS = "part", "parts"
     # push; TRAFFIC: [bytes sent, bytes received] by the worker since its previous push
     LOSS, SAMPLES, PULL, TRAFFIC = "loss", "samples", "pull", "traffic"
