@@ -9,12 +9,14 @@ The parent process is the front (``front.py``) and evaluator (``evaluator.py``);
 from __future__ import annotations
 
 import logging
+import re
 from typing import Callable, Optional
 
 import torch
 import zmq
 
 from asyncsgd.config import ServerConfig
+from asyncsgd.core.coverage import of_partitions
 from asyncsgd.core.signature import data_signature
 from asyncsgd.core.tasks import task_of
 from asyncsgd.errors import ConfigError
@@ -91,7 +93,8 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
         ctx.term()
         raise
     supervisor = ShardSupervisor.for_server(cfg, layout.flatten(model), ranges, lr, host,
-                                            str(run.path), keys, sessions.key, beside)
+                                            str(run.path), keys, sessions.key, beside,
+                                            train_rows=len(task.train))
     evaluator = Evaluator(model, layout, recorder)
     outcome = Outcome("workers_done")
     summary: dict = {}
@@ -115,6 +118,7 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
             obs = _final_observation(evaluator, supervisor)
             if obs is not None:
                 summary = _summary(cfg, lr, obs, front, supervisor, evaluator)
+                summary.update(_coverage(cfg, evaluator.latest, len(task.train)))
     finally:
         supervisor.stop_all(grace=SHARD_STOP_GRACE, all_left=front.everyone_left())
         evaluator.close()
@@ -181,6 +185,26 @@ def _summary(cfg: ServerConfig, lr: float, obs: dict, front: Front, supervisor: 
             "worker_bytes": {name: {"sent": sent, "received": received} for name, (sent, received)
                              in sorted(evaluator.latest[0].get("traffic", {}).items())}
             if evaluator.latest else {}}
+
+
+def _coverage(cfg: ServerConfig, shards: list, rows: int) -> dict:
+    """summary.json's coverage: shard 0's per-row counts under dynamic dispatch; under static
+    each worker's samples over its partition's rows (a worker named HOST-rRANK, as workers
+    name themselves, trains partition RANK of --workers: tensor_split's sizes)."""
+    if not shards:
+        return {}
+    if "dispatch" in shards[0]:
+        dispatch = shards[0]["dispatch"]
+        return {"coverage": dispatch["coverage"], "rehanded": dispatch["rehanded"],
+                "unattributed": dispatch["unattributed"]}
+    samples, sizes = [], []
+    for name, (_, _, trained) in sorted(shards[0].get("train", {}).items()):
+        found = re.fullmatch(r".*-r(\d+)", name)
+        if found and int(found.group(1)) < cfg.workers:
+            rank = int(found.group(1))
+            samples.append(trained)
+            sizes.append(rows // cfg.workers + (rank < rows % cfg.workers))
+    return {"coverage": of_partitions(samples, sizes), "rehanded": 0} if samples else {}
 
 
 def _wire_formats(shards: list) -> dict:

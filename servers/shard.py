@@ -382,6 +382,8 @@ class ShardState:
         if record is not None and self.dispatcher is not None:  # the rows it trains next
             meta[Key.CHUNKS] = [[c.epoch, c.start, c.stop]
                                 for c in self.dispatcher.top_up(record.worker)]
+            meta[Key.CHUNK_SEED] = self.dispatcher.seed
+            meta[Key.ALL_TRAINED] = self.dispatcher.finished
         return Message(type=PARAMS, shard=self.cfg.index, seq=msg.seq, clock=self.version,
                        meta=meta, segments=segments)
 

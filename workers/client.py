@@ -67,6 +67,19 @@ def _said(meta: dict, limit: int = 1000) -> str:
     return "".join(c if c.isprintable() else "?" for c in text[:limit])
 
 
+def _plan(meta: dict) -> tuple:
+    """Shard 0's ``chunks`` and ``chunk_seed``, checked (PROTOCOL.md, Dynamic dispatch)."""
+    chunks, seed = meta[Key.CHUNKS], meta.get(Key.CHUNK_SEED)
+    flag = meta.get(Key.ALL_TRAINED)
+    if type(seed) is not int or type(flag) is not bool or type(chunks) is not list or not all(
+            type(c) is list and len(c) == 3 and all(type(v) is int for v in c)
+            and 0 <= c[0] and 0 <= c[1] <= c[2] for c in chunks):
+        raise ProtocolError(Code.BAD_FIELD, f"shard 0 sent chunks {chunks!r:.60} with seed "
+                                            f"{seed!r:.20}, not [[epoch, start, stop], ...] "
+                                            "and an integer, or no all_trained flag")
+    return seed, chunks, meta[Key.ALL_TRAINED]
+
+
 def new_incarnation() -> int:
     """Larger at every start of a worker process: its start time in milliseconds, then
     its pid (distinct for two starts in one millisecond). Shards refuse an incarnation
@@ -116,6 +129,9 @@ class PSClient:
         self.ctx = zmq.Context()
         self.seq = 0
         self.info: dict = {}  # the latest welcome: shards, instance, session token
+        # --data-dispatch dynamic: (chunk seed, [[epoch, start, stop], ...], all trained)
+        # shard 0 said to train next, from its latest params; None while it says nothing
+        self.plan: Optional[tuple] = None
         self._readmitting = False  # a shard did not know our session: hello sent again
         self._linger = 0  # ms close() waits for goodbyes still queued
         self._left = False  # said goodbye (bye), or heard the run is over (_farewell)
@@ -558,6 +574,8 @@ class PSClient:
             if self._intake.take(key, reply, params, start, end - start):
                 owed.discard(PARAMS)
             self.versions[i] = version
+            if i == 0 and Key.CHUNKS in meta:
+                self.plan = _plan(meta)
         if not owed:
             del outstanding[key]
 

@@ -21,6 +21,11 @@ CHUNK = 128
 AHEAD = 2  # chunks a worker holds: the one it trains and the next (it never waits for data)
 
 
+def epoch_rows(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """Epoch ``epoch``'s permutation of ``n`` rows: what a chunk's start and stop index."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
 @dataclass(frozen=True)
 class Chunk:
     """Rows ``[start, stop)`` of epoch ``epoch``'s permutation."""
@@ -54,8 +59,7 @@ class Dispatcher:
     def order(self, epoch: int) -> torch.Tensor:
         """Epoch ``epoch``'s permutation of the rows (the same for every process)."""
         if self._perm[0] != epoch:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm = (epoch, torch.randperm(self.n, generator=gen))
+            self._perm = (epoch, epoch_rows(self.n, self.seed, epoch))
         return self._perm[1]
 
     def rows(self, chunk: Chunk) -> torch.Tensor:
