@@ -221,12 +221,16 @@ class PSEngine(Engine):
                 "stale_pushes": self.state.counters["stale"],
                 "consistency": str(self.state.cfg.consistency),
                 **(self.state.dispatch_stats() if self.state.dispatcher else
-                   {"coverage": self.partition_coverage()})}
+                   self.partition_coverage())}
 
     def partition_coverage(self) -> dict:
-        """Static partitions: each worker's samples over its partition's rows."""
-        taken = [w for w in self.workers if w.name in self.state.train]
-        return of_partitions([self.state.train[w.name][2] for w in taken],
-                             [len(w.part) for w in taken])
+        """Static partitions: each worker's samples over its partition's rows (every worker
+        the shard heard from; none before any did)."""
+        heard = [w for w in self.workers if w.name in self.state.workers]
+        if not heard:
+            return {}
+        return {"coverage": of_partitions(
+            [self.state.train.get(w.name, (0, 0, 0))[2] for w in heard],
+            [len(w.part) for w in heard])}
 
 
