@@ -100,7 +100,8 @@ class ModeRun:
             flags = self._run_flags() + _present({
                 "--workers": self.procs, "--shards": c.shards, "--consistency": spec.consistency,
                 "--backup-workers": spec.backup_workers or None, "--optimizer": spec.optimizer,
-                "--lr": self.lr if spec.optimizer == "sgd" else None})
+                "--lr": self.lr if spec.optimizer == "sgd" else None,
+                "--epochs": c.epochs or NO_EPOCH_LIMIT})  # what +dynamic hands out
         else:
             world = 1 if spec.command == "single" else self.procs
             flags = self._run_flags() + self._train_flags(world) + _present({"--lr": self.lr})
