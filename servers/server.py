@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from typing import Callable, Optional
 
 import torch
 import zmq
 
 from asyncsgd.config import ServerConfig
+from asyncsgd.core.coverage import of_partitions
 from asyncsgd.core.signature import data_signature
 from asyncsgd.core.tasks import task_of
 from asyncsgd.errors import ConfigError
@@ -66,6 +68,9 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
         raise ConfigError(f"--balance batch sizes the batches of sync rounds: it needs "
                           f"--consistency sync and --sync-reduce mean (got {cfg.consistency}, "
                           f"{cfg.sync_reduce}); drop --balance for {cfg.consistency}")
+    if cfg.balance == "batch" and cfg.data_dispatch == "dynamic":
+        raise ConfigError("--balance batch already hands every worker its rows of one global "
+                          "order (each row once an epoch): drop --data-dispatch dynamic")
     host, _ = parse_endpoint(cfg.bind, "--bind")
     keys = ServerKeys.load(cfg.curve_secret, cfg.allowed_clients)
     if cfg.audit_dir:  # each shard writes its own file there
@@ -98,7 +103,8 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
     # --balance batch: the global batch is the per-worker batch (the task's by default) x workers
     sized = dataclasses.replace(cfg, batch_size=cfg.batch_size or task.batch_size)
     supervisor = ShardSupervisor.for_server(sized, layout.flatten(model), ranges, lr, host,
-                                            str(run.path), keys, sessions.key, beside)
+                                            str(run.path), keys, sessions.key, beside,
+                                            train_rows=len(task.train))
     evaluator = Evaluator(model, layout, recorder)
     outcome = Outcome("workers_done")
     summary: dict = {}
@@ -122,6 +128,7 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
             obs = _final_observation(evaluator, supervisor)
             if obs is not None:
                 summary = _summary(cfg, lr, obs, front, supervisor, evaluator)
+                summary.update(_coverage(cfg, evaluator.latest, len(task.train)))
     finally:
         supervisor.stop_all(grace=SHARD_STOP_GRACE, all_left=front.everyone_left())
         evaluator.close()
@@ -193,6 +200,26 @@ def _summary(cfg: ServerConfig, lr: float, obs: dict, front: Front, supervisor: 
             "worker_bytes": {name: {"sent": sent, "received": received} for name, (sent, received)
                              in sorted(evaluator.latest[0].get("traffic", {}).items())}
             if evaluator.latest else {}}
+
+
+def _coverage(cfg: ServerConfig, shards: list, rows: int) -> dict:
+    """summary.json's coverage: shard 0's per-row counts under dynamic dispatch; under static
+    each worker's samples over its partition's rows (a worker named HOST-rRANK, as workers
+    name themselves, trains partition RANK of --workers: tensor_split's sizes)."""
+    if not shards:
+        return {}
+    if "dispatch" in shards[0]:
+        dispatch = shards[0]["dispatch"]
+        return {"coverage": dispatch["coverage"], "rehanded": dispatch["rehanded"],
+                "unattributed": dispatch["unattributed"]}
+    samples, sizes = [], []
+    for name, (_, _, trained) in sorted(shards[0].get("train", {}).items()):
+        found = re.fullmatch(r".*-r(\d+)", name)
+        if found and int(found.group(1)) < cfg.workers:
+            rank = int(found.group(1))
+            samples.append(trained)
+            sizes.append(rows // cfg.workers + (rank < rows % cfg.workers))
+    return {"coverage": of_partitions(samples, sizes), "rehanded": 0} if samples else {}
 
 
 def _wire_formats(shards: list) -> dict:

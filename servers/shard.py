@@ -17,6 +17,8 @@ from typing import Callable, Optional, Union
 import torch
 
 from asyncsgd.config import Consistency
+from asyncsgd.core.coverage import of_samples
+from asyncsgd.core.dispatch import Dispatcher
 from asyncsgd.errors import ConfigError
 from asyncsgd.wire.compression import expand, segment_values, wire_dtype
 from asyncsgd.wire.protocol import (ACK, BYE, DTYPE_NAMES, ERROR, HEARTBEAT, PARAMS, PULL, PUSH,
@@ -90,6 +92,8 @@ class ShardConfig:
     balance_every: int = 20
     min_batch: int = 0
     batch_size: int = 0
+    # --data-dispatch dynamic, on shard 0: (rows, epochs, seed, chunk) of its Dispatcher
+    dispatch: Optional[tuple] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.consistency, Consistency):
@@ -165,6 +169,7 @@ class ShardState:
         # --audit-dir: called (worker, incarnation, seq, version after) per push applied
         self.audit: Optional[Callable[[str, int, int, int], None]] = None
         self.dylu = DyLU()  # --local-steps auto: each worker's H, shard 0's to decide
+        self.dispatcher = Dispatcher(*cfg.dispatch) if cfg.dispatch else None
         self._handlers = {HEARTBEAT: self._on_heartbeat, BYE: self._on_bye,
                           PULL: self._on_pull, PUSH: self._on_push}
 
@@ -210,6 +215,7 @@ class ShardState:
     def _on_bye(self, record: WorkerRecord, msg: Message, now: float) -> list:
         record.alive = False
         record.backup = None  # a DC-ASGD copy of the slice is kept for live workers only
+        self._give_back(record.worker)
         return [(record.peer, Message(type=BYE, shard=self.cfg.index, seq=msg.seq))] + \
             self._release()
 
@@ -316,6 +322,7 @@ class ShardState:
     def _forget(self, record: WorkerRecord) -> None:
         """Drop a departed worker's record, keeping what refuses its old pushes."""
         del self.workers[record.worker]
+        self._give_back(record.worker)
         self.forgotten.remember(record.worker, record.incarnation, record.window)
         for i, value in enumerate(self.train.pop(record.worker, ())):
             self.train_forgotten[i] += value
@@ -328,6 +335,7 @@ class ShardState:
         if record is None or record.incarnation != msg.incarnation:
             clock = min_live_clock(self.workers)
             if record is not None:  # a restarted worker: new incarnation, fresh dedupe window
+                self._give_back(record.worker)
                 log.info("shard %d: worker %s restarted (incarnation %d)", self.cfg.index,
                          msg.worker, msg.incarnation)
                 clock = max(record.pushes, clock or 0)
@@ -390,6 +398,11 @@ class ShardState:
         if self.balancer is not None and record is not None:
             meta[Key.BATCH] = self.balancer.batch_of(
                 record.worker, [w.worker for w in live_workers(self.workers)])
+        if record is not None and self.dispatcher is not None:  # the rows it trains next
+            meta[Key.CHUNKS] = [[c.epoch, c.start, c.stop]
+                                for c in self.dispatcher.top_up(record.worker)]
+            meta[Key.CHUNK_SEED] = self.dispatcher.seed
+            meta[Key.ALL_TRAINED] = self.dispatcher.finished
         return Message(type=PARAMS, shard=self.cfg.index, seq=msg.seq, clock=self.version,
                        meta=meta, segments=segments)
 
@@ -496,6 +509,8 @@ class ShardState:
         staleness = self.version - msg.clock
         verdict = self.policy.push(record, msg.segments, msg.seq, staleness, self.version,
                                    weight=weight)
+        if self.dispatcher is not None and verdict != STALE:  # a stale push's rows: again
+            self.dispatcher.done(record.worker, msg.meta.get(Key.SAMPLES, 0))
         if verdict == APPLY:
             return self._apply(record, msg, staleness)
         self._account(record, msg.meta, max(0, staleness))  # ahead: from a version since lost
@@ -653,6 +668,11 @@ class ShardState:
 
     # ---- liveness, stats and checkpoints --------------------------------------------
 
+    def _give_back(self, worker: str) -> None:
+        """A worker gone (left, silent, forgotten, restarted): its unfinished rows go back."""
+        if self.dispatcher is not None:
+            self.dispatcher.release(worker)
+
     def tick(self, now: float) -> list:
         """Drop workers silent for longer than the heartbeat timeout, close a sync round
         whose deadline passed; release what that frees."""
@@ -667,6 +687,7 @@ class ShardState:
                 record.alive = False
                 record.held_pull = None
                 record.backup = None
+                self._give_back(record.worker)
                 self.counters["dropped_workers"] += 1
                 dropped = True
         if dropped:
@@ -709,7 +730,14 @@ class ShardState:
             **({"balance": self.balancer.report()} if self.balancer is not None else {}),
             "local_steps": {w.worker: self.dylu.assigned[w.worker] for w in recent
                             if w.worker in self.dylu.assigned},
+            **({"dispatch": self.dispatch_stats()} if self.dispatcher else {}),
         }
+
+    def dispatch_stats(self) -> dict:
+        """--data-dispatch dynamic: how evenly rows were trained, and what was handed again."""
+        d = self.dispatcher
+        return {"coverage": of_samples(d.counts), "rehanded": d.rehanded,
+                "unattributed": d.unattributed, "epoch": d.cursor[0], "finished": d.finished}
 
     def state_dict(self) -> dict:
         self.settle()
@@ -725,7 +753,8 @@ class ShardState:
                 # What forgotten records left behind: their old pushes stay refused.
                 "forgotten": self.forgotten.state(),
                 # --balance batch: shard 0's allocation, which a resumed run continues
-                **({"balance": self.balancer.state_dict()} if self.balancer is not None else {})}
+                **({"balance": self.balancer.state_dict()} if self.balancer is not None else {}),
+                **({"dispatch": self.dispatcher.state_dict()} if self.dispatcher else {})}
 
     def load_state_dict(self, state: dict, now: Optional[float] = None) -> None:
         """Continue from ``state``. With ``now``, the workers it names stay barrier members
@@ -750,4 +779,6 @@ class ShardState:
         self.lost_before = self.counters["lost_updates"]
         if self.balancer is not None:
             self.balancer.load_state_dict(state.get("balance"))
+        if self.dispatcher is not None and "dispatch" in state:
+            self.dispatcher.load_state_dict(state["dispatch"])
         self.restored = {"version": self.version, "sha256": params_digest(state["params"])}

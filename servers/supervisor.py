@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from asyncsgd.config import ServerConfig
+from asyncsgd.core.dispatch import CHUNK
 from asyncsgd.errors import WorkerError
 from asyncsgd.run.process_group import WorkerGroup, available_cores, context
 from asyncsgd.wire.protocol import Key
@@ -51,16 +52,19 @@ class ShardSupervisor:
     def for_server(cls, cfg: ServerConfig, flat: torch.Tensor, ranges: list, lr: float,
                    host: str, checkpoint_dir: str,
                    keys: Optional[ServerKeys], session_key: bytes,
-                   beside: int = 0) -> "ShardSupervisor":
+                   beside: int = 0, train_rows: int = 0) -> "ShardSupervisor":
         """The shards of ``ps-server``: shard i owns ``flat[ranges[i]]`` and applies the
         configured rule to it, listening on ``host``, checkpointing into ``checkpoint_dir``;
         by default the host's cores are shared among the shards, the front and ``beside``
-        other processes (workers a launcher placed here)."""
+        other processes (workers a launcher placed here). --data-dispatch dynamic: shard 0
+        hands out the ``train_rows`` training rows."""
         hyper = {"weight_decay": cfg.weight_decay}
         if cfg.optimizer in ("momentum", "nesterov", "delayed-nesterov"):
             hyper["momentum"] = cfg.momentum
         if cfg.optimizer == "delayed-nesterov":
             hyper["period"] = cfg.nesterov_period or cfg.workers
+        dispatch = ((train_rows, cfg.epochs, cfg.seed, CHUNK)
+                    if cfg.data_dispatch == "dynamic" else None)
         threads = max(1, cfg.threads or available_cores() // (len(ranges) + 1 + beside))
         settings = [ShardProcessSettings(
             config=ShardConfig(
@@ -71,7 +75,8 @@ class ShardSupervisor:
                 backup_workers=cfg.backup_workers, balance=cfg.balance,
                 balance_every=cfg.balance_every, min_batch=cfg.min_batch or 0,
                 batch_size=cfg.batch_size or 0,
-                reject_nonfinite=not cfg.allow_nonfinite, max_grad_norm=cfg.max_grad_norm),
+                reject_nonfinite=not cfg.allow_nonfinite, max_grad_norm=cfg.max_grad_norm,
+                dispatch=dispatch if i == 0 else None),
             bind_host=host, port=0, checkpoint_dir=checkpoint_dir,
             checkpoint_every=cfg.checkpoint_every, resume=bool(cfg.resume), threads=threads,
             curve=keys, session_key=session_key, busy_poll_us=cfg.busy_poll_us,

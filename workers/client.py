@@ -82,6 +82,17 @@ def _told_steps(value) -> int:
         raise ProtocolError(Code.BAD_FIELD, f"shard 0 sent local_steps {value!r:.40}, not a "
                                             "whole number in [1, 2**20]")
     return value
+def _plan(meta: dict) -> tuple:
+    """Shard 0's ``chunks`` and ``chunk_seed``, checked (PROTOCOL.md, Dynamic dispatch)."""
+    chunks, seed = meta[Key.CHUNKS], meta.get(Key.CHUNK_SEED)
+    flag = meta.get(Key.ALL_TRAINED)
+    if type(seed) is not int or type(flag) is not bool or type(chunks) is not list or not all(
+            type(c) is list and len(c) == 3 and all(type(v) is int for v in c)
+            and 0 <= c[0] and 0 <= c[1] <= c[2] for c in chunks):
+        raise ProtocolError(Code.BAD_FIELD, f"shard 0 sent chunks {chunks!r:.60} with seed "
+                                            f"{seed!r:.20}, not [[epoch, start, stop], ...] "
+                                            "and an integer, or no all_trained flag")
+    return seed, chunks, meta[Key.ALL_TRAINED]
 
 
 def new_incarnation() -> int:
@@ -135,6 +146,9 @@ class PSClient:
         self.info: dict = {}  # the latest welcome: shards, instance, session token
         # --balance batch: [size, offset, global batch] of the next step, as shard 0 said
         self.batch: Optional[list] = None
+        # --data-dispatch dynamic: (chunk seed, [[epoch, start, stop], ...], all trained)
+        # shard 0 said to train next, from its latest params; None while it says nothing
+        self.plan: Optional[tuple] = None
         self._readmitting = False  # a shard did not know our session: hello sent again
         self.local_steps: Optional[int] = None  # --local-steps auto: the H shard 0 last set
         self._linger = 0  # ms close() waits for goodbyes still queued
@@ -582,6 +596,8 @@ class PSClient:
             self.versions[i] = version
             if i == 0 and Key.BATCH in meta:
                 self.batch = _batch(meta[Key.BATCH])
+            if i == 0 and Key.CHUNKS in meta:
+                self.plan = _plan(meta)
         if not owed:
             del outstanding[key]
 

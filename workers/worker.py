@@ -22,6 +22,7 @@ import torch
 
 from asyncsgd.config import WorkerConfig, parse_local_steps
 from asyncsgd.core.balance import global_slice
+from asyncsgd.core.dispatch import epoch_rows
 from asyncsgd.core.pacing import Pacer, Pacing, pace_note
 from asyncsgd.core.signature import PS_PARTITION_SEED, data_signature
 from asyncsgd.core.tasks import epoch_order, partition_indices, task_of
@@ -40,6 +41,8 @@ from asyncsgd.wire.transport import is_local, parse_endpoint
 from .client import PSClient, ServerFinished, ServerUnavailable
 
 log = logging.getLogger(__name__)
+# --data-dispatch dynamic: seconds between asks for rows while others still hold the last
+DATA_WAIT = 0.1
 
 
 @dataclass
@@ -242,6 +245,8 @@ class _Loop:
         self._pulled()
         if self.client.batch is not None:
             return self._run_balanced()
+        if self.client.plan is not None:
+            return self._run_dispatched()
         per_epoch = -(-len(self.part) // self.batch_size)
         order, ordered = None, None  # the batches of epoch ``ordered``
         while self.position < per_epoch * self.cfg.epochs:
@@ -274,6 +279,51 @@ class _Loop:
             if self.out_of_time():
                 return self._finish()
             self._step(order[start:end])
+
+    def _run_dispatched(self) -> WorkerResult:
+        """The server's --data-dispatch dynamic: train the rows shard 0 hands out, in its
+        order, until it hands none (or this worker's --epochs are done)."""
+        self._orders: dict = {}
+        waits = str(self.client.info.get(Key.CONSISTENCY, "")) != "sync"
+        while not self.out_of_time():
+            index = self._handed()
+            if index is not None:
+                self._step(index)
+                continue
+            if self.unpushed:  # what it trained since its last push is not yet counted
+                self._push()
+            elif self.client.plan[2] or not waits:
+                break
+            else:  # others still hold rows: a worker that dies hands its rest to this one
+                time.sleep(DATA_WAIT)
+                self.client.push_pull(None, self.flat_params)
+                self._pulled()
+        return self._finish()
+
+    def _handed(self) -> Optional[torch.Tensor]:
+        """The next batch off the plan shard 0 sent (it may span two chunks), taken off
+        it; each reply replaces the plan with what shard 0 counts left."""
+        seed, chunks, _ = self.client.plan
+        rows, taken = [], 0
+        for epoch, start, stop in chunks:
+            if epoch >= self.cfg.epochs or taken >= self.batch_size:
+                break
+            take = min(stop - start, self.batch_size - taken)
+            if (seed, epoch) not in self._orders:  # the chunks of at most two epochs are out
+                self._orders = {k: v for k, v in self._orders.items() if k[1] >= epoch - 1}
+                self._orders[(seed, epoch)] = epoch_rows(len(self.task.train), seed, epoch)
+            rows.append(self._orders[(seed, epoch)][start:start + take])
+            taken += take
+        if not taken:
+            return None
+        rest, left = [], taken
+        for epoch, start, stop in chunks:
+            skip = min(left, stop - start)
+            left -= skip
+            if start + skip < stop:
+                rest.append([epoch, start + skip, stop])
+        self.client.plan = (seed, rest, False)
+        return torch.cat(rows)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started

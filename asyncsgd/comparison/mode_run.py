@@ -101,7 +101,8 @@ class ModeRun:
                 "--workers": self.procs, "--shards": c.shards, "--consistency": spec.consistency,
                 "--backup-workers": spec.backup_workers or None, "--optimizer": spec.optimizer,
                 "--lr": self.lr if spec.optimizer == "sgd" else None,
-                "--batch-size": c.batch_size})  # --balance batch: the global batch's share
+                "--batch-size": c.batch_size,  # --balance batch: the global batch's share
+                "--epochs": c.epochs or NO_EPOCH_LIMIT})  # what +dynamic hands out
         else:
             world = 1 if spec.command == "single" else self.procs
             flags = self._run_flags() + self._train_flags(world) + _present({"--lr": self.lr})

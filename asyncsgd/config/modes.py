@@ -45,7 +45,10 @@ LOCAL_STEPS_DEFAULT = 8
 WIRE_FLAGS = {"bf16": ("--push-dtype", "bf16", "--pull-dtype", "bf16"),
               "fp16": ("--push-dtype", "fp16", "--pull-dtype", "fp16"),
               "int8": ("--compress", "int8")}
-DYNAMIC = ("--data-dispatch", "dynamic")  # +dynamic: rows handed out on demand
+
+# A mode's +dynamic: data handed out on demand (--data-dispatch dynamic)
+DYNAMIC = "+dynamic"
+DYNAMIC_FLAGS = ("--data-dispatch", "dynamic")
 
 
 def parse_modes(text: str) -> list:
@@ -66,7 +69,7 @@ def parse_modes(text: str) -> list:
                               "ddp+powersgd:RANK), ddp-local (or ddp-local:H); a "
                               "parameter-server mode +bf16, +fp16, +int8 or +topk:RATIO "
                               "(ps-async+int8); ps-sync+balance or ps-backup:B+balance; "
-                              "hogwild+dynamic")
+                              "+dynamic (ps-async+dynamic, hogwild+dynamic)")
         if name in seen:
             raise ConfigError(f"--modes: {name} is listed twice; use --repeats to run it again")
         seen.add(name)
@@ -84,7 +87,7 @@ def _mode(name: str) -> Optional[ModeSpec]:
 
     if name.endswith("+balance") and not name.startswith("ddp"):
         return _balanced(name)
-    if name.endswith("+dynamic"):
+    if name.endswith(DYNAMIC):
         return _dynamic(name)
     if "+" in name and not name.startswith("ddp"):  # a PS mode, compressed: ps-async+int8
         base, _, wire = name.partition("+")
@@ -150,11 +153,12 @@ def _dylu(name: str) -> Optional[ModeSpec]:
 
 
 def _dynamic(name: str) -> Optional[ModeSpec]:
-    """``hogwild+dynamic``: the mode with its rows handed out on demand."""
-    spec = _mode(name[:-len("+dynamic")])
-    if spec is None or spec.command != "hogwild":
+    """``ps-async+dynamic``, ``hogwild+dynamic``: the parameter server or Hogwild's shared
+    counter hands the rows out on demand (--data-dispatch dynamic)."""
+    spec = _mode(name[:-len(DYNAMIC)])
+    if spec is None or spec.command not in ("ps-server", "hogwild"):
         return None
-    return dataclasses.replace(spec, name=name, flags=spec.flags + DYNAMIC)
+    return dataclasses.replace(spec, name=name, flags=spec.flags + DYNAMIC_FLAGS)
 
 
 def parse_mode_args(items: tuple, specs: list) -> dict:

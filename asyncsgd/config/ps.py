@@ -10,9 +10,9 @@ import click
 
 from ..wire.busy_poll import BUSY_POLL_US, MAX_BUSY_POLL_US
 from .knobs import knob, settings
-from .shared import (BALANCE, BATCH_SIZE, DATA, DEVICE, EPOCHS, LOCAL_STEPS, LR, MAX_SECONDS,
-                     MOMENTUM, PACING, PROGRESS, RECORD_DIGESTS, SEED, TASK, THREADS,
-                     WEIGHT_DECAY, RunConfig)
+from .shared import (BALANCE, BATCH_SIZE, DATA, DATA_DISPATCH, DEVICE, EPOCHS, LOCAL_STEPS,
+                     LR, MAX_SECONDS, MOMENTUM, PACING, PROGRESS, RECORD_DIGESTS, SEED, TASK,
+                     THREADS, WEIGHT_DECAY, RunConfig)
 from .values import BACKUP_WORKERS, SHARD_COUNT, Compression, Consistency, ValueType
 
 BIND = knob(
@@ -107,7 +107,7 @@ ServerConfig = settings(
          "workers (rounded up) pushed, and at once when all did; the first rounds wait for "
          "all. E.g. --backup-workers 1, or auto.",
          type=BACKUP_WORKERS, metavar="N|auto"),
-    BALANCE, BATCH_SIZE,
+    BALANCE, BATCH_SIZE, DATA_DISPATCH, EPOCHS,
     knob("staleness_lr", bool, False,
          "Divide the learning rate by a push's staleness (Zhang et al. 2016)."),
     knob("dc_asgd", Optional[float], None,

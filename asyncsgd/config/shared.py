@@ -258,13 +258,30 @@ EPOCHS = knob(
         "hogwild": "Passes over the training data: each process passes over its own "
                    "partition.",
         "ddp": "Passes over the training data: each rank passes over its own partition.",
-        "worker": "Passes over this worker's partition.",
+        "worker": "Passes over this worker's partition (under the server's --data-dispatch "
+                  "dynamic: the server's --epochs end it, or this, whichever comes first).",
+        "ps": "Passes over the training data. --data-dispatch dynamic: the epochs of rows the "
+              "server hands out; static: each worker's --epochs over its partition decide.",
         "compare": dict(annotation=Optional[int], default=None, show="no limit: the budget "
                         "ends every run", help="Passes over the training data after which a "
                         "run ends early."),
         "simulate": dict(annotation=Optional[int], default=None, show="no limit: --target or "
                          "--budget ends every run", help="Passes over the training data (all "
                          "workers together) after which a run ends early.")})
+DATA_DISPATCH = knob(
+    "data_dispatch", str, "static",
+    "How training rows reach the workers. static: each worker trains its fixed partition "
+    "(a slow worker's share is trained less often). dynamic: the server hands out chunks of "
+    "each epoch's permutation of all rows as workers ask (riding on its replies), so every "
+    "row is trained once per epoch whatever the workers' speeds; summary.json's coverage "
+    "and rehanded say how evenly. E.g. --data-dispatch dynamic.",
+    type=click.Choice(["static", "dynamic"]), per_command={
+        "hogwild": "How rows reach the processes: static, each its own partition (a slowed "
+                   "process's rows are trained less often); dynamic, processes claim the next "
+                   "batch of each epoch's shuffle of all rows from a shared counter, so every "
+                   "row is trained exactly once an epoch whatever their speeds (an epoch ends "
+                   "once its rows are all claimed). summary.json's coverage gives the spread "
+                   "of how many times rows were trained (max over min: 1.0 is even)."})
 PACING = (  # the stragglers of every mode that trains (core.pacing says how they work)
     knob("slowdown", Optional[str], None,
          "Make ranks stragglers: RANK:FACTOR[,...]; e.g. 1:4 has rank 1 wait 3x its step's "
@@ -330,20 +347,6 @@ def min_batch(given: Optional[int], batch_size: int) -> int:
     """--min-batch, or its default: a quarter of the per-worker batch, at least 1."""
     return given if given is not None else max(1, batch_size // 4)
 
-
-DATA_DISPATCH = knob(
-    "data_dispatch", str, "static",
-    "How training rows reach the workers: static gives each its fixed partition (a slow "
-    "worker's rows are trained less often); dynamic hands out batches of each epoch's "
-    "shuffle of all rows as workers ask, so every row is trained once an epoch whatever "
-    "their speeds. summary.json's coverage says how evenly rows were trained.",
-    type=click.Choice(["static", "dynamic"]), per_command={
-        "hogwild": "How rows reach the processes: static, each its own partition (a slowed "
-                   "process's rows are trained less often); dynamic, processes claim the next "
-                   "batch of each epoch's shuffle of all rows from a shared counter, so every "
-                   "row is trained exactly once an epoch whatever their speeds (an epoch ends "
-                   "once its rows are all claimed). summary.json's coverage gives the spread "
-                   "of how many times rows were trained (max over min: 1.0 is even)."})
 
 TRAINING = (BATCH_SIZE, LR, MOMENTUM, WEIGHT_DECAY, EPOCHS, *PACING)
 

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ..config import parse_local_steps
-from ..config.modes import ModeSpec
+from ..config.modes import DYNAMIC, ModeSpec
 from ..core import coverage
 from ..core.pacing import Pacing
 from ..core.signature import PS_PARTITION_SEED
@@ -26,7 +26,8 @@ from .events import Scheduler
 
 SIMULATED = ("single, hogwild, ps-async, ps-dc-asgd, ps-ssp[:K], ps-sync, "
              "ps-backup[:B|:auto], ps-sync+balance, ps-backup[:B]+balance, "
-             "ddp, ddp+balance, diloco[:H|:auto[:H]] and async-diloco[:H|:auto[:H]]")
+             "ddp, ddp+balance, diloco[:H|:auto[:H]] and async-diloco[:H|:auto[:H]] (a "
+             "parameter-server mode also +dynamic)")
 BALANCED = ("--balance", "batch")  # ddp+balance's flags
 FLOAT_BYTES = 4
 
@@ -95,8 +96,10 @@ def local_steps(spec: ModeSpec):
 def check_spec(spec: ModeSpec, setup: VirtualSetup) -> None:
     """Refuse what the virtual clock does not model, naming what it does."""
     balanced = spec.name.endswith("+balance") and spec.command in ("ddp", "ps-server")
+    dynamic = spec.command == "ps-server" and spec.name.endswith(DYNAMIC)
     plain_ddp = spec.command == "ddp" and spec.flags in ((), BALANCED)
-    if ("+" in spec.name and not balanced) or not (plain_ddp or spec.command in (
+    base = spec.name[:-len(DYNAMIC)] if dynamic else spec.name
+    if ("+" in base and not balanced) or not (plain_ddp or spec.command in (
             "single", "hogwild", "ps-server")):
         raise ConfigError(f"the virtual clock does not model {spec.name}; it simulates "
                           f"{SIMULATED}")
@@ -120,9 +123,18 @@ class SimWorker:
         self.epoch, self.pos, self.order = 0, 0, epoch_order(part, seed, rank, 0)
         self.seq, self.gone, self.done = 0, False, False
         self.taken = 0  # samples of its partition it has computed on
+        self.plan: Optional[list] = None  # --data-dispatch dynamic: the rows shard 0 handed
+
+    def follow(self, plan: list) -> None:
+        """Dynamic dispatch: train ``plan``'s rows next (from shard 0's reply)."""
+        self.plan = plan
 
     def next_batch(self) -> Optional[torch.Tensor]:
         """The next batch's indices, as the real worker takes them; None after its epochs."""
+        if self.plan is not None:
+            index = torch.cat(self.plan)[:self.batch] if self.plan else self.part[:0]
+            self.plan = _after(self.plan, len(index))
+            return index if len(index) else None
         if self.pos >= len(self.order):
             self.epoch += 1
             if self.epoch >= self.epochs or not len(self.order):
@@ -291,6 +303,14 @@ def worker_speeds(workers: int, sigma: float, seed: int) -> list:
     the seed (apart from step times and the slow ranks); all 1 when sigma is 0."""
     rng = random.Random(f"speeds-{seed}")
     return [rng.lognormvariate(0.0, sigma) if sigma else 1.0 for _ in range(workers)]
+
+
+def _after(plan: list, rows: int) -> list:
+    """``plan`` (row tensors, in order) without its first ``rows`` rows."""
+    while plan and rows >= len(plan[0]):
+        rows -= len(plan[0])
+        plan = plan[1:]
+    return [plan[0][rows:]] + plan[1:] if plan else []
 
 
 def slow_ranks(workers: int, share: float, seed: int) -> set:

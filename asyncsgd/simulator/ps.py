@@ -12,6 +12,8 @@ from asyncsgd.servers.shard import ShardConfig, ShardState
 
 from ..config import ServerConfig, parse_local_steps
 from ..core.balance import global_slice
+from ..core.coverage import of_partitions
+from ..core.dispatch import CHUNK, Chunk
 from ..core.signature import PS_PARTITION_SEED
 from ..core.tasks import epoch_order, partition_indices
 from ..errors import WorkerError
@@ -43,7 +45,8 @@ class PSEngine(Engine):
         self.batch = self.setup.batch_size or self.task.batch_size
         self.balance = flags.get("--balance", "none")
         self.orders: dict = {}  # epoch -> its permutation of all training rows (balanced)
-        self.global_rows = self.balance == "batch"
+        dynamic = flags.get("--data-dispatch") == "dynamic"
+        self.global_rows = self.balance == "batch" or dynamic
         self.state = ShardState(ShardConfig(
             index=0, start=0, end=len(self.flat), rule=self.spec.optimizer, lr=server_lr,
             hyper=hyper, consistency=self.spec.consistency or "async",
@@ -52,7 +55,9 @@ class PSEngine(Engine):
             dc_lambda=float(flags["--dc-asgd"]) if "--dc-asgd" in flags else None,
             balance=self.balance, batch_size=self.batch,
             balance_every=int(flags.get("--balance-every", server.balance_every)),
-            min_batch=int(flags.get("--min-batch", server.min_batch or 0))),
+            min_batch=int(flags.get("--min-batch", server.min_batch or 0)),
+            dispatch=((len(self.task.train), self.setup.epochs, self.setup.seed, CHUNK)
+                      if dynamic else None)),
             self.flat.detach().clone())
         # the staleness of every push the shard took, uncapped: the shard's histogram ends
         # at 63, and 256 async workers see about 255
@@ -127,7 +132,11 @@ class PSEngine(Engine):
         start = max(t, self.egress)
         self.egress = start + self.nbytes / self.link.bandwidth
         self.bytes += self.nbytes
-        self.at(self.egress + self.link.latency, "pulled", self.by_peer[peer], params,
+        worker = self.by_peer[peer]
+        if Key.CHUNKS in reply.meta:  # dynamic dispatch: the rows it trains next
+            dispatcher = self.state.dispatcher
+            worker.follow([dispatcher.rows(Chunk(*c)) for c in reply.meta[Key.CHUNKS]])
+        self.at(self.egress + self.link.latency, "pulled", worker, params,
                 reply.meta[Key.VERSION], reply.meta.get(Key.BATCH))
 
     def set_deadline(self, t: float) -> None:
@@ -255,6 +264,19 @@ class PSEngine(Engine):
                 **({"balance": self.state.balancer.report()}
                    if self.state.balancer is not None else {}),
                 **({"local_steps": dict(self.state.dylu.assigned)} if self.auto else {}),
-                "consistency": str(self.state.cfg.consistency)}
+                "consistency": str(self.state.cfg.consistency),
+                # rows on demand: the dispatcher's counts; balanced: the engine's (one order)
+                **(self.state.dispatch_stats() if self.state.dispatcher else
+                   {} if self.global_rows else self.partition_coverage())}
+
+    def partition_coverage(self) -> dict:
+        """Static partitions: each worker's samples over its partition's rows (every worker
+        the shard heard from; none before any did)."""
+        heard = [w for w in self.workers if w.name in self.state.workers]
+        if not heard:
+            return {}
+        return {"coverage": of_partitions(
+            [self.state.train.get(w.name, (0, 0, 0))[2] for w in heard],
+            [len(w.part) for w in heard])}
 
 

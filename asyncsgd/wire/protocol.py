@@ -47,6 +47,10 @@ class Key:
     VERSION, UPDATES, ACK = "version", "updates", "ack"
     # params of shard 0 under --balance batch: [size, offset, global batch] of the next step
     BATCH = "batch"
+    # params from shard 0 under --data-dispatch dynamic: [[epoch, start, stop], ...] to train
+    # next, of the permutations seeded by CHUNK_SEED (core.dispatch.epoch_rows); ALL_TRAINED:
+    # every row of every epoch handed out and trained
+    CHUNKS, CHUNK_SEED, ALL_TRAINED = "chunks", "chunk_seed", "all_trained"
     PART, PARTS = "part", "parts"
     # push; TRAFFIC: [bytes sent, bytes received] by the worker since its previous push
     LOSS, SAMPLES, PULL, TRAFFIC = "loss", "samples", "pull", "traffic"
