@@ -20,6 +20,7 @@ from asyncsgd.simulator import (Costs, Link, StepTime, VirtualSetup, parse_durat
                                 parse_size, simulate_run)
 from asyncsgd.simulator.run import finish, prepare
 from asyncsgd.simulator.events import Scheduler
+from asyncsgd.simulator.simulate import check_modes
 from asyncsgd.wire.layout import Layout
 from asyncsgd.wire.protocol import PUSH, Message, Segment
 
@@ -194,6 +195,11 @@ def test_what_is_not_simulated_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match="--leave names rank 7"):
         simulate_run(load_task(TASK), parse_modes("ps-async")[0], _setup(leave=((0.1, 7),)),
                      out=str(tmp_path))
+    # simulate's up-front check, before anything runs: the same verdicts, balancing modelled
+    check_modes(parse_modes("ps-async+dynamic,ps-sync+balance,ddp+balance,diloco:auto:8"))
+    for mode in ("ps-async+int8", "ddp+fp16"):
+        with pytest.raises(ConfigError, match=re.escape(f"does not model {mode} ")):
+            check_modes(parse_modes(mode))
 
 
 def test_a_diverging_run_fails_with_its_cause_and_keeps_what_it_recorded(tmp_path):

@@ -22,7 +22,7 @@ from ..analysis.publish import publish
 from ..analysis.tuning import choose, grid_of, outcome_of, refine, render_tuning
 from ..analysis.report import Attempt, Goal
 from ..config import SimulateConfig
-from ..config.modes import parse_modes
+from ..config.modes import DYNAMIC, parse_modes
 from ..config.simulate import check_ranks, parse_join, parse_leave, parse_slow_workers
 from ..core.pacing import Pacing
 from ..core.tasks import load_task
@@ -58,16 +58,19 @@ def check_modes(specs: list) -> None:
     the bytes on the wire or DDP's communication (+int8, +topk, +bf16, +fp16, ddp's comm
     hooks and post-local SGD) has no cost model here."""
     for spec in specs:
-        # batches sized to speed change no traffic: modelled
+        # batches sized to speed, and rows on demand, change no traffic: modelled
         balanced = spec.name.endswith("+balance") and spec.command in ("ddp", "ps-server")
-        if ("+" in spec.name and not balanced) or spec.name.startswith("ddp-local"):
+        dynamic = spec.name.endswith(DYNAMIC) and spec.command == "ps-server"
+        base = spec.name[:-len(DYNAMIC)] if dynamic else spec.name
+        if ("+" in base and not balanced) or spec.name.startswith("ddp-local"):
             raise ConfigError(f"--modes: the virtual clock does not model {spec.name} (no cost "
                               "model for compressed or cast traffic, DDP's comm hooks or "
                               "post-local SGD); simulate single, hogwild, ps-async, "
                               "ps-dc-asgd, ps-ssp[:K], "
                               "ps-sync, ps-backup[:B|:auto] (each +balance), ddp, "
-                              "ddp+balance, diloco[:H] or "
-                              "async-diloco[:H], "
+                              "ddp+balance, diloco[:H|:auto[:H]] or "
+                              "async-diloco[:H|:auto[:H]] (a parameter-server mode also "
+                              "+dynamic), "
                               "or run it with the real clock")
 
 
