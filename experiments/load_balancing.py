@@ -51,6 +51,11 @@ PARTS = {
     "virtual64": dict(clock="virtual", workers=64, slowed="--worker-speeds lognormal:0.5",
                       batch=None, budget=60.0, backup="ps-backup:4"),
 }
+# The virtual parts' step (of the task's batch of 32; a balanced worker's scales per row):
+# given, not profiled, so that every cell (one simulate each) is charged alike; the order
+# of a real mnist1d-cnn step here (0.75 ms on one thread), rounded up as at_scale.py's.
+# Evaluations every 10 steps' time: times to the target are read at that resolution.
+VIRTUAL = dict(step_time="2ms", eval_every=0.02)
 # (the plain mode, the balanced variants that carry its tuned lr)
 FAMILIES = (("ddp", ("ddp+balance",)),
             ("ps-sync", ("ps-sync+balance", "BACKUP")),
@@ -80,7 +85,7 @@ def cell(scratch: Path, part: str, name: str, say, **settings) -> dict:
         if p["clock"] == "real":
             compare(CompareConfig(procs=p["workers"], **common), argv=argv)
         else:
-            simulate(SimulateConfig(workers=p["workers"], **common), argv=argv)
+            simulate(SimulateConfig(workers=p["workers"], **VIRTUAL, **common), argv=argv)
         (out / DONE).write_text("")
     return read_cell(out)
 
@@ -143,8 +148,8 @@ def median(values: list):
 
 def report(scratch: Path) -> tuple:
     lines = ["# Load balancing", "",
-             "Written by `python experiments/load_balancing.py --report` from the cells in "
-             f"{scratch}. mnist1d-cnn to {TARGET:.0%} test accuracy, {REPEATS} repeats a "
+             "Written by `python experiments/load_balancing.py --report` from its cells "
+             f"(`--scratch`). mnist1d-cnn to {TARGET:.0%} test accuracy, {REPEATS} repeats a "
              "mode (seeds 0–2): median (min–max). Each plain mode's lr was tuned unslowed "
              "(`--tune lr`); its balanced variants ran at that lr.", ""]
     rows = []
@@ -152,8 +157,9 @@ def report(scratch: Path) -> tuple:
         if not (scratch / part / "unslowed" / DONE).exists():
             continue
         unslowed = read_cell(scratch / part / "unslowed")
-        clock = ("real clock, processes on this 2-core machine" if p["clock"] == "real"
-                 else "virtual clock")
+        clock = ("real clock on this 2-core machine: ddp 2 processes; the parameter-server "
+                 "modes 2 workers + the server and its shard, 4 processes (oversubscribed)"
+                 if p["clock"] == "real" else "virtual clock")
         lines += [f"## {part}: {p['workers']} workers, {p['slowed']} ({clock})", "",
                   "| mode | lr | time to target, s | × unslowed | samples to target | "
                   "final acc. | coverage spread | runs at target |",
