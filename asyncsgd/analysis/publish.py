@@ -246,10 +246,13 @@ def setting_warnings(attempts: list, task: str = "") -> list:
 def _setting(run: Run, key: str, defaulted: bool):
     """The value a run used: summary.json's where it records it (the task's default
     resolved), else config.json's; UNKNOWN where neither says (a parameter server knows
-    no batch size: its workers have it)."""
+    no batch size, nor, with fixed partitions, the epochs: its workers have them)."""
     if run.summarized.get(key) is not None:
         return run.summarized[key]
     settings = run.record.get("config", {})
+    if key == "epochs" and "consistency" in settings \
+            and settings.get("data_dispatch", "static") == "static":
+        return UNKNOWN  # a parameter server's fixed partitions: its workers' --epochs decide
     if key not in settings or (defaulted and settings[key] is None):
         return UNKNOWN
     return settings[key]
