@@ -22,7 +22,8 @@ plain mode's lr is the balanced one's too; the report says so):
 Modes: ddp and ddp+balance; ps-sync, ps-sync+balance and ps-backup; ps-async and
 ps-async+dynamic; diloco:8 and diloco:auto:8. Each cell is one compare or simulate into
 SCRATCH/<part>/<cell> (default runs/load_balancing), reused when it finished, so an
-interrupted part goes on where it stopped. The report: experiments/results/load_balancing.{md,json}.
+interrupted part goes on where it stopped. The report: experiments/results/load_balancing.{md,json}
+and load_balancing.png (each mode's time over its plain mode's unslowed time).
 """
 
 from __future__ import annotations
@@ -195,6 +196,41 @@ def cells(runs: list, ref) -> str:
             f" | {spread([r['coverage'] for r in runs], '{:.2f}')} | {hit}/{len(runs)} |")
 
 
+def plot(rows: list, path: Path) -> None:
+    """Each part's modes: median time to the target over their plain mode's unslowed time,
+    the min–max spread as a bar, the bound the compute left sets as a line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    parts = [p for p in PARTS if any(r["part"] == p for r in rows)]
+    if not parts:
+        return
+    fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 4.2), squeeze=False)
+    for ax, part in zip(axes[0], parts):
+        mine = [r for r in rows if r["part"] == part and r["ratio"] is not None]
+        ratios = []
+        for r in mine:
+            times = [x["time_to_target"] for x in r["runs"] if x["time_to_target"] is not None]
+            ratios.append((r["ratio"], min(times) / r["unslowed"], max(times) / r["unslowed"]))
+        xs = range(len(mine))
+        ax.bar(xs, [m for m, _, _ in ratios], color="#4c72b0",
+               yerr=[[m - lo for m, lo, _ in ratios], [hi - m for m, _, hi in ratios]],
+               capsize=3)
+        ax.axhline(1.0, color="black", lw=0.8)
+        if BOUND.get(part):
+            ax.axhline(BOUND[part], color="#c44e52", ls="--", lw=1,
+                       label=f"bound {BOUND[part]}x (the compute left)")
+            ax.legend(loc="upper right", fontsize=8)
+        ax.set_xticks(list(xs), [r["mode"] for r in mine], rotation=45, ha="right",
+                      fontsize=8)
+        ax.set_ylabel(f"time to {TARGET:.0%} / the plain mode's unslowed")
+        ax.set_title(f"{part}: {PARTS[part]['workers']} workers, {PARTS[part]['slowed']}",
+                     fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", choices=sorted(PARTS), action="append", default=[])
@@ -208,6 +244,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{NAME}.md").write_text(table + "\n")
     (RESULTS / f"{NAME}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    plot(rows, RESULTS / f"{NAME}.png")
     print(table)
 
 
