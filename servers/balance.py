@@ -87,7 +87,7 @@ class Balancer:
     def report(self) -> dict:
         """What the stats reply and summary.json show: the bounds and the current cut."""
         return {"global_batch": self.total, "every": self.every, "min_batch": self.min_batch,
-                "resizes": self.resizes, "batches": dict(self.sizes),
+                "rounds": self.rounds, "resizes": self.resizes, "batches": dict(self.sizes),
                 "speeds": {w: round(s, 3) for w, s in self.speeds.items()}}
 
     def state_dict(self) -> dict:

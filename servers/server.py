@@ -17,7 +17,8 @@ import torch
 import zmq
 
 from asyncsgd.config import ServerConfig
-from asyncsgd.core.coverage import of_partitions
+from asyncsgd.core.balance import global_counts
+from asyncsgd.core.coverage import of_partitions, of_samples
 from asyncsgd.core.signature import data_signature
 from asyncsgd.core.tasks import task_of
 from asyncsgd.errors import ConfigError
@@ -203,7 +204,8 @@ def _summary(cfg: ServerConfig, lr: float, obs: dict, front: Front, supervisor: 
 
 
 def _coverage(cfg: ServerConfig, shards: list, rows: int) -> dict:
-    """summary.json's coverage: shard 0's per-row counts under dynamic dispatch; under static
+    """summary.json's coverage: shard 0's per-row counts under dynamic dispatch, the rounds'
+    rows of the global order under --balance batch; under static
     each worker's samples over its partition's rows (a worker named HOST-rRANK, as workers
     name themselves, trains partition RANK of --workers: tensor_split's sizes)."""
     if not shards:
@@ -212,6 +214,12 @@ def _coverage(cfg: ServerConfig, shards: list, rows: int) -> dict:
         dispatch = shards[0]["dispatch"]
         return {"coverage": dispatch["coverage"], "rehanded": dispatch["rehanded"],
                 "unattributed": dispatch["unattributed"]}
+    if "balance" in shards[0]:  # whole global batches of one order: its rounds say which rows
+        if cfg.backup_workers:  # a round closed without a push lost that push's rows: unknown
+            return {}
+        balance = shards[0]["balance"]
+        return {"coverage": of_samples(global_counts(rows, balance["global_batch"],
+                                                     balance["rounds"]))}
     samples, sizes = [], []
     for name, (_, _, trained) in sorted(shards[0].get("train", {}).items()):
         found = re.fullmatch(r".*-r(\d+)", name)

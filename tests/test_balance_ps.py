@@ -208,6 +208,9 @@ def test_a_4x_straggler_gets_a_fifth_of_the_global_batch_in_a_real_run(cli_env, 
     assert balance["resizes"] == 2 and sum(batches.values()) == 64, balance
     assert 10 <= batches["r1"] <= 16, balance
     assert (summary["updates"], summary["samples"]) == (31, 31 * 64), summary
+    # one epoch of whole global batches: 1,984 rows once, the 16 the epoch leaves never
+    assert summary["coverage"]["max"] == 1 and summary["coverage"]["spread"] is None
+    assert summary["coverage"]["mean"] == 31 * 64 / 2000, summary["coverage"]
     evals = [e for e in read_events(tmp_path / "run") if e["event"] == "eval"]
     assert any("batches" in e for e in evals), evals[-1]
 

@@ -47,3 +47,14 @@ def test_dylu_local_steps_follow_speed_with_the_fastest_at_h():
     assert balance.local_steps([1.0, 0.5, 0.1, 0.01], 8) == [8, 4, 1, 1]
     with pytest.raises(ValueError):
         balance.local_steps([1.0], 0)
+
+
+def test_global_counts_are_whole_batches_of_the_global_order():
+    # 10 rows, batches of 4: an epoch is 2 batches, its last 2 rows wait
+    counts = balance.global_counts(10, 4, 3)  # two batches of epoch 0, one of epoch 1
+    first, second = balance.global_order(10, 0), balance.global_order(10, 1)
+    expected = torch.zeros(10, dtype=torch.int64)
+    expected[first[:8]] += 1
+    expected[second[:4]] += 1
+    assert torch.equal(counts, expected) and int(counts.sum()) == 12
+    assert not torch.equal(first, second)  # each epoch its own order

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from asyncsgd.config import WorkerConfig, parse_local_steps
-from asyncsgd.core.balance import global_slice
+from asyncsgd.core.balance import global_order, global_slice
 from asyncsgd.core.dispatch import epoch_rows
 from asyncsgd.core.pacing import Pacer, Pacing, pace_note
 from asyncsgd.core.signature import PS_PARTITION_SEED, data_signature
@@ -267,7 +267,6 @@ class _Loop:
             raise ConfigError("the server balances batches (--balance batch): each push is one "
                               "batch's gradient, so drop --local-steps and --push-every")
         rows = len(self.task.train)
-        every = partition_indices(rows, 1, 0, PS_PARTITION_SEED)
         order, ordered = None, None
         while True:
             size, offset, total = self.client.batch
@@ -275,7 +274,7 @@ class _Loop:
             if epoch >= self.cfg.epochs:
                 return self._finish()
             if ordered != epoch:
-                order, ordered = epoch_order(every, PS_PARTITION_SEED, 0, epoch), epoch
+                order, ordered = global_order(rows, epoch), epoch
             if self.out_of_time():
                 return self._finish()
             self._step(order[start:end])

@@ -10,6 +10,11 @@ from __future__ import annotations
 import math
 from typing import List, Sequence
 
+import torch
+
+from .signature import PS_PARTITION_SEED
+from .tasks import epoch_order, partition_indices
+
 
 def _check_speeds(speeds: Sequence[float], what: str) -> None:
     if not speeds:
@@ -92,3 +97,22 @@ def global_slice(step: int, rows: int, global_batch: int, offset: int, size: int
     epoch, k = divmod(step, per_epoch)
     start = min(k * global_batch + offset, rows)
     return epoch, start, min(start + size, rows)
+
+
+def global_order(rows: int, epoch: int) -> torch.Tensor:
+    """The parameter server's one permutation of all ``rows`` training rows in ``epoch``,
+    which every balanced worker slices (``global_slice``) and draws alike."""
+    every = partition_indices(rows, 1, 0, PS_PARTITION_SEED)
+    return epoch_order(every, PS_PARTITION_SEED, 0, epoch)
+
+
+def global_counts(rows: int, global_batch: int, steps: int) -> torch.Tensor:
+    """How many times each row was trained after ``steps`` whole global batches sliced from
+    ``global_order``: once an epoch, but for the ``rows % global_batch`` each epoch leaves."""
+    per_epoch = max(1, rows // global_batch)
+    counts = torch.zeros(rows, dtype=torch.int64)
+    epochs, left = divmod(steps, per_epoch)
+    for epoch in range(epochs + 1):
+        done = global_order(rows, epoch)[:(per_epoch if epoch < epochs else left) * global_batch]
+        counts.index_add_(0, done, torch.ones_like(done))
+    return counts

@@ -11,11 +11,9 @@ import torch
 from asyncsgd.servers.shard import ShardConfig, ShardState
 
 from ..config import ServerConfig, parse_local_steps
-from ..core.balance import global_slice
+from ..core.balance import global_order, global_slice
 from ..core.coverage import of_partitions
 from ..core.dispatch import CHUNK, Chunk
-from ..core.signature import PS_PARTITION_SEED
-from ..core.tasks import epoch_order, partition_indices
 from ..errors import WorkerError
 from ..run.digests import DIGESTS, DigestLog
 from ..wire.protocol import ACK, BYE, ERROR, PARAMS, PULL, PUSH, Code, Key, Message, Segment
@@ -166,8 +164,7 @@ class PSEngine(Engine):
         if epoch >= self.setup.epochs:
             return None
         if epoch not in self.orders:
-            self.orders = {epoch: epoch_order(partition_indices(rows, 1, 0, PS_PARTITION_SEED),
-                                              PS_PARTITION_SEED, 0, epoch)}
+            self.orders = {epoch: global_order(rows, epoch)}
         w.epoch = epoch
         return self.orders[epoch][start:end]
 
