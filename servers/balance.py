@@ -42,6 +42,11 @@ class Balancer:
         acc[0] += samples
         acc[1] += float(compute)
 
+    def forget(self, worker: str) -> None:
+        """A forgotten worker's measure goes (its batch stays until the next sizing, which
+        no longer counts it), so that no stream of names grows the tables."""
+        self.window.pop(worker, None)
+
     def batch_of(self, worker: str, live: list) -> list:
         """``[size, offset, total]`` of ``worker``'s next step. The first sizing (equal
         shares) happens when first asked; a worker the allocation does not know (one that

@@ -69,6 +69,11 @@ class DyLU:
         if compute > 0:
             self.speeds[worker] = steps / compute
 
+    def forget(self, worker: str) -> None:
+        """A forgotten worker's entries go, so that no stream of names grows them."""
+        for table in (self.speeds, self.fastest, self.assigned):
+            table.pop(worker, None)
+
     def steps_for(self, worker: str, among: Iterable[str]) -> int:
         """The H ``worker`` runs next: its share of the fastest's among the measured
         workers of ``among`` (the live ones); H itself until it is measured."""

@@ -323,6 +323,9 @@ class ShardState:
         """Drop a departed worker's record, keeping what refuses its old pushes."""
         del self.workers[record.worker]
         self._give_back(record.worker)
+        self.dylu.forget(record.worker)
+        if self.balancer is not None:
+            self.balancer.forget(record.worker)
         self.forgotten.remember(record.worker, record.incarnation, record.window)
         for i, value in enumerate(self.train.pop(record.worker, ())):
             self.train_forgotten[i] += value

@@ -232,3 +232,11 @@ def test_on_the_virtual_clock_balance_recovers_a_4x_stragglers_cost(tmp_path):
     base = times["ps-sync", False]
     assert times["ps-sync", True] > 3 * base, times
     assert times["ps-sync+balance", True] <= 1.35 * base, times
+
+
+def test_a_forgotten_worker_leaves_no_measure_behind():
+    balancer = Balancer(32, 2)
+    for i in range(1000):  # a stream of names pushing between two sizings
+        balancer.observe(f"w{i}", 32, 0.01)
+        balancer.forget(f"w{i}")
+    assert balancer.window == {}

@@ -162,3 +162,12 @@ def test_on_the_virtual_clock_dylu_cuts_the_rounds_wait_for_a_4x_straggler(tmp_p
         assert gaps == {13.4}
         assert result.summary["local_steps"] == {"sim-r0": 8, "sim-r1": 8, "sim-r2": 8,
                                                  "sim-r3": 2}
+
+
+def test_a_forgotten_worker_leaves_nothing_behind():
+    dylu = DyLU()
+    for i in range(1000):  # a stream of names, each measured once
+        dylu.note(f"w{i}", 0.01, 8, 8)
+        dylu.steps_for(f"w{i}", [f"w{i}"])
+        dylu.forget(f"w{i}")
+    assert dylu.speeds == dylu.fastest == dylu.assigned == {}
