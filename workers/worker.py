@@ -263,7 +263,7 @@ class _Loop:
         """--balance batch on the server: each step's rows are this worker's slice of the
         global batch of the round it pulled (shard 0's version), cut from one permutation
         of all training rows per epoch that every worker draws alike."""
-        if self.cfg.local_steps > 1 or self.cfg.push_every > 1:
+        if self.auto or self.H > 1 or self.cfg.push_every > 1:
             raise ConfigError("the server balances batches (--balance batch): each push is one "
                               "batch's gradient, so drop --local-steps and --push-every")
         rows = len(self.task.train)
