@@ -146,7 +146,9 @@ def test_a_dead_process_s_batch_is_handed_out_again_on_resume(tmp_path, monkeypa
     monkeypatch.delenv("ASYNCSGD_TEST_KILL_ROW7")
     summary = hogwild.train(_cfg(None, resume=str(out), **task)).summary
     assert summary["stopped_by"] == "epochs"
-    assert summary["data_dispatch"]["rehanded_samples"] == 8  # the task's batch: one claim
+    # the dead process's claim (the task's batch, 8), and the survivor's too when the failure
+    # stopped it mid-batch (16 in one loaded run): whole claims either way
+    assert summary["data_dispatch"]["rehanded_samples"] in (8, 16)
     cover = summary["coverage"]
     assert (cover["min"], cover["max"]) == (2, 2), cover
     assert summary["samples"] == 2 * rows
