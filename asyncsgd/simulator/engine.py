@@ -93,13 +93,19 @@ def local_steps(spec: ModeSpec):
     return f"auto:{steps}" if auto else steps
 
 
-def check_spec(spec: ModeSpec, setup: VirtualSetup) -> None:
-    """Refuse what the virtual clock does not model, naming what it does."""
+def wire_suffix(spec: ModeSpec) -> bool:
+    """Whether the mode name carries a suffix with no cost model here (+int8, +fp16, a comm
+    hook...): +balance and +dynamic change no traffic, so they are modelled."""
     balanced = spec.name.endswith("+balance") and spec.command in ("ddp", "ps-server")
     dynamic = spec.command == "ps-server" and spec.name.endswith(DYNAMIC)
-    plain_ddp = spec.command == "ddp" and spec.flags in ((), BALANCED)
     base = spec.name[:-len(DYNAMIC)] if dynamic else spec.name
-    if ("+" in base and not balanced) or not (plain_ddp or spec.command in (
+    return "+" in base and not balanced
+
+
+def check_spec(spec: ModeSpec, setup: VirtualSetup) -> None:
+    """Refuse what the virtual clock does not model, naming what it does."""
+    plain_ddp = spec.command == "ddp" and spec.flags in ((), BALANCED)
+    if wire_suffix(spec) or not (plain_ddp or spec.command in (
             "single", "hogwild", "ps-server")):
         raise ConfigError(f"the virtual clock does not model {spec.name}; it simulates "
                           f"{SIMULATED}")

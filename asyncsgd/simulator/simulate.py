@@ -22,7 +22,7 @@ from ..analysis.publish import publish
 from ..analysis.tuning import choose, grid_of, outcome_of, refine, render_tuning
 from ..analysis.report import Attempt, Goal
 from ..config import SimulateConfig
-from ..config.modes import DYNAMIC, parse_modes
+from ..config.modes import parse_modes
 from ..config.simulate import check_ranks, parse_join, parse_leave, parse_slow_workers
 from ..core.pacing import Pacing
 from ..core.tasks import load_task
@@ -34,6 +34,7 @@ from .cost_model import Given, cost_model, costs_record
 from .race import race
 from .run import finish, one_thread, prepare
 from .costs import Costs
+from .engine import wire_suffix
 
 NO_EPOCH_LIMIT = 1_000_000  # --target or --budget ends the run
 AUTO_EVAL_STEPS = 50  # --eval-every's default, in median step times
@@ -58,11 +59,7 @@ def check_modes(specs: list) -> None:
     the bytes on the wire or DDP's communication (+int8, +topk, +bf16, +fp16, ddp's comm
     hooks and post-local SGD) has no cost model here."""
     for spec in specs:
-        # batches sized to speed, and rows on demand, change no traffic: modelled
-        balanced = spec.name.endswith("+balance") and spec.command in ("ddp", "ps-server")
-        dynamic = spec.name.endswith(DYNAMIC) and spec.command == "ps-server"
-        base = spec.name[:-len(DYNAMIC)] if dynamic else spec.name
-        if ("+" in base and not balanced) or spec.name.startswith("ddp-local"):
+        if wire_suffix(spec) or spec.name.startswith("ddp-local"):
             raise ConfigError(f"--modes: the virtual clock does not model {spec.name} (no cost "
                               "model for compressed or cast traffic, DDP's comm hooks or "
                               "post-local SGD); simulate single, hogwild, ps-async, "
