@@ -240,3 +240,18 @@ def test_a_forgotten_worker_leaves_no_measure_behind():
         balancer.observe(f"w{i}", 32, 0.01)
         balancer.forget(f"w{i}")
     assert balancer.window == {}
+
+
+def test_a_worker_asked_for_auto_local_steps_under_a_balancing_server_is_refused(cli_env,
+                                                                                tmp_path):
+    """Each push of a balanced round is one batch's gradient: a worker given --local-steps
+    auto:H is refused with the fix as a number above 1 is, not left to push H steps' worth
+    (the refusal once compared the text 'auto:4' with 1)."""
+    srv = Server(cli_env, tmp_path / "run", "--workers", 1, "--consistency", "sync",
+                 "--balance", "batch", "--max-seconds", 60)
+    try:
+        [(code, _, err)] = finish_procs([worker(cli_env, srv.address, 0, 1,
+                                                "--local-steps", "auto:4")], timeout=60)
+    finally:
+        srv.close()
+    assert code == 2 and "drop --local-steps and --push-every" in err, (code, err)
