@@ -2,7 +2,7 @@
 
     python experiments/load_balancing.py --part real        # 2 workers, real clock (~40 min)
     python experiments/load_balancing.py --part virtual4    # 4 workers, virtual clock
-    python experiments/load_balancing.py --part virtual64   # 64 workers, virtual clock (hours)
+    python experiments/load_balancing.py --part virtual64   # 64 workers, virtual clock (~1 hour)
     python experiments/load_balancing.py --report           # the report from what has run
 
 (experiments/README.md, "Load balancing", lists the commands behind the committed results.)
