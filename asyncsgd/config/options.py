@@ -14,6 +14,9 @@ from ..errors import ConfigError
 # settings renamed since run directories were first written: old name -> new
 RENAMED = {"target_accuracy": "target"}
 
+# the attribute by which a command function made with ``click_options`` names its settings
+SETTINGS = "asyncsgd_settings"
+
 
 def config_from_dict(cls, data: dict):
     """Build ``cls`` from a dict, naming unknown keys instead of failing obscurely."""
@@ -94,6 +97,7 @@ def click_options(cls):
             if meta.get("multiple"):
                 kwargs["multiple"] = True
             func = click.option(flag, *meta.get("aliases", ()), f.name, **kwargs)(func)
+        setattr(func, SETTINGS, cls)
         return func
 
     return decorate

@@ -21,6 +21,7 @@ from .lifetime import command_started_at
 from .metrics import MetricsLog, summarize
 from .progress import Progress
 from .rundir import RunDir
+from .settings import write_settings_file
 from .signals import sigterm_as_interrupt
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class Recorder:
             self._restore()
         else:
             self.run.write_config(self.mode, cfg.to_dict(), task_record(task), argv)
+            write_settings_file(self.run, cfg)
         self.metric = task.metric
         self.metrics = MetricsLog(self.run, tensorboard=cfg.tensorboard, metric=self.metric)
         self.progress = Progress(self.mode, total_samples, cfg.progress,
