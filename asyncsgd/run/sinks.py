@@ -37,7 +37,7 @@ class Callback(Sink):
 
     def __init__(self, fn: Callable[[dict], object]):
         self.fn = fn
-        self.name = f"callback {getattr(fn, '__qualname__', None) or fn!r}"
+        self.name = "callback " + (getattr(fn, "__qualname__", None) or repr(fn))
 
     def on_eval(self, record: dict) -> None:
         self.fn(dict(record))  # a copy: what the callback does to it stays there
