@@ -191,3 +191,10 @@ def test_ddp_calls_back_in_the_launching_parent(tmp_path, cache_dir):
     got = []
     result = asyncsgd.ddp(**_tiny(tmp_path, cache_dir, procs=2), on_eval=got.append)
     assert got == _evals(result.run_dir) and len(got) >= 2
+
+
+def test_log_to_is_checked_and_saved_as_a_list(tmp_path):
+    with pytest.raises(ConfigError, match=r"log_to='mlfow': 'mlfow' is not one of"):
+        asyncsgd.single(log_to=("mlfow",))
+    cfg = asyncsgd.SingleConfig(log_to="wandb")
+    assert cfg.to_dict()["log_to"] == ["wandb"]
