@@ -198,3 +198,14 @@ def test_log_to_is_checked_and_saved_as_a_list(tmp_path):
         asyncsgd.single(log_to=("mlfow",))
     cfg = asyncsgd.SingleConfig(log_to="wandb")
     assert cfg.to_dict()["log_to"] == ["wandb"]
+
+
+def test_compare_hands_log_to_to_every_run(tmp_path):
+    from asyncsgd.comparison.mode_run import ModeRun
+    from asyncsgd.config import CompareConfig
+    from asyncsgd.config.modes import parse_modes
+
+    cfg = CompareConfig(procs=2, log_to=("mlflow", "wandb"))
+    for spec in parse_modes("single,hogwild,ddp,ps-async"):
+        command = " ".join(map(str, ModeRun(cfg, spec, 0, tmp_path, {}, shown=None).command()))
+        assert " --log-to mlflow --log-to wandb" in command, command
