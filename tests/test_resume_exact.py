@@ -140,11 +140,12 @@ def test_hogwild_checkpoints_every_workers_state(tmp_path):
 def test_two_hogwild_workers_resume_each_where_it_stopped(tmp_path, run_cli, cli_env):
     """Stopped part way and resumed, two workers together train on exactly every row of
     every epoch once: each continued from its own saved row (a restart of the epoch would
-    count more samples, a skip fewer)."""
+    count more samples, a skip fewer). Each worker's 6 steps sleep 0.3 s: at 0.1 s a loaded
+    machine (load 4) let both finish before the SIGTERM that follows the first train event."""
     out = tmp_path / "run"
     common = ["--task", TASK, "--samples", str(SAMPLES), "--epochs", str(EPOCHS),
               "--momentum", "0.9", "--eval-every", "1000000", "--progress", "off"]
-    env = {**cli_env, "ASYNCSGD_TEST_STEP_SLEEP": "0.1"}
+    env = {**cli_env, "ASYNCSGD_TEST_STEP_SLEEP": "0.3"}
     proc = start_training(asyncsgd_cmd("hogwild", "--procs", "2", *common, "--out", out),
                           out, env)
     _, err, _, _ = stop_tree(proc, signal_parent(signal.SIGTERM), timeout=120)

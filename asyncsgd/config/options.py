@@ -51,9 +51,15 @@ def _checked(f: dataclasses.Field, value: Any) -> Any:
     """``value`` of field ``f`` converted and checked by its option's click type."""
     if value is None or f.type in (bool, "bool"):
         return value
-    if f.metadata.get("multiple"):
-        return (value,) if isinstance(value, str) else tuple(value)
     kind = _click_type(f)
+    if f.metadata.get("multiple"):
+        values = (value,) if isinstance(value, str) else tuple(value)
+        return values if kind is None else tuple(_converted(f, kind, v) for v in values)
+    return _converted(f, kind, value)
+
+
+def _converted(f: dataclasses.Field, kind: Any, value: Any) -> Any:
+    """One value of field ``f`` through its option's click type ``kind`` (None: as given)."""
     if kind is None:
         return os.fspath(value) if isinstance(value, os.PathLike) else value
     try:
