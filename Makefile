@@ -21,7 +21,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
 	  $(BIN)/python -m pip install -q "$(TORCH_CPU)"; fi
-	$(BIN)/python -m pip install -q -e '.[dev,ray]'
+	$(BIN)/python -m pip install -q -e '.[dev,ray,loggers]'
 	touch $(STAMP)
 
 run: setup

@@ -8,12 +8,15 @@ options and calls these).
 
 Each takes its command's settings dataclass, or its fields as keywords, or both (keywords
 win), checked as the options are; with ``resume``, the saved settings under those given.
+The training functions also take ``on_eval=fn`` (and ``callbacks=[...]``): ``fn(record)``
+in this process at each evaluation; one that raises stops the run, which is saved, then
+``CallbackError`` names it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 from .analysis.publish import Plotted, report_runs
 from .comparison.runner import CompareResult
@@ -27,26 +30,39 @@ from .modes import single as single_mode
 from .run.reader import Run
 from .run.recorder import RunResult
 from .run.settings import configure
+from .run.sinks import attached
+from .run.sinks import callbacks as as_sinks
 from .simulator.simulate import SimulateResult
 from .simulator.simulate import simulate as run_simulate
 
 
-def hogwild(config: Optional[HogwildConfig] = None, /, **settings: Any) -> RunResult:
+def hogwild(config: Optional[HogwildConfig] = None, /, *, on_eval: Optional[Callable] = None,
+            callbacks: Iterable = (), **settings: Any) -> RunResult:
     """``asyncsgd hogwild``: processes updating one shared model without locks. Returns
-    the run's directory and its summary.json."""
-    return hogwild_mode.train(configure(HogwildConfig, config, settings))
+    the run's directory and its summary.json. ``on_eval`` (and each of ``callbacks``) is
+    called here with each evaluation's record, as metrics.jsonl holds it."""
+    cfg = configure(HogwildConfig, config, settings)
+    with attached(as_sinks(on_eval, callbacks)):
+        return hogwild_mode.train(cfg)
 
 
-def single(config: Optional[SingleConfig] = None, /, **settings: Any) -> RunResult:
+def single(config: Optional[SingleConfig] = None, /, *, on_eval: Optional[Callable] = None,
+           callbacks: Iterable = (), **settings: Any) -> RunResult:
     """``asyncsgd single``: plain SGD in this process, the baseline. Returns the run's
-    directory and its summary.json."""
-    return single_mode.train(configure(SingleConfig, config, settings))
+    directory and its summary.json. ``on_eval``, ``callbacks``: as ``hogwild``'s."""
+    cfg = configure(SingleConfig, config, settings)
+    with attached(as_sinks(on_eval, callbacks)):
+        return single_mode.train(cfg)
 
 
-def ddp(config: Optional[DDPConfig] = None, /, **settings: Any) -> Optional[RunResult]:
+def ddp(config: Optional[DDPConfig] = None, /, *, on_eval: Optional[Callable] = None,
+        callbacks: Iterable = (), **settings: Any) -> Optional[RunResult]:
     """``asyncsgd ddp``: synchronous DistributedDataParallel. Returns the run's directory and
-    its summary.json; None in a rank other than 0 under torchrun (rank 0 writes the run)."""
-    return ddp_mode.train(configure(DDPConfig, config, settings))
+    its summary.json; None in a rank other than 0 under torchrun (rank 0 writes the run).
+    ``on_eval``, ``callbacks``: as ``hogwild``'s (under torchrun, rank 0's are called)."""
+    cfg = configure(DDPConfig, config, settings)
+    with attached(as_sinks(on_eval, callbacks)):
+        return ddp_mode.train(cfg)
 
 
 def compare(config: Optional[CompareConfig] = None, /, **settings: Any) -> CompareResult:

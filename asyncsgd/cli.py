@@ -20,6 +20,7 @@ import click
 from .config import (CompareConfig, DDPConfig, HogwildConfig, JobConfig, PlotConfig,
                      RayJobConfig, ServerConfig, SimulateConfig, SingleConfig, WorkerConfig,
                      click_options)
+from .config.command import SettingsCommand, given_settings
 from .errors import AsyncSGDError, ConfigError
 from .run.lifetime import exit_now, start_command_clock
 from .run.signals import defer_sigint, restore_sigint, sigint_now
@@ -44,12 +45,21 @@ def _add_verbose(params: list) -> None:
                                help="More log output (-v info, -vv debug)."))
 
 
-class _Command(click.Command):
-    """A command that takes -v/--verbose after its name too."""
+class _Command(SettingsCommand):
+    """A command that takes -v/--verbose after its name too (and, made of settings, --config
+    and --print-config)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         _add_verbose(self.params)
+
+    def effective(self, ctx: click.Context):
+        """--print-config's settings: with --resume, over the saved run's as the run takes
+        them (ps-job and ray-job take the server's saved settings as they start it)."""
+        from .run.settings import MODES, configure
+        if self.settings_class.mode in {cls.mode for cls, _, _ in MODES.values()}:
+            return configure(self.settings_class, None, given_settings(ctx))
+        return super().effective(ctx)
 
 
 class _Group(click.Group):
@@ -63,12 +73,7 @@ class _Group(click.Group):
         _add_verbose(self.params)
 
 
-def _given(ctx: click.Context) -> dict:
-    """The settings given on the command line, not left at their default: what the command
-    passes to the Python API (with --resume, they override the run's saved settings)."""
-    return {name: value for name, value in ctx.params.items()
-            if ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT,
-                                                      click.core.ParameterSource.DEFAULT_MAP)}
+_given = given_settings
 
 
 def _report(summary: dict) -> None:

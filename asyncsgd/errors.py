@@ -41,3 +41,7 @@ class SecurityError(AsyncSGDError):
     """Authentication is unavailable or failed: CURVE keys, libzmq without CURVE, a refusal."""
 
     exit_code = 2
+
+
+class CallbackError(AsyncSGDError):
+    """A run's on_eval callback or --log-to logger raised; the run stopped and was saved."""

@@ -9,12 +9,14 @@ may run in a thread; a worker retries until its server answers, so either may st
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 from .config import JobConfig, ServerConfig, WorkerConfig, make_config
 from .errors import ConfigError
 from .run.recorder import RunResult
 from .run.settings import configure
+from .run.sinks import attached
+from .run.sinks import callbacks as as_sinks
 from .wire.security import ClientKeys
 from .wire.stats import fetch_stats
 from asyncsgd.servers.server import serve as run_server
@@ -23,15 +25,19 @@ from asyncsgd.workers.worker import WorkerResult, run_worker
 __all__ = ["serve", "work", "job", "stats", "WorkerResult"]
 
 
-def serve(config: Optional[ServerConfig] = None, /, **settings: Any) -> RunResult:
+def serve(config: Optional[ServerConfig] = None, /, *, on_eval: Optional[Callable] = None,
+          callbacks: Iterable = (), **settings: Any) -> RunResult:
     """``asyncsgd ps-server``: serve the parameters to workers until a stop condition.
-    Returns the run's directory and its summary.json (updates, staleness, lost updates)."""
+    Returns the run's directory and its summary.json (updates, staleness, lost updates).
+    ``on_eval`` (and each of ``callbacks``) is called in this thread with each evaluation's
+    record, as metrics.jsonl holds it; one that raises stops the run (saved)."""
     cfg = configure(ServerConfig, config, settings)
     if cfg.device != "cpu":
         raise ConfigError(f"device {cfg.device} (--device): the parameter server keeps the "
                           "parameters in CPU memory and evaluates there; leave it at cpu and "
                           "compute gradients on GPUs with 'asyncsgd worker --device cuda'")
-    return run_server(cfg)
+    with attached(as_sinks(on_eval, callbacks)):
+        return run_server(cfg)
 
 
 def work(config: Optional[WorkerConfig] = None, /, **settings: Any) -> WorkerResult:

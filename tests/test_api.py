@@ -119,13 +119,15 @@ def test_compare_runs_from_python(tmp_path, cache_dir):
 @pytest.mark.processes
 def test_ps_serve_in_a_thread_and_work_in_this_process(tmp_path, cache_dir):
     """A server thread and a worker in the main thread, as a notebook would run them:
-    every push the worker made is one update the server applied."""
+    every push the worker made is one update the server applied; on_eval, called in the
+    server's thread, gets exactly the evaluations of metrics.jsonl."""
     address = f"tcp://127.0.0.1:{free_port()}"
     served: list = []
+    evals: list = []
     server = threading.Thread(target=lambda: served.append(asyncsgd.ps.serve(
         bind=address, workers=1, task="mnist1d-mlp", samples=SAMPLES, progress="off",
         eval_every=0.5, max_seconds=240, cache_dir=str(cache_dir),
-        out=str(tmp_path / "ps"))), daemon=True)
+        out=str(tmp_path / "ps"), on_eval=evals.append)), daemon=True)
     server.start()
     try:
         work = asyncsgd.ps.work(server=address, task="mnist1d-mlp", samples=SAMPLES, epochs=1,
@@ -140,6 +142,8 @@ def test_ps_serve_in_a_thread_and_work_in_this_process(tmp_path, cache_dir):
     assert summary["stopped_by"] == "workers_done"
     assert summary["workers_joined"] == [work.worker]
     assert summary["updates"] == work.pushes
+    assert evals == [e for e in read_events(served[0].run_dir) if e["event"] == "eval"]
+    assert len(evals) >= 2 and evals[0]["updates"] == 0
 
 
 @pytest.mark.processes

@@ -59,9 +59,10 @@ def test_cuda_without_gpu_is_one_clear_line(run_cli_here):
 
 
 def _option_entries(help_text):
-    """{flag: its whole help entry} from click's Options section."""
+    """{flag: its whole help entry} from the option sections (the groups of a settings
+    command, after its description)."""
     entries, current = {}, None
-    for line in help_text.split("Options:", 1)[1].splitlines():
+    for line in re.split(r"^\S[^\n]*:$", help_text, maxsplit=1, flags=re.M)[1].splitlines():
         m = re.match(r"^  (?:-\w, )?(--[a-z][a-z-]*)", line)
         if m:
             current = m.group(1)

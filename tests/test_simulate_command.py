@@ -52,6 +52,7 @@ def test_simulate_refuses_bad_settings_in_one_line(run_cli_here, tmp_path, args,
     (("--mode-args", "ps-async=--optimizer adam"), ["--mode-args", "--clock real"]),
     (("--shards", 2), ["--shards", "--clock virtual"]),
     (("--tensorboard",), ["--tensorboard"]),
+    (("--log-to", "mlflow"), ["--log-to", "real modes"]),
 ])
 def test_compare_virtual_refuses_what_it_cannot_simulate(run_cli_here, tmp_path, args,
                                                          fragments):

@@ -84,7 +84,8 @@ class ModeRun:
             "--seed": self.seed, "--max-seconds": c.budget, "--eval-every": c.eval_every,
             "--target": self.goal.target if c.stop_at_target and self.goal else None,
             "--out": self.run_dir, "--progress": "off", "--checkpoint-every": 0}) + (
-                ["--tensorboard"] if c.tensorboard else [])
+                ["--tensorboard"] if c.tensorboard else []) + [
+                    flag for name in c.log_to for flag in ("--log-to", name)]
 
     def _train_flags(self, world: int) -> list:
         """What every training process takes; ``world``: its mode's processes (stragglers

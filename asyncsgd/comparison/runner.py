@@ -25,6 +25,7 @@ from ..core.pacing import Pacing
 from ..core.tasks import task_of
 from ..errors import ConfigError
 from ..run.link import Link
+from ..run.loggers import check_loggers
 from ..run.process_group import available_cores
 from ..run.rundir import RunDir, environment
 from ..run.signals import sigterm_as_interrupt
@@ -79,6 +80,7 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
     tuner.check(cfg, goal, task.name)
     if cfg.tensorboard:
         _check_tensorboard()
+    check_loggers(cfg.log_to)  # before the first run rather than in every run
     out = _compare_dir(cfg.out)
     header = {"command": argv if argv is not None else sys.argv, "config": dataclasses.asdict(cfg),
               "task": {"name": cfg.task, "train_samples": len(task.train),

@@ -24,6 +24,7 @@ REAL_ONLY = {
     "ddp_backend": "picks torch.distributed's backend for real ranks",
     "grace": "gives real processes time to start and exit",
     "tensorboard": "is written by the real modes only",
+    "log_to": "logs the real modes' runs only",
 }
 
 

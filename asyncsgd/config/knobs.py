@@ -95,13 +95,17 @@ def settings(name: str, mode: str, doc: str, *parts: Any, extends: Optional[type
 
 
 def _to_dict(self) -> dict:
-    return dataclasses.asdict(self)
+    """The settings as config.json holds them (an option given several times: a list)."""
+    return {k: list(v) if isinstance(v, tuple) else v
+            for k, v in dataclasses.asdict(self).items()}
 
 
 def _parse_values(self) -> None:
     """Settings of a structured value given as text (the Python API, config.json) become
-    that value, checked as the option checks it."""
+    that value, checked as the option checks it; an option given several times, a tuple."""
     for f in dataclasses.fields(self):
         kind, value = f.metadata.get("type"), getattr(self, f.name)
+        if f.metadata.get("multiple") and isinstance(value, (list, str)):  # config.json's
+            setattr(self, f.name, (value,) if isinstance(value, str) else tuple(value))
         if isinstance(kind, ValueType) and value is not None and not isinstance(value, kind.value):
             setattr(self, f.name, kind.value(str(value)))

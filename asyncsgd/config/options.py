@@ -14,6 +14,9 @@ from ..errors import ConfigError
 # settings renamed since run directories were first written: old name -> new
 RENAMED = {"target_accuracy": "target"}
 
+# the attribute by which a command function made with ``click_options`` names its settings
+SETTINGS = "asyncsgd_settings"
+
 
 def config_from_dict(cls, data: dict):
     """Build ``cls`` from a dict, naming unknown keys instead of failing obscurely."""
@@ -48,9 +51,15 @@ def _checked(f: dataclasses.Field, value: Any) -> Any:
     """``value`` of field ``f`` converted and checked by its option's click type."""
     if value is None or f.type in (bool, "bool"):
         return value
-    if f.metadata.get("multiple"):
-        return (value,) if isinstance(value, str) else tuple(value)
     kind = _click_type(f)
+    if f.metadata.get("multiple"):
+        values = (value,) if isinstance(value, str) else tuple(value)
+        return values if kind is None else tuple(_converted(f, kind, v) for v in values)
+    return _converted(f, kind, value)
+
+
+def _converted(f: dataclasses.Field, kind: Any, value: Any) -> Any:
+    """One value of field ``f`` through its option's click type ``kind`` (None: as given)."""
     if kind is None:
         return os.fspath(value) if isinstance(value, os.PathLike) else value
     try:
@@ -94,6 +103,7 @@ def click_options(cls):
             if meta.get("multiple"):
                 kwargs["multiple"] = True
             func = click.option(flag, *meta.get("aliases", ()), f.name, **kwargs)(func)
+        setattr(func, SETTINGS, cls)
         return func
 
     return decorate

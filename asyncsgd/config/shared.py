@@ -211,8 +211,23 @@ RECORD_DIGESTS = knob(
                     "({\"version\": 12, \"sha256\": ...}); the same seed and flags give "
                     "the same digests on the same torch and CPU. Other modes write none."})
 
+LOG_TO = knob(
+    "log_to", tuple, (),
+    "Also log the run to MLflow or W&B; may be given twice for both (needs the extra: pip "
+    "install 'asyncsgd[loggers]'). Each gets the settings as params/config, every "
+    "evaluation's metrics at step = samples, and the summary. mlflow: a local file store "
+    "mlruns/ beside the run directory (runs/mlruns by default; $MLFLOW_TRACKING_URI "
+    "overrides), experiment 'asyncsgd', run named as the run directory. "
+    "wandb: offline files in RUN_DIR/wandb (unless $WANDB_MODE is set), project 'asyncsgd'; "
+    "upload later with 'wandb sync'. E.g. --log-to mlflow --log-to wandb.",
+    type=click.Choice(["mlflow", "wandb"]), multiple=True, metavar="mlflow|wandb",
+    show="neither", per_command={
+        "compare": "Every run also logs to MLflow or W&B, as the training commands' "
+                   "--log-to (mlflow: one store OUT/mlruns for every run; wandb: offline, "
+                   "in each run directory OUT/<mode>-r<k>/wandb); may be given twice."})
+
 RUN = (TASK, *DATA, MAX_SECONDS, TARGET, EVAL_EVERY, SEED, DEVICE, THREADS, OUT, RESUME,
-       CHECKPOINT_EVERY, TENSORBOARD, PROGRESS)
+       CHECKPOINT_EVERY, TENSORBOARD, PROGRESS, LOG_TO)
 
 # How a run trains.
 BATCH_SIZE = knob(

@@ -21,12 +21,13 @@ from .. import errors
 from ..config import DDPConfig
 from ..core.pacing import Pacing
 from ..core.tasks import Task, task_of
-from ..errors import AsyncSGDError, ConfigError, WorkerError
+from ..errors import AsyncSGDError, CallbackError, ConfigError, WorkerError
 from ..run.child_reports import ChildReports, send_report, tail
 from ..run.process_group import WorkerGroup, available_cores, threads_per_process
 from ..run.recorder import Outcome, Recorder, RunResult, check_target
-from ..run.rundir import RunDir
+from ..run.rundir import METRICS, RunDir
 from ..run.sendable import check_sendable
+from ..run.sinks import EvalFollower, attached_sinks
 from .balancing import check_balance
 from .ddp_hooks import DDPComm, check_hooks
 from .syncloop import check_settings, train_process
@@ -265,12 +266,16 @@ def _supervise(group: WorkerGroup, control: torch.Tensor, user_errors: ChildRepo
                run: RunDir) -> RunResult:
     """Wait for the ranks; on Ctrl-C/SIGTERM or a failure have rank 0 stop them and save."""
     outcome = Outcome("epochs")
+    # the API's on_eval callbacks live in this process; rank 0 writes the records
+    follow = EvalFollower(run.path / METRICS, attached_sinks())
     try:
         with outcome.watch():
             group.start()
             user_errors.handed_over()
             while not group.wait(POLL_SECONDS):
                 group.check()
+                if follow.poll():
+                    break  # a callback failed: rank 0 stops every rank and saves
             group.check()
     finally:
         control[0] = 1  # rank 0 stops every rank at its next check (a no-op once done)
@@ -294,4 +299,10 @@ def _supervise(group: WorkerGroup, control: torch.Tensor, user_errors: ChildRepo
         raise outcome.error
     if summary is None:
         raise WorkerError(0, f"rank 0 ended without writing {run.path / 'summary.json'}")
+    try:
+        follow.end(summary)
+    except CallbackError as exc:
+        run.write_summary({**summary, "status": "failed", "stopped_by": "error",
+                           "error": str(exc)})
+        raise
     return RunResult(str(run.path), summary)

@@ -21,7 +21,7 @@ from ..config.shared import min_batch
 from ..core.pacing import Pacer, Pacing, other_seconds, pace_event, pace_note
 from ..core import coverage
 from ..core.tasks import Task, epoch_order, partition_indices
-from ..errors import ConfigError, WorkerError
+from ..errors import CallbackError, ConfigError, WorkerError
 from ..run.digests import DIGESTS, DigestLog
 from ..run.recorder import Outcome, RunResult
 from ..run.rundir import RunDir
@@ -390,6 +390,8 @@ def _raising(who: str, rank: int, fn: Callable[[], str]) -> str:
     concluded (saved, summary written) before the error is re-raised."""
     try:
         return fn()
+    except CallbackError:
+        raise  # a user's callback or a logger: its own error names it, no traceback wanted
     except Exception as exc:
         raise WorkerError(rank, f"{who} raised an exception; its traceback:\n"
                                 f"{traceback.format_exc().rstrip()}") from exc

@@ -9,19 +9,22 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch.nn as nn
 
 from ..config import TrainConfig, identity_fields
 from ..core.tasks import Task
-from ..errors import CheckpointError, ConfigError, WorkerError
+from ..errors import CallbackError, CheckpointError, ConfigError, WorkerError
 from .checkpoint import load_checkpoint, save_checkpoint
 from .lifetime import command_started_at
+from .loggers import check_loggers, open_loggers
 from .metrics import MetricsLog, summarize
 from .progress import Progress
 from .rundir import RunDir
+from .settings import write_settings_file
 from .signals import sigterm_as_interrupt
+from .sinks import Sinks, attached_sinks
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +54,10 @@ class Outcome:
                 yield self
         except KeyboardInterrupt:
             self.stopped_by, self.status = "interrupted", "interrupted"
-        except WorkerError as exc:
+        except (WorkerError, CallbackError) as exc:
             self.failed(exc)
 
-    def failed(self, exc: WorkerError) -> None:
+    def failed(self, exc: Union[WorkerError, CallbackError]) -> None:
         self.stopped_by, self.status, self.error = "error", "failed", exc
 
 
@@ -91,6 +94,7 @@ class Recorder:
     @staticmethod
     def open_run(cfg: TrainConfig) -> RunDir:
         """The run directory, checked before any slow work: a fresh one, or the resumed one."""
+        check_loggers(getattr(cfg, "log_to", ()))
         return RunDir.open(cfg.resume) if cfg.resume else RunDir.create(cfg.out, cfg.mode)
 
     def __init__(self, cfg: TrainConfig, task: Task, model: nn.Module, run: RunDir,
@@ -111,8 +115,13 @@ class Recorder:
             self._restore()
         else:
             self.run.write_config(self.mode, cfg.to_dict(), task_record(task), argv)
+            write_settings_file(self.run, cfg)
         self.metric = task.metric
         self.metrics = MetricsLog(self.run, tensorboard=cfg.tensorboard, metric=self.metric)
+        # --log-to's loggers and the API's callbacks (run.sinks), told what metrics.jsonl is
+        self.sinks = Sinks([*open_loggers(getattr(cfg, "log_to", ()), self.run.path),
+                            *attached_sinks()])
+        self.sinks.start(cfg.to_dict())
         self.progress = Progress(self.mode, total_samples, cfg.progress,
                                  seconds=cfg.max_seconds, since=self.t_offset)
         self.best_score: Optional[float] = None
@@ -187,9 +196,10 @@ class Recorder:
         fields = {"loss": round(result["loss"], 6), self.metric.name: round(score, 6)}
         if self.wire_bytes is not None:
             fields["bytes"] = int(self.wire_bytes)
-        self.metrics.write("eval", self.t(), samples, **fields, **extra)
+        self.sinks.eval(self.metrics.write("eval", self.t(), samples, **fields, **extra))
         self.progress.evaluated(self.metric, score, result["loss"])
         self._next_eval = self.elapsed() + self.cfg.eval_every
+        self.sinks.raise_failure()  # a failed sink stops the run, which then saves itself
         return result
 
     def eval_due(self) -> bool:
@@ -229,7 +239,12 @@ class Recorder:
                  rate: Optional[float] = None, **extra) -> RunResult:
         """End a run: final evaluation and checkpoint (nothing lost, even after a failure
         or Ctrl-C), summary.json; then re-raise the failure, if any."""
-        result = self.evaluate(samples)
+        try:
+            result = self.evaluate(samples)
+        except CallbackError as exc:  # the run is saved all the same, then this is raised
+            result = self.last_eval
+            if outcome.error is None:
+                outcome.failed(exc)
         if rate is None:  # no steady rate (ended before every process ran): the overall one
             rate = (samples - self.samples_offset) / max(self.elapsed(), 1e-9)
         self.show(samples, rate, force=True)  # the last line, however short the run
@@ -253,4 +268,7 @@ class Recorder:
                             target=self.cfg.target, metric=self.metric, stopped_by=stopped_by,
                             status=status, error=error, run_dir=str(self.run.path), **extra)
         self.run.write_summary(summary)
+        self.sinks.end(summary)
+        if status == "ok":  # a sink failing at the end fails a run that went well
+            self.sinks.raise_failure()
         return summary

@@ -2,6 +2,7 @@
 
     RUN_DIR/
       config.json     every setting, the task, versions, host, command line
+      config.yaml     the settings as a file for --config (``settings.write_settings_file``)
       metrics.jsonl   one JSON object per event (see ``metrics.py``)
       summary.json    the task's final metric, samples/s, wall time, time to target, ...
       checkpoint.pt   the latest model (see ``checkpoint.py``)

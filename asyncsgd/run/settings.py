@@ -14,6 +14,8 @@ from typing import Any
 
 from ..config import (RENAMED, DDPConfig, HogwildConfig, ServerConfig, SingleConfig,
                       config_from_dict, make_config)
+from ..config.files import NOT_WRITTEN, WRITTEN, dump
+from ..core.files import atomic_write
 from ..errors import ConfigError
 from .rundir import RunDir
 
@@ -66,3 +68,13 @@ def saved_settings(run: RunDir, cls) -> dict:
         log.warning("ignoring saved setting(s) %s: %s no longer has them", ", ".join(retired),
                     MODES[mode][1])
     return {k: v for k, v in saved.items() if k in known}
+
+
+def write_settings_file(run: RunDir, cfg: Any) -> None:
+    """The run's config.yaml: its settings as ``asyncsgd COMMAND --config`` reads them back,
+    without where the run is (out, resume), so that a run started from it makes its own."""
+    entry = MODES.get(cfg.mode)
+    if entry is None or type(cfg) is not entry[0]:
+        return  # the simulator's runs: no command takes their settings
+    text = dump(cfg, entry[1], leave_out=NOT_WRITTEN)
+    atomic_write(run.path / WRITTEN, lambda fh: fh.write(text.encode()))
