@@ -73,9 +73,6 @@ class _Group(click.Group):
         _add_verbose(self.params)
 
 
-_given = given_settings
-
-
 def _report(summary: dict) -> None:
     from .core.scoring import Metric
     metric = Metric.described(summary.get("metric"))
@@ -144,7 +141,7 @@ def hogwild(ctx: click.Context, **_: object) -> None:
     """
     from . import api
     sigint_now()
-    _finish(ctx, "hogwild", api.hogwild(**_given(ctx)))
+    _finish(ctx, "hogwild", api.hogwild(**given_settings(ctx)))
 
 
 @cli.command("ps-server", epilog="Examples:\n\n\b\n"
@@ -163,7 +160,7 @@ def ps_server(ctx: click.Context, **_: object) -> None:
     """
     from . import ps
     sigint_now()
-    _finish(ctx, "ps-server", ps.serve(**_given(ctx)))
+    _finish(ctx, "ps-server", ps.serve(**given_settings(ctx)))
 
 
 @cli.command(epilog="Examples:\n\n\b\n"
@@ -179,7 +176,7 @@ def worker(ctx: click.Context, **_: object) -> None:
     """
     from . import ps
     sigint_now()
-    _worker_report(ps.work(**_given(ctx)))
+    _worker_report(ps.work(**given_settings(ctx)))
 
 
 def _worker_report(result) -> None:
@@ -216,7 +213,7 @@ def ps_job(ctx: click.Context, **_: object) -> None:
     from . import ps
     from .run.recorder import RunResult
     sigint_now()
-    result = ps.job(**_given(ctx))
+    result = ps.job(**given_settings(ctx))
     if isinstance(result, RunResult):  # the server's rank: it reports the run
         _finish(ctx, "ps-job", result, how="torchrun starts it again while it has "
                 "--max-restarts left; otherwise ")
@@ -242,7 +239,7 @@ def ray_job(ctx: click.Context, **_: object) -> None:
     """
     from . import ray as ray_api
     sigint_now()
-    result = ray_api.run(**_given(ctx))
+    result = ray_api.run(**given_settings(ctx))
     restarted = ", ".join(f"worker {rank} {n}x" for rank, n in result.restarts.items() if n)
     click.echo(f"{len(result.workers)} worker(s), {result.total_restarts} restarted by Ray"
                + (f" ({restarted})" if restarted else "")
@@ -336,7 +333,7 @@ def single(ctx: click.Context, **_: object) -> None:
     """
     from . import api
     sigint_now()
-    _finish(ctx, "single", api.single(**_given(ctx)))
+    _finish(ctx, "single", api.single(**given_settings(ctx)))
 
 
 @cli.command(epilog="Examples:\n\n\b\n"
@@ -358,7 +355,7 @@ def ddp(ctx: click.Context, **_: object) -> None:
     """
     from . import api
     sigint_now()
-    result = api.ddp(**_given(ctx))
+    result = api.ddp(**given_settings(ctx))
     if result is not None:  # None: a rank other than 0 under torchrun; rank 0 reports
         _finish(ctx, "ddp", result)
 
@@ -415,7 +412,7 @@ def compare(ctx: click.Context, **_: object) -> None:
     """
     from . import api
     sigint_now()
-    result = api.compare(**_given(ctx))
+    result = api.compare(**given_settings(ctx))
     _tabled(result)
 
 
@@ -448,7 +445,7 @@ def simulate(ctx: click.Context, **_: object) -> None:
     """
     from . import api
     sigint_now()
-    result = api.simulate(**_given(ctx))
+    result = api.simulate(**given_settings(ctx))
     _tabled(result)
 
 
