@@ -1,0 +1,66 @@
+"""--lr-schedule and --warmup in the modes: the lr of every step is the rule's, exactly.
+
+The oracle is tasks_for_tests:dense_rows (one weight per row, gradient 1 on each row of the
+batch): a row trained at step k moves by exactly -lr(k), so the weights hold every step's lr.
+"""
+
+import collections
+
+import torch
+
+from asyncsgd.core.schedule import Schedule
+from conftest import read_events, read_json
+
+ROWS, BATCH = 100, 8
+STEPS = -(-ROWS // BATCH)  # 13 steps an epoch, the last of 4 rows
+COMMON = ("--task", "tasks_for_tests:dense_rows", "--samples", ROWS, "--lr", 1, "--threads", 1,
+          "--progress", "off", "--eval-every", 0.05)
+
+
+def _weights(run_dir) -> torch.Tensor:
+    return torch.load(run_dir / "checkpoint.pt", weights_only=True)["model"]["weight"]
+
+
+def _expected_one_epoch(rule) -> collections.Counter:
+    """Each step's rows end at -lr(k) in float32: BATCH rows a step, the last step 4."""
+    want = collections.Counter()
+    for k in range(STEPS):
+        rows = min(BATCH, ROWS - k * BATCH)
+        want[torch.tensor(-rule(k), dtype=torch.float32).item()] += rows
+    return want
+
+
+def test_single_follows_the_schedule_and_resume_continues_it(tmp_path, run_cli_here):
+    rule = Schedule(1.0, "cosine", steps=2 * STEPS, warmup=3)
+    flags = (*COMMON, "--lr-schedule", "cosine", "--warmup", 3)
+    once = tmp_path / "once"
+    res = run_cli_here("single", *flags, "--epochs", 1, "--out", once)
+    assert res.returncode == 0, res.stderr
+    # --epochs 1: cosine's length is 13 steps, so this run decays to 0 over one epoch
+    short = Schedule(1.0, "cosine", steps=STEPS, warmup=3)
+    assert collections.Counter(_weights(once).tolist()) == _expected_one_epoch(short)
+    evals = [e for e in read_events(once) if e["event"] == "eval"]
+    assert evals[0]["lr"] == short(0) and evals[-1]["lr"] == short(STEPS - 1)
+    for e in evals[1:]:  # the lr of the latest step, the samples telling which
+        assert e["lr"] == short(-(-e["samples"] // BATCH) - 1) if e["samples"] else short(0)
+
+    # Two epochs in one go, and one epoch then a --resume to two: the same weights, bit for
+    # bit, since the resumed run takes up the schedule at step 13 (cosine:26: one length).
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    fixed = (*COMMON, "--lr-schedule", f"cosine:{2 * STEPS}", "--warmup", 3)
+    assert run_cli_here("single", *fixed, "--epochs", 2, "--out", whole).returncode == 0
+    assert run_cli_here("single", *fixed, "--epochs", 1, "--out", split).returncode == 0
+    res = run_cli_here("single", "--resume", split, "--epochs", 2, "--progress", "off")
+    assert res.returncode == 0, res.stderr
+    assert torch.equal(_weights(whole), _weights(split))
+    assert not torch.equal(_weights(whole), _weights(once))
+    assert read_json(split / "summary.json")["lr"] == 1.0  # the peak lr, as before schedules
+    last = [e for e in read_events(split) if e["event"] == "eval"][-1]
+    assert last["lr"] == rule(2 * STEPS - 1)
+
+
+def test_cosine_without_a_length_is_refused_with_the_fix(run_cli_here):
+    res = run_cli_here("compare", "--lr-schedule", "cosine", "--modes", "single",
+                       "--budget", 1)
+    assert res.returncode != 0
+    assert "--lr-schedule cosine" in res.stderr and "cosine:5000" in res.stderr
