@@ -64,3 +64,16 @@ def test_cosine_without_a_length_is_refused_with_the_fix(run_cli_here):
                        "--budget", 1)
     assert res.returncode != 0
     assert "--lr-schedule cosine" in res.stderr and "cosine:5000" in res.stderr
+
+
+def test_hogwild_follows_one_schedule_over_the_shared_count(tmp_path, run_cli):
+    """One process: its steps are the shared count's, so each row holds its step's lr."""
+    out = tmp_path / "hog"
+    res = run_cli("hogwild", *COMMON, "--procs", 1, "--epochs", 1, "--lr-schedule",
+                  "step:4:0.5", "--warmup", 2, "--out", out)
+    assert res.returncode == 0, res.stderr
+    rule = Schedule(1.0, "step", every=4, gamma=0.5, warmup=2)
+    assert collections.Counter(_weights(out).tolist()) == _expected_one_epoch(rule)
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert ckpt["state"]["schedule_steps"] == STEPS
+    assert [e for e in read_events(out) if e["event"] == "eval"][-1]["lr"] == rule(STEPS - 1)
