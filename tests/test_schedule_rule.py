@@ -73,3 +73,51 @@ def test_parsing_and_refusals():
         schedule(0.1, "linear", "10", steps=10)
     assert schedule(0.1, "constant", "65samples", samples_per_step=32).warmup == 3
     assert schedule(0.1, "cosine:50", steps=10).steps == 50
+
+
+def _shard(**kw):
+    from asyncsgd.servers.shard import ShardConfig, ShardState
+    cfg = ShardConfig(index=0, start=0, end=3, rule="sgd", lr=0.5, heartbeat_timeout=5.0,
+                      lr_schedule="cosine:10", warmup="2", **kw)
+    return ShardState(cfg, torch.zeros(3))
+
+
+def _push(worker, seq, clock):
+    from asyncsgd.wire.protocol import PUSH, Message, Segment
+    return Message(type=PUSH, worker=worker, incarnation=1, seq=seq, clock=clock, shard=0,
+                   segments=[Segment(0, torch.ones(3))])
+
+
+def test_the_shard_takes_update_ks_lr_from_its_version_through_a_restart():
+    """A gradient of ones moves each parameter by exactly -lr(k) at update k; a shard
+    restarted from its checkpoint (its version) goes on with lr(version), not lr(0)."""
+    rule = Schedule(0.5, "cosine", steps=10, warmup=2)
+    state = _shard()
+    for seq in range(1, 5):
+        before = state.params.clone()
+        state.handle(b"a", _push("w", seq, state.version), 0.0)
+        assert torch.equal(state.params,
+                           before - torch.tensor(rule(seq - 1), dtype=torch.float32))
+        assert state.stats(0.0)["lr"] == rule(seq - 1)
+    restarted = _shard()
+    restarted.load_state_dict(state.state_dict(), now=0.0)
+    before = restarted.params.clone()
+    restarted.handle(b"a", _push("w", 5, restarted.version), 0.0)
+    assert torch.equal(restarted.params, before - torch.tensor(rule(4), dtype=torch.float32))
+
+
+def test_a_sync_round_is_one_update_of_the_schedule():
+    rule = Schedule(0.5, "cosine", steps=10, warmup=2)
+    state = _shard(consistency="sync", expected_workers=2)
+    for k in range(3):
+        before = state.params.clone()
+        state.handle(b"a", _push("a", k + 1, k), 0.0)
+        state.handle(b"b", _push("b", k + 1, k), 0.0)
+        assert state.version == k + 1
+        assert torch.equal(state.params, before - torch.tensor(rule(k), dtype=torch.float32))
+
+
+def test_the_shard_refuses_a_cosine_without_its_length():
+    from asyncsgd.servers.shard import ShardConfig, ShardState
+    with pytest.raises(ConfigError, match="cosine:5000"):
+        ShardState(ShardConfig(index=0, start=0, end=3, lr_schedule="cosine"), torch.zeros(3))
