@@ -77,3 +77,30 @@ def test_hogwild_follows_one_schedule_over_the_shared_count(tmp_path, run_cli):
     ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
     assert ckpt["state"]["schedule_steps"] == STEPS
     assert [e for e in read_events(out) if e["event"] == "eval"][-1]["lr"] == rule(STEPS - 1)
+
+
+def test_ps_shard_follows_the_schedule_by_its_updates_through_a_resume(server, cli_env):
+    """dense_counter: every push's gradient is the batch size, 8, so update k takes exactly
+    8 x lr(k) off the one weight. 10 updates, then a --resume of 10 more: the 20 are the
+    schedule's updates 0..19, the resumed shard going on from its checkpoint's version."""
+    from asyncsgd.run.checkpoint import load_checkpoint
+    from conftest import Server, finish, worker
+    task = ["--task", "tasks_for_tests:dense_counter", "--samples", 80]
+    first = server(*task, "--lr", 0.25, "--lr-schedule", "cosine:20", "--warmup", 2)
+    (code, _, err), = finish([worker(cli_env, first.address, 0, 1, *task, "--epochs", 1)])
+    assert code == 0, err
+    assert first.wait()[0] == 0
+    resumed = Server(cli_env, first.out, "--resume", first.out)
+    try:
+        (code, _, err), = finish([worker(cli_env, resumed.address, 0, 1, *task, "--epochs", 1)])
+        assert code == 0, err
+        assert resumed.wait()[0] == 0
+    finally:
+        resumed.close()
+    assert read_json(first.out / "summary.json")["updates"] == 20
+    rule, w = Schedule(0.25, "cosine", steps=20, warmup=2), torch.zeros(1)
+    for k in range(20):
+        w.sub_(torch.tensor(8.0), alpha=rule(k))
+    assert torch.equal(load_checkpoint(first.out / "checkpoint.pt")["model"]["w"], w)
+    last = [e for e in read_events(first.out) if e["event"] == "eval"][-1]
+    assert last["lr"] == rule(19)
