@@ -123,3 +123,17 @@ def test_simulate_runs_the_schedule_in_its_modes(run_cli_here, tmp_path):
     assert all(e["lr"] == rule(max(0, e["samples"] // 16 - 1)) for e in single)
     ps = {e["lr"] for e in read_events(out / "ps-async-r1") if e["event"] == "eval"}
     assert len(ps) > 5 and ps <= {rule(k) for k in range(1000)}
+
+
+def test_ddp_ranks_step_together_through_the_schedule(tmp_path, run_cli):
+    """Two ranks of 50 rows, 7 steps each (the last of 2 rows a rank): a row trained at step
+    k ends at -lr(k) / 2, the ranks' averaged gradient; the length is the 7 steps."""
+    out = tmp_path / "ddp"
+    res = run_cli("ddp", *COMMON, "--procs", 2, "--epochs", 1, "--lr-schedule", "linear",
+                  "--warmup", 2, "--out", out)
+    assert res.returncode == 0, res.stderr
+    rule = Schedule(1.0, "linear", steps=7, warmup=2)
+    want = collections.Counter()
+    for k in range(7):
+        want[torch.tensor(-rule(k) / 2, dtype=torch.float32).item()] += 16 if k < 6 else 4
+    assert collections.Counter(_weights(out).tolist()) == want
