@@ -65,7 +65,7 @@ def test_parsing_and_refusals():
     for bad in ("-1", "1.5", "10s"):
         with pytest.raises(ConfigError, match="--warmup"):
             parse_warmup(bad)
-    with pytest.raises(ConfigError, match="give --epochs or the length"):
+    with pytest.raises(ConfigError, match="give it, e.g. --lr-schedule cosine:5000"):
         schedule(0.1, "cosine")
     with pytest.raises(ConfigError, match="give the warm-up in updates"):
         schedule(0.1, "constant", "64samples", counted="updates")

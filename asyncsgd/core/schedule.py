@@ -121,7 +121,6 @@ def schedule(lr: float, text: str = "constant", warmup="0", *, steps: Optional[i
     if kind in ("cosine", "linear") and length is None:
         if steps is None:
             raise ConfigError(f"--lr-schedule {kind}: the run's length in {counted} is not "
-                              f"known here; give --epochs or the length, e.g. "
-                              f"--lr-schedule {kind}:5000")
+                              f"known here; give it, e.g. --lr-schedule {kind}:5000")
         length = steps
     return Schedule(lr, kind, length, every, gamma, amount)
