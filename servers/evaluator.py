@@ -148,6 +148,7 @@ class Evaluator:
         self.model.load_state_dict(self.layout.state_dict(self.reader.flat))
         self.latest = self.reader.stats()
         self.feed.update(self.latest[0])
+        self.recorder.lr = self.latest[0].get("lr")  # shard 0's latest update's
         return self.last_observation()
 
     def last_observation(self) -> dict:

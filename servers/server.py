@@ -19,6 +19,7 @@ import zmq
 from asyncsgd.config import ServerConfig
 from asyncsgd.core.balance import global_counts
 from asyncsgd.core.coverage import of_partitions, of_samples
+from asyncsgd.core.schedule import schedule
 from asyncsgd.core.signature import data_signature
 from asyncsgd.core.tasks import task_of
 from asyncsgd.errors import ConfigError
@@ -72,6 +73,7 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
     if cfg.balance == "batch" and cfg.data_dispatch == "dynamic":
         raise ConfigError("--balance batch already hands every worker its rows of one global "
                           "order (each row once an epoch): drop --data-dispatch dynamic")
+    schedule(1.0, cfg.lr_schedule, cfg.warmup, counted="updates")  # refused before any work
     host, _ = parse_endpoint(cfg.bind, "--bind")
     keys = ServerKeys.load(cfg.curve_secret, cfg.allowed_clients)
     if cfg.audit_dir:  # each shard writes its own file there

@@ -19,6 +19,7 @@ import torch
 from asyncsgd.config import Consistency
 from asyncsgd.core.coverage import of_samples
 from asyncsgd.core.dispatch import Dispatcher
+from asyncsgd.core.schedule import schedule
 from asyncsgd.errors import ConfigError
 from asyncsgd.wire.compression import expand, segment_values, wire_dtype
 from asyncsgd.wire.protocol import (ACK, BYE, DTYPE_NAMES, ERROR, HEARTBEAT, PARAMS, PULL, PUSH,
@@ -94,6 +95,9 @@ class ShardConfig:
     batch_size: int = 0
     # --data-dispatch dynamic, on shard 0: (rows, epochs, seed, chunk) of its Dispatcher
     dispatch: Optional[tuple] = None
+    # --lr-schedule and --warmup: the lr of update k (the version before it), core.schedule's
+    lr_schedule: str = "constant"
+    warmup: str = "0"
 
     def __post_init__(self) -> None:
         if not isinstance(self.consistency, Consistency):
@@ -145,6 +149,7 @@ class ShardState:
         self.store = store(params.detach().clone().float(),
                            make_rule(cfg.rule, self.size, cfg.lr, **cfg.hyper))
         self.version = 0
+        self.schedule = schedule(cfg.lr, cfg.lr_schedule, cfg.warmup, counted="updates")
         self.workers: dict = {}
         self.forgotten = Forgotten(FORGOTTEN_PER_RECORD * self.max_workers)
         self.counters = {"updates": 0, "pushes": 0, "duplicates": 0, "rejected": 0,
@@ -535,6 +540,7 @@ class ShardState:
         # held and without DC-ASGD: DC-ASGD copies what is pulled, and a held pull may be
         # answered at once.
         at_once = self.policy.answers_at_once
+        self.rule.lr = self.schedule(self.version)
         self.store.update(segments, scale, deferrable=(
             at_once and self.cfg.dc_lambda is None and msg.meta.get(Key.PULL) is True))
         self.version += 1
@@ -615,6 +621,7 @@ class ShardState:
         update = self.policy.round_update(self.workers, self.version)
         if update is None:
             return []
+        self.rule.lr = self.schedule(self.version)
         self.store.update([(0, update)])
         members = self.policy.next_round()
         self.version += 1
@@ -714,6 +721,7 @@ class ShardState:
         return {
             "shard": self.cfg.index, "version": self.version, "size": self.size,
             "consistency": self.cfg.consistency, **self.counters,
+            "lr": self.schedule(max(0, self.version - 1)),  # the latest update's
             "staleness": list(self.staleness),
             "worker_records": len(self.workers),
             "live_workers": sum(w.alive for w in self.workers.values()),

@@ -94,6 +94,12 @@ class ModeRun:
         return _present({"--epochs": c.epochs or NO_EPOCH_LIMIT, "--batch-size": c.batch_size}
                         ) + Pacing.parse(c.slowdown, c.delay).flags(world)
 
+    def _schedule_flags(self) -> list:
+        """--lr-schedule and --warmup, of the command that owns the lr (not the PS workers)."""
+        c = self.cfg
+        return _present({"--lr-schedule": c.lr_schedule if c.lr_schedule != "constant" else None,
+                         "--warmup": c.warmup if str(c.warmup) != "0" else None})
+
     def command(self) -> list:
         """Flags of the mode's (first) command."""
         spec, c = self.spec, self.cfg
@@ -103,10 +109,11 @@ class ModeRun:
                 "--backup-workers": spec.backup_workers or None, "--optimizer": spec.optimizer,
                 "--lr": self.lr if spec.optimizer == "sgd" else None,
                 "--batch-size": c.batch_size,  # --balance batch: the global batch's share
-                "--epochs": c.epochs or NO_EPOCH_LIMIT})  # what +dynamic hands out
+                "--epochs": c.epochs or NO_EPOCH_LIMIT}) + self._schedule_flags()  # +dynamic's
         else:
             world = 1 if spec.command == "single" else self.procs
             flags = self._run_flags() + self._train_flags(world) + _present({"--lr": self.lr})
+            flags += self._schedule_flags()
             flags += ["--threads", str(self.threads)]
             if spec.command != "single":
                 flags += ["--procs", str(self.procs)]

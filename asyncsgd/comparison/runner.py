@@ -22,6 +22,7 @@ from ..analysis.report import BASELINE, Goal
 from ..analysis.tuning import render_tuning
 from ..config import CompareConfig
 from ..core.pacing import Pacing
+from ..core.schedule import schedule
 from ..core.tasks import task_of
 from ..errors import ConfigError
 from ..run.link import Link
@@ -81,6 +82,8 @@ def compare(cfg: CompareConfig, argv: Optional[list] = None,
     if cfg.tensorboard:
         _check_tensorboard()
     check_loggers(cfg.log_to)  # before the first run rather than in every run
+    # its modes count steps differently: a schedule every one of them knows, or none
+    schedule(1.0, cfg.lr_schedule, cfg.warmup)
     out = _compare_dir(cfg.out)
     header = {"command": argv if argv is not None else sys.argv, "config": dataclasses.asdict(cfg),
               "task": {"name": cfg.task, "train_samples": len(task.train),

@@ -11,8 +11,8 @@ import click
 from ..wire.busy_poll import BUSY_POLL_US, MAX_BUSY_POLL_US
 from .knobs import knob, settings
 from .shared import (BALANCE, BATCH_SIZE, DATA, DATA_DISPATCH, DEVICE, EPOCHS, LOCAL_STEPS,
-                     LR, MAX_SECONDS, MOMENTUM, PACING, PROGRESS, RECORD_DIGESTS, SEED, TASK,
-                     THREADS, WEIGHT_DECAY, RunConfig)
+                     LR, LR_SCHEDULE, MAX_SECONDS, MOMENTUM, PACING, PROGRESS, RECORD_DIGESTS,
+                     SEED, TASK, THREADS, WARMUP, WEIGHT_DECAY, RunConfig)
 from .values import BACKUP_WORKERS, SHARD_COUNT, Compression, Consistency, ValueType
 
 BIND = knob(
@@ -132,7 +132,7 @@ ServerConfig = settings(
          "Restart a crashed shard from its last checkpoint up to this many times: workers "
          "reconnect on their own, and the updates applied since that checkpoint are lost and "
          "counted (lost_updates). 0: a crashed shard ends the run.", type=click.IntRange(min=0)),
-    BUSY_POLL, RECORD_DIGESTS, AUDIT_DIR,
+    BUSY_POLL, RECORD_DIGESTS, AUDIT_DIR, LR_SCHEDULE, WARMUP,
     extends=RunConfig, module=__name__)
 
 WorkerConfig = settings(

@@ -11,6 +11,7 @@ from typing import Optional, Union
 import click
 
 from ..core.pacing import parse_delay, parse_slowdown
+from ..core.schedule import parse_schedule, parse_warmup
 from .knobs import knob, settings
 from .values import LOCAL_STEPS_VALUE, CheckedText
 
@@ -363,7 +364,53 @@ def min_batch(given: Optional[int], batch_size: int) -> int:
     return given if given is not None else max(1, batch_size // 4)
 
 
-TRAINING = (BATCH_SIZE, LR, MOMENTUM, WEIGHT_DECAY, EPOCHS, *PACING)
+# How the lr changes over a run (core.schedule has the rule).
+LR_SCHEDULE = knob(
+    "lr_schedule", str, "constant",
+    "How the lr changes over the run's steps, after --warmup: constant; cosine (half a cosine "
+    "from --lr down to 0 at the run's end: its --epochs' steps) or cosine:STEPS (0 at step "
+    "STEPS, e.g. cosine:5000); linear or linear:STEPS (a straight line down to 0); "
+    "step:EVERY:GAMMA (multiply the lr by GAMMA every EVERY steps, e.g. step:1000:0.5). Steps "
+    "count from the run's start, a --resume's included; each evaluation's lr is in "
+    "metrics.jsonl.", type=CheckedText("SCHEDULE", parse_schedule),
+    metavar="constant|cosine[:STEPS]|linear[:STEPS]|step:EVERY:GAMMA", per_command={
+        "hogwild": "How the lr changes over the run, driven by the steps of all processes "
+                   "together (one shared count, so every process follows one schedule), "
+                   "after --warmup: constant; cosine (to 0 at the run's end: --epochs' steps "
+                   "of all processes) or cosine:STEPS (e.g. cosine:5000); linear or "
+                   "linear:STEPS; step:EVERY:GAMMA (x GAMMA every EVERY steps, e.g. "
+                   "step:1000:0.5).",
+        "ps": "How the shards' lr changes, driven by the updates each applies (its version, "
+              "kept in its checkpoints, so a restarted shard and a --resume continue it), "
+              "after --warmup: constant; cosine:UPDATES (half a cosine from --lr to 0 at "
+              "that many updates, e.g. cosine:5000); linear:UPDATES; step:EVERY:GAMMA. "
+              "cosine and linear need their length here: the server cannot know how many "
+              "updates the workers will push. With --local-steps it is the outer lr; the "
+              "workers' --local-lr stays constant.",
+        "compare": "The lr schedule of every mode (as their --lr-schedule; a parameter "
+                   "server's counts its updates): constant, cosine:STEPS, linear:STEPS or "
+                   "step:EVERY:GAMMA, e.g. cosine:2000 (plain cosine/linear need a length "
+                   "that every mode knows: give it).",
+        "simulate": "The lr schedule of every simulated mode, as compare's --lr-schedule "
+                    "(e.g. cosine:2000; a parameter server's counts its updates)."})
+WARMUP = knob(
+    "warmup", str, "0",
+    "Linear warm-up before --lr-schedule: step k of the first N has lr x (k+1)/N (the first "
+    "step lr/N, never 0), then the schedule starts. N steps (e.g. --warmup 500) or samples "
+    "(--warmup 16000samples: the steps holding that many, rounded up). 0: none.",
+    type=CheckedText("N|Nsamples", parse_warmup), metavar="N|Nsamples", per_command={
+        "hogwild": "Linear warm-up before --lr-schedule over the steps of all processes "
+                   "together: step k of the first N has lr x (k+1)/N. N steps (--warmup 500) "
+                   "or samples (--warmup 16000samples). 0: none.",
+        "ps": "Linear warm-up before --lr-schedule over the shards' first N updates: update "
+              "k has lr x (k+1)/N, e.g. --warmup 100. In updates only (an update's samples "
+              "vary with the workers). 0: none.",
+        "compare": "Linear warm-up of every mode, in steps (a parameter server's: updates), "
+                   "e.g. --warmup 100. 0: none.",
+        "simulate": "Linear warm-up of every simulated mode, in steps (a parameter "
+                    "server's: updates), e.g. --warmup 100. 0: none."})
+
+TRAINING = (BATCH_SIZE, LR, MOMENTUM, WEIGHT_DECAY, EPOCHS, *PACING, LR_SCHEDULE, WARMUP)
 
 RunConfig = settings(
     "RunConfig", "run", "Settings of every run that evaluates a model and writes a run "

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from ..config import HogwildConfig
 from ..core.pacing import Pacer, Pacing, other_seconds, pace_event, pace_note
 from ..core import coverage
+from ..core.schedule import Schedule, schedule
 from ..core.tasks import Task, partition_indices, task_of
 from ..errors import ConfigError, WorkerError
 from ..run.sendable import check_sendable
@@ -59,6 +60,8 @@ class WorkerSettings:
     device: str
     quantum: float
     pacing: Pacing
+    schedule: Schedule
+    steps_before: int  # steps of all processes in the sessions before a --resume
 
 
 def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lock,
@@ -76,6 +79,7 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
     if buffers:
         opt.keep_buffers_in(buffers)
     loss_acc = losses.numpy()[rank]
+    all_steps = counters.numpy()[:, STEPS]  # every process's: the schedule's one count
     pacer = Pacer(s.pacing, rank, s.seed, torch.cuda.synchronize if device.type == "cuda"
                   else None)
     stop = control.numpy()
@@ -114,6 +118,7 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
             pacer.end()  # a straggler waits here: its gradient lands late
             loss_acc[COMPUTED], loss_acc[WAITED] = pacer.computed, pacer.waited
             loss_acc[SPAN] = pacer.span
+            opt.lr = s.schedule(s.steps_before + int(all_steps.sum()))
             if lock is None:
                 opt.step()
             else:
@@ -178,10 +183,13 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
     settings = WorkerSettings(
         procs=procs, threads=threads, seed=cfg.seed, lr=lr, momentum=cfg.momentum,
         weight_decay=cfg.weight_decay, batch_size=batch_size, epochs=cfg.epochs,
-        device=cfg.device, quantum=cfg.quantum_ms / 1000, pacing=pacing)
+        device=cfg.device, quantum=cfg.quantum_ms / 1000, pacing=pacing,
+        schedule=Schedule(lr), steps_before=0)
     counters = torch.zeros(procs, COLUMNS, dtype=torch.int64).share_memory_()
     state = _shared_state(cfg, task, model, recorder, procs, counters)
     ledger, pending = _ledger(cfg, task, recorder, procs, state)
+    settings.steps_before, settings.schedule, lr_in_force = _schedule(
+        cfg, task, recorder, procs, lr, batch_size, counters)
     control = torch.zeros(1, dtype=torch.int64).share_memory_()
     counters[:, EPOCHS] = torch.tensor([unpack(int(p))[0] for p in state.positions])
     losses = torch.zeros(procs, SPAN + 1, dtype=torch.float64).share_memory_()
@@ -201,7 +209,7 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
              if ring_sems else "")
     if pacing.active:
         log.info("hogwild: stragglers: %s", pacing.describe())
-    return _supervise(cfg, recorder, group, control, counters, losses, ledger,
+    return _supervise(cfg, recorder, group, control, counters, losses, ledger, lr_in_force,
                       extra={"procs": procs, "threads": threads, "lock": cfg.lock, "lr": lr,
                              "batch_size": batch_size, "token_ring": bool(ring_sems),
                              "pacing": pacing.to_dict(), "data_dispatch": {
@@ -227,6 +235,31 @@ def _shared_state(cfg: HogwildConfig, task: Task, model: torch.nn.Module,
                         if cfg.momentum else [], recorder.epochs_done)
     recorder.state_fn = state.state
     return state
+
+
+def _schedule(cfg: HogwildConfig, task: Task, recorder: StatefulRecorder, procs: int,
+              lr: float, batch_size: int, counters: torch.Tensor) -> tuple:
+    """(steps before this session, the lr rule, the lr in force now), driven by the steps
+    of all processes together, a count the checkpoints hold."""
+    rows = len(task.train)
+    per_epoch = (-(-rows // batch_size) if cfg.data_dispatch == "dynamic" else
+                 sum(-(-len(partition_indices(rows, procs, r, cfg.seed)) // batch_size)
+                     for r in range(procs)))
+    rule = schedule(lr, cfg.lr_schedule, cfg.warmup, steps=cfg.epochs * per_epoch,
+                    samples_per_step=batch_size)
+    before = int((recorder.resumed or {}).get("schedule_steps",
+                                              recorder.samples_offset // batch_size))
+
+    def steps() -> int:
+        return before + int(counters[:, STEPS].sum())
+
+    def lr_in_force() -> float:  # the latest step's (before any: the first's)
+        return rule(max(before, steps() - 1))
+
+    saved = recorder.state_fn  # the workers' and the rows' states
+    recorder.state_fn = lambda: {**saved(), "schedule_steps": steps()}
+    recorder.lr = lr_in_force()
+    return before, rule, lr_in_force
 
 
 def _ledger(cfg: HogwildConfig, task: Task, recorder: StatefulRecorder, procs: int,
@@ -323,7 +356,8 @@ class _TrainEvents:
 
 def _supervise(cfg: HogwildConfig, recorder: StatefulRecorder, group: WorkerGroup,
                control: torch.Tensor, counters: torch.Tensor, losses: torch.Tensor,
-               ledger: RowLedger, extra: dict) -> RunResult:
+               ledger: RowLedger, lr_in_force: Callable[[], float],
+               extra: dict) -> RunResult:
     def epochs_done() -> int:
         return ledger.epochs_done() if ledger.dynamic else int(counters[:, EPOCHS].min())
 
@@ -342,6 +376,7 @@ def _supervise(cfg: HogwildConfig, recorder: StatefulRecorder, group: WorkerGrou
                 if recorder.elapsed() >= next_train_event:
                     events.emit()
                     next_train_event = recorder.elapsed() + TRAIN_EVENT_SECONDS
+                recorder.lr = lr_in_force()
                 if recorder.evaluate_if_due(samples) and recorder.target_reached():
                     outcome.stopped_by = "target"
                     break
@@ -365,6 +400,7 @@ def _supervise(cfg: HogwildConfig, recorder: StatefulRecorder, group: WorkerGrou
             outcome.failed(exc)
     events.emit()
     samples = events.samples()
+    recorder.lr = lr_in_force()
     extra["pacing"]["ranks"] = events.pace()
     extra["coverage"] = coverage.of_samples(ledger.counts)
     return recorder.conclude(samples, epochs_done(), outcome,

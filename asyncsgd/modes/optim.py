@@ -212,6 +212,10 @@ class Delayed:
     def lr(self) -> float:
         return self.inner.lr
 
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.inner.lr = value
+
     @property
     def param_groups(self) -> list:
         return self.inner.param_groups

@@ -20,6 +20,7 @@ from ..config import SingleConfig
 from ..config.shared import min_batch
 from ..core.pacing import Pacer, Pacing, other_seconds, pace_event, pace_note
 from ..core import coverage
+from ..core.schedule import schedule
 from ..core.tasks import Task, epoch_order, partition_indices
 from ..errors import CallbackError, ConfigError, WorkerError
 from ..run.digests import DIGESTS, DigestLog
@@ -148,6 +149,12 @@ class SyncLoop:
         self.ranks_paced = [0.0] * (PACED * world)  # rank 0: the agreed per-rank seconds
         self.digests = (DigestLog(recorder.run.path / DIGESTS, "round")
                         if cfg.record_digests and recorder is not None else None)
+        per_epoch = -(-self.epoch_rows // self.rows_per_step)
+        self.schedule = schedule(
+            cfg.lr or task.lr, cfg.lr_schedule, cfg.warmup, steps=cfg.epochs * per_epoch,
+            samples_per_step=self.rows_per_step * (1 if balance is not None else world))
+        if recorder is not None:  # the first evaluation's: the lr of the first step
+            recorder.lr = self.schedule(self.step_index())
         self._paced_seen = [0.0, 0.0]  # rank 0: summed (computed, waited) at the last event
 
     def samples(self) -> int:
@@ -170,11 +177,15 @@ class SyncLoop:
     def _note_digest(self) -> None:
         """Rank 0, --record-digests: the parameters after the steps taken so far, counted
         from the run's start (a resumed run's too) by the position in the data."""
-        if self.digests is None:
-            return
+        if self.digests is not None:
+            self.digests.note(self.step_index(), self.net.parameters())
+
+    def step_index(self) -> int:
+        """Steps taken since the run's start (a resumed run's too), from the position in the
+        data, which checkpoints hold: the schedule's count, so --resume continues it."""
         epoch, row = self.state.position
         rows, step = self.epoch_rows, self.rows_per_step
-        self.digests.note(epoch * -(-rows // step) + -(-row // step), self.net.parameters())
+        return epoch * -(-rows // step) + -(-row // step)
 
     @property
     def epoch_rows(self) -> int:
@@ -248,6 +259,9 @@ class SyncLoop:
             if scale is not None:
                 loss = loss * scale
         self.opt.zero_grad()
+        self.opt.lr = self.schedule(self.step_index())
+        if self.recorder is not None:
+            self.recorder.lr = self.opt.lr
         self.precision.backward_and_step(loss, self.opt, between=self._pace_after_backward)
         if self.comm is not None:
             self.comm.after_step(self.net.parameters())
@@ -470,7 +484,7 @@ def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: 
     loop.note_traffic()
     return recorder.conclude(loop.samples(), loop.epochs_done, outcome,
                              rate=throughput["steady_samples_per_second"], **throughput,
-                             **precision.state(), procs=world, lr=loop.opt.lr,
+                             **precision.state(), procs=world, lr=loop.schedule.lr,
                              batch_size=loop.batch_size, global_batch_size=loop.batch_size * world,
                              pacing=loop.pace(), optimizer=cfg.optimizer, steps=loop.steps,
                              coverage=loop.coverage(),

@@ -110,6 +110,7 @@ class Recorder:
         # Bytes on the network so far, for modes that count them (the parameter server):
         # eval events and checkpoints carry it, a resumed run continues from its checkpoint's
         self.bytes_offset, self.wire_bytes = 0, None
+        self.lr: Optional[float] = None  # the lr in force, where a mode sets it (--lr-schedule)
         self.run = run
         if cfg.resume:
             self._restore()
@@ -196,6 +197,8 @@ class Recorder:
         fields = {"loss": round(result["loss"], 6), self.metric.name: round(score, 6)}
         if self.wire_bytes is not None:
             fields["bytes"] = int(self.wire_bytes)
+        if self.lr is not None:
+            fields["lr"] = self.lr
         self.sinks.eval(self.metrics.write("eval", self.t(), samples, **fields, **extra))
         self.progress.evaluated(self.metric, score, result["loss"])
         self._next_eval = self.elapsed() + self.cfg.eval_every
@@ -232,6 +235,8 @@ class Recorder:
 
     def show(self, samples: int, rate: float, force: bool = False, note: str = "") -> None:
         """Progress; ``note``: one more part of it (e.g. what stragglers waited)."""
+        if self.lr is not None:
+            note = "; ".join(filter(None, [f"lr {self.lr:.4g}", note]))
         self.progress.note(note)
         self.progress.update(self.t(), samples, rate, force=force)
 

@@ -50,6 +50,8 @@ class VirtualSetup:
     leave: tuple = ()  # (virtual t, rank): that worker leaves
     join: tuple = ()  # (virtual t,): a new worker joins
     record_digests: bool = False  # parameter-server modes: digests.jsonl in the run directory
+    lr_schedule: str = "constant"  # --lr-schedule, over each mode's updates (core.schedule)
+    warmup: str = "0"
 
 
 @dataclass
@@ -231,6 +233,10 @@ class Engine(ABC):
     def start(self) -> None:
         """Set the first events."""
 
+    @abstractmethod
+    def lr_in_force(self) -> float:
+        """The lr of the latest update (before any: the first's), for the eval records."""
+
     def evaluate(self, t: float) -> None:
         with torch.no_grad():
             self.flat.copy_(self.params())
@@ -240,6 +246,7 @@ class Engine(ABC):
             self.rec.train(self.samples, 0, loss / steps, steps, self.epoch())
             self._reported = (self.loss_sum, self.loss_steps)
         self.rec.wire_bytes = self.bytes
+        self.rec.lr = self.lr_in_force()
         self.rec.evaluate(self.samples)
         self.rec.show(self.samples, self.samples / max(t, 1e-12))
         if self.setup.stop_at_target and self.rec.target_reached():

@@ -7,6 +7,8 @@ import torch
 
 from asyncsgd.servers.rules import make_rule
 
+from ..core.schedule import schedule
+
 from ..config.shared import min_batch
 from ..modes.balancing import BatchBalance
 from .engine import Engine, SimWorker
@@ -22,7 +24,17 @@ class _SharedEngine(Engine):
         super().__init__(*args)
         self.shared = self.flat.detach().clone()
         self.rule = make_rule("sgd", len(self.shared), self.lr)
+        self.schedule = schedule(self.lr, self.setup.lr_schedule, self.setup.warmup)
         self.updates = 0
+
+    def lr_in_force(self) -> float:
+        return self.schedule(max(0, self.updates - 1))
+
+    def _step(self, grad: torch.Tensor) -> None:
+        """One update of the shared parameters, at the schedule's lr of its count."""
+        self.rule.lr = self.schedule(self.updates)
+        self.rule.apply(self.shared, [(0, grad)])
+        self.updates += 1
 
     def params(self) -> torch.Tensor:
         return self.shared
@@ -47,8 +59,7 @@ class AloneEngine(_SharedEngine):
         self.at(t + self.step_time(w), "apply", w, grad, loss, n)
 
     def on_apply(self, t: float, w: SimWorker, grad: torch.Tensor, loss: float, n: int) -> None:
-        self.rule.apply(self.shared, [(0, grad)])
-        self.updates += 1
+        self._step(grad)
         self.trained(n, loss)
         self.on_begin(t, w)
 
@@ -80,8 +91,7 @@ class DDPEngine(_SharedEngine):
                    ranks: int) -> None:
         if self.trace is not None:
             self.trace.append(("round", t, None))
-        self.rule.apply(self.shared, [(0, mean)])
-        self.updates += 1
+        self._step(mean)
         n = self.setup.workers
         self.bytes += int(2 * (n - 1) * self.nbytes) if n > 1 else 0
         self.trained(samples, loss, ranks)

@@ -55,7 +55,8 @@ class PSEngine(Engine):
             balance_every=int(flags.get("--balance-every", server.balance_every)),
             min_batch=int(flags.get("--min-batch", server.min_batch or 0)),
             dispatch=((len(self.task.train), self.setup.epochs, self.setup.seed, CHUNK)
-                      if dynamic else None)),
+                      if dynamic else None),
+            lr_schedule=self.setup.lr_schedule, warmup=self.setup.warmup),
             self.flat.detach().clone())
         # the staleness of every push the shard took, uncapped: the shard's histogram ends
         # at 63, and 256 async workers see about 255
@@ -234,6 +235,9 @@ class PSEngine(Engine):
     def evaluate(self, t: float) -> None:
         self.count()
         super().evaluate(t)
+
+    def lr_in_force(self) -> float:
+        return self.state.schedule(max(0, self.state.version - 1))
 
     def end(self) -> str:
         self.count()  # the final evaluation reports the samples trained until the end

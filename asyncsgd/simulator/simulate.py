@@ -25,6 +25,7 @@ from ..config import SimulateConfig
 from ..config.modes import parse_modes
 from ..config.simulate import check_ranks, parse_join, parse_leave, parse_slow_workers
 from ..core.pacing import Pacing
+from ..core.schedule import schedule
 from ..core.tasks import load_task
 from ..errors import AsyncSGDError, ConfigError
 from ..run.rundir import RunDir, environment
@@ -134,6 +135,7 @@ def simulate(cfg: SimulateConfig, argv: Optional[list] = None, stream: TextIO = 
     if cfg.tune == "none" and cfg.tune_budget is not None:
         raise ConfigError("--tune-budget is the budget of --tune lr's candidates: add --tune "
                           "lr, or drop --tune-budget")
+    schedule(1.0, cfg.lr_schedule, cfg.warmup)  # one every mode knows: refused before any work
     costs, measured = cost_model(cfg, given, task)
     eval_every = cfg.eval_every or AUTO_EVAL_STEPS * costs.step.median
     out = _out_dir(cfg.out, command)
@@ -160,7 +162,8 @@ def simulate(cfg: SimulateConfig, argv: Optional[list] = None, stream: TextIO = 
                         epochs=cfg.epochs or NO_EPOCH_LIMIT, eval_every=eval_every,
                         batch_size=cfg.batch_size,
                         stop_at_target=cfg.stop_at_target and goal.target is not None,
-                        leave=leave, join=join, record_digests=cfg.record_digests)
+                        leave=leave, join=join, record_digests=cfg.record_digests,
+                        lr_schedule=cfg.lr_schedule, warmup=cfg.warmup)
     try:
         with sigterm_as_interrupt():
             if cfg.tune == "lr":
