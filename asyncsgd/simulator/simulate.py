@@ -160,7 +160,8 @@ def simulate(cfg: SimulateConfig, argv: Optional[list] = None, stream: TextIO = 
                         epochs=cfg.epochs or NO_EPOCH_LIMIT, eval_every=eval_every,
                         batch_size=cfg.batch_size,
                         stop_at_target=cfg.stop_at_target and goal.target is not None,
-                        leave=leave, join=join, record_digests=cfg.record_digests)
+                        leave=leave, join=join, record_digests=cfg.record_digests,
+                        clip_grad_norm=cfg.clip_grad_norm, accumulate=cfg.accumulate)
     try:
         with sigterm_as_interrupt():
             if cfg.tune == "lr":
