@@ -141,3 +141,16 @@ def test_single_clips_and_records_it(tmp_path, run_cli_here):
 def test_accumulate_with_balance_is_one_clear_line(run_cli_here):
     one_line_error(run_cli_here("ddp", "--procs", 2, "--balance", "batch", "--accumulate", 2,
                                 "--progress", "off"), "--accumulate with --balance batch")
+
+
+def test_worker_refuses_accumulate_with_push_every(run_cli_here):
+    one_line_error(run_cli_here("worker", "--accumulate", 2, "--push-every", 4, "--progress",
+                                "off"), "--accumulate 2 and --push-every 4: choose one")
+
+
+def test_fp16_on_cpu_is_refused_in_hogwild_and_the_worker(run_cli_here, tmp_path):
+    one_line_error(run_cli_here("hogwild", "--amp", "fp16", "--samples", 100, "--progress", "off",
+                                "--out", tmp_path / "run"), "--amp fp16 needs --device cuda")
+    assert not (tmp_path / "run").exists()
+    one_line_error(run_cli_here("worker", "--amp", "fp16", "--progress", "off"),
+                   "--amp fp16 needs --device cuda")
