@@ -30,6 +30,7 @@ def test_ps_workers_bf16_accumulating_train_to_the_target(server, cli_env):
         assert code == 0, err
         steps, samples = out.split(" steps")[0].split()[-1], out.split(" samples")[0].split()[-1]
         assert int(samples.replace(",", "")) > 60 * int(steps)  # 64 rows a step, 2 x 32
+        assert "--clip-grad-norm 5 clipped " in out and f" of {steps} steps' gradients" in out
     code, _, err = srv.wait()
     assert code == 0, err
     assert read_json(srv.out / "summary.json")["stopped_by"] == "target"
