@@ -154,3 +154,12 @@ def test_fp16_on_cpu_is_refused_in_hogwild_and_the_worker(run_cli_here, tmp_path
     assert not (tmp_path / "run").exists()
     one_line_error(run_cli_here("worker", "--amp", "fp16", "--progress", "off"),
                    "--amp fp16 needs --device cuda")
+
+
+def test_whole_jobs_hand_the_step_settings_to_their_workers():
+    from asyncsgd.config import JobConfig, make_config
+    from asyncsgd.jobs.roles import worker_settings
+
+    job = make_config(JobConfig, None, dict(accumulate=2, clip_grad_norm=1.5, amp="bf16"))
+    cfg = worker_settings(job, "tcp://127.0.0.1:5555", 1, 2)
+    assert (cfg.accumulate, cfg.clip_grad_norm, cfg.amp) == (2, 1.5, "bf16")
