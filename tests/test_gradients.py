@@ -50,6 +50,24 @@ def test_clipping_by_hand():
     assert torch.allclose(q.grad, torch.tensor([4 * coef]), rtol=0, atol=1e-7)
 
 
+def test_clipping_sparse_gradients_as_their_dense_equals():
+    """An embedding's sparse gradient (torch's clip_grad_norm_ refuses it), accumulated
+    twice so that rows repeat uncoalesced: clipped as the same gradient made dense."""
+    torch.manual_seed(0)
+    sparse = torch.nn.Embedding(10, 3, sparse=True)
+    dense = torch.nn.Embedding(10, 3)
+    dense.load_state_dict(sparse.state_dict())
+    for net in (sparse, dense):
+        for rows in ([1, 2, 2], [2, 5]):
+            (net(torch.tensor(rows)) * 10).sum().backward()
+    clipper = Clipper(0.5)
+    norm = clipper(sparse.parameters())
+    ref = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.5)
+    assert torch.allclose(norm, ref)
+    assert torch.allclose(sparse.weight.grad.to_dense(), dense.weight.grad, rtol=0, atol=1e-7)
+    assert clipper.clipped == 1
+
+
 @pytest.mark.parametrize("rows, k", [(20, 4), (19, 4), (3, 5), (20, 1)])
 def test_accumulated_micro_batches_equal_one_big_batchs_mean_gradient(rows, k):
     x, y = _data(rows)

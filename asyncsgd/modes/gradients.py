@@ -49,7 +49,11 @@ class Clipper:
 
     def __call__(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
         """Clip in place; the total norm before clipping."""
-        norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm)
+        params = [p for p in params if p.grad is not None]
+        if any(p.grad.is_sparse for p in params):
+            norm = _clip_sparse([p.grad for p in params], self.max_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm)
         over = (norm > self.max_norm).to(torch.int64)
         self._clipped = over if self._clipped is None else self._clipped + over
         self.steps += 1
@@ -62,6 +66,19 @@ class Clipper:
     def to_dict(self) -> dict:
         """summary.json's ``clipping``."""
         return {"max_norm": self.max_norm, "steps": self.steps, "clipped_steps": self.clipped}
+
+
+@torch.no_grad()
+def _clip_sparse(grads: list, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_'s rule where some gradients are sparse (an embedding's), which
+    torch's norm does not take: a sparse one's norm is its coalesced values'."""
+    norms = [torch.linalg.vector_norm(g.coalesce().values() if g.is_sparse else g)
+             for g in grads]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return total
 
 
 def clipper(max_norm: Optional[float]) -> Optional[Clipper]:
