@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from conftest import finish, read_json, worker
 
 CNN = ("--task", "mnist1d-cnn", "--target", 0.9, "--epochs", 200, "--max-seconds", 60,
@@ -50,3 +52,19 @@ def test_hogwild_and_ps_workers_compute_under_bf16_autocast(tmp_path, run_cli, s
     res = run_cli("hogwild", *probe, "--procs", 1, "--threads", 1, "--progress", "off",
                   "--out", tmp_path / "off")
     assert res.returncode == 1 and "not running under bf16 autocast" in res.stderr
+
+
+def test_ddp_accumulates_under_no_sync_exactly(tmp_path, run_cli):
+    """dense_rows (a summed loss: each row's weight gets gradient 1 a training), lr 1, 2
+    ranks, steps of 2 micro-batches of 5 rows: each micro-batch weighs 1/2 and the ranks
+    average, so every training moves a row's weight by exactly -1/4. A micro-batch lost,
+    or one rank's left out of the all-reduce, would break the equality."""
+    out = tmp_path / "run"
+    res = run_cli("ddp", "--task", "tasks_for_tests:dense_rows", "--procs", 2, "--threads", 1,
+                  "--epochs", 2, "--batch-size", 5, "--accumulate", 2, "--lr", 1,
+                  "--progress", "off", "--dist-timeout", 60, "--out", out, timeout=120)
+    assert res.returncode == 0, res.stderr
+    summary = read_json(out / "summary.json")
+    assert summary["samples"] == 2000 and summary["steps"] == 100  # 500 rows a rank, 10 a step
+    weights = torch.load(out / "checkpoint.pt", weights_only=True)["model"]["weight"]
+    assert torch.equal(weights, torch.full_like(weights, -2 / 4))
