@@ -387,13 +387,16 @@ CLIP_GRAD_NORM = knob(
     type=click.FloatRange(min=0, min_open=True), metavar="MAX", show="off", per_command={
         "worker": "Clip each step's gradient on this worker, before it is compressed and "
                   "pushed, to this total 2-norm over all parameters, as "
-                  "torch.nn.utils.clip_grad_norm_; with --local-steps each local step's "
-                  "gradient (not the pushed change of the parameters). Unlike the server's "
+                  "torch.nn.utils.clip_grad_norm_; with --push-every or --local-steps each "
+                  "local step's gradient (not the pushed sum or change). Unlike the server's "
                   "--max-grad-norm, a security limit that refuses a push above it, this "
                   "rescales and pushes. E.g. --clip-grad-norm 1.0.",
         "compare": "Every mode clips each step's gradient to this total 2-norm "
                    "(torch.nn.utils.clip_grad_norm_; the parameter server's workers before "
-                   "they push). E.g. 1.0."})
+                   "they push). E.g. 1.0.",
+        "simulate": "Every simulated worker clips each gradient it computes to this total "
+                    "2-norm (torch.nn.utils.clip_grad_norm_), as a real worker before it "
+                    "pushes. E.g. 1.0."})
 ACCUMULATE = knob(
     "accumulate", int, 1,
     "Gradient accumulation: each step trains K micro-batches of --batch-size rows and "
@@ -414,7 +417,10 @@ ACCUMULATE = knob(
                   "local step accumulates K micro-batches. E.g. --accumulate 4.",
         "compare": "Every mode accumulates each step's (each push's) gradient over K "
                    "micro-batches of --batch-size rows, the mean gradient of one K x "
-                   "--batch-size batch. E.g. 4."})
+                   "--batch-size batch. E.g. 4.",
+        "simulate": "Every simulated worker's gradient is the mean over K micro-batches of "
+                    "--batch-size rows (one K x --batch-size batch), and its step takes K "
+                    "times the profile's step time. Not with balanced modes. E.g. 4."})
 
 TRAINING = (BATCH_SIZE, LR, MOMENTUM, WEIGHT_DECAY, EPOCHS, *PACING, CLIP_GRAD_NORM, ACCUMULATE)
 
