@@ -181,3 +181,19 @@ def test_whole_jobs_hand_the_step_settings_to_their_workers():
     job = make_config(JobConfig, None, dict(accumulate=2, clip_grad_norm=1.5, amp="bf16"))
     cfg = worker_settings(job, "tcp://127.0.0.1:5555", 1, 2)
     assert (cfg.accumulate, cfg.clip_grad_norm, cfg.amp) == (2, 1.5, "bf16")
+
+
+def test_compare_hands_the_step_settings_to_every_training_process(tmp_path):
+    from asyncsgd.comparison.mode_run import ModeRun
+    from asyncsgd.config import CompareConfig
+    from asyncsgd.config.modes import parse_modes
+
+    cfg = CompareConfig(procs=2, clip_grad_norm=0.5, accumulate=4)
+    for spec in parse_modes("single,hogwild,ddp,ps-async"):
+        run = ModeRun(cfg, spec, 0, tmp_path, {}, shown=None)
+        flags = " ".join(run.command() if spec.command != "ps-server" else
+                         run.worker_command("tcp://127.0.0.1:1", 1))
+        assert " --clip-grad-norm 0.5 --accumulate 4" in flags, (spec.name, flags)
+    server = " ".join(ModeRun(cfg, parse_modes("ps-async")[0], 0, tmp_path, {},
+                              shown=None).command())
+    assert "--accumulate" not in server and "--clip-grad-norm" not in server
