@@ -127,6 +127,36 @@ def test_worker_drops_an_overflowed_fp16_gradient():
     assert precision.scaler.get_scale() == scale / 2
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_hogwild_fp16_step_is_the_float32_step_or_none(device):
+    """Hogwild's fp16 path with its own SGD (not torch.optim): the scale is a power of two,
+    so the unscaled, clipped step equals float32's exactly; an overflowed step is skipped
+    and halves the scale."""
+    from asyncsgd.modes.optim import SGD
+    x, y = (t.to(device) for t in _data())
+    scaled, plain = _net().to(device), _net().to(device)
+    precision = Precision("fp16", device)
+    opt, reference = SGD(scaled.parameters(), lr=0.1), SGD(plain.parameters(), lr=0.1)
+    loss_fn = torch.nn.functional.cross_entropy
+    precision.backward(loss_fn(scaled(x), y))
+    precision.unscale(opt)
+    Clipper(0.05)(scaled.parameters())
+    precision.step(opt)
+    loss_fn(plain(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
+    reference.step()
+    assert all(torch.equal(a, b) for a, b in zip(scaled.parameters(), plain.parameters()))
+    before, scale = [p.detach().clone() for p in scaled.parameters()], precision.scaler.get_scale()
+    opt.zero_grad()
+    precision.backward(loss_fn(scaled(x), y) * float("inf"))
+    precision.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(scaled.parameters(), before))
+    assert precision.scaler.get_scale() == scale / 2
+
+
 def _final_weights(out) -> list:
     model = torch.load(out / "checkpoint.pt", weights_only=False)["model"]
     return [t.double() for t in model.values()]
