@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from asyncsgd.modes.gradients import Clipper, accumulate, micro_batches
+from asyncsgd.modes.optim import SGD
 from asyncsgd.modes.precision import Precision
 from conftest import one_line_error, read_json
 
@@ -116,7 +117,7 @@ def test_worker_drops_an_overflowed_fp16_gradient():
     flat = torch.zeros(4)
     net.weight.grad, net.bias.grad = flat[:3].view(1, 3), flat[3:]
     precision = Precision("fp16", "cpu")
-    unscaler = torch.optim.SGD(net.parameters(), lr=0.0)
+    unscaler = SGD(net.parameters(), lr=1.0)  # the worker's: never stepped
     scale = precision.scaler.get_scale()
     precision.backward(net(torch.ones(2, 3)).sum())
     assert not precision.overflowed(unscaler, flat)
@@ -135,7 +136,6 @@ def test_hogwild_fp16_step_is_the_float32_step_or_none(device):
     """Hogwild's fp16 path with its own SGD (not torch.optim): the scale is a power of two,
     so the unscaled, clipped step equals float32's exactly; an overflowed step is skipped
     and halves the scale."""
-    from asyncsgd.modes.optim import SGD
     x, y = (t.to(device) for t in _data())
     scaled, plain = _net().to(device), _net().to(device)
     precision = Precision("fp16", device)

@@ -28,6 +28,7 @@ from asyncsgd.core.signature import PS_PARTITION_SEED, data_signature
 from asyncsgd.core.tasks import epoch_order, partition_indices, task_of
 from asyncsgd.errors import ConfigError
 from asyncsgd.modes.gradients import accumulate, clipper
+from asyncsgd.modes.optim import SGD
 from asyncsgd.modes.precision import Precision, check_amp
 from asyncsgd.run.lifetime import command_started_at
 from asyncsgd.run.process_group import available_cores
@@ -232,8 +233,9 @@ class _Loop:
         self.batch_size = cfg.batch_size or task.batch_size
         self.step_rows = self.batch_size * cfg.accumulate  # --accumulate's micro-batches
         self.precision = Precision(cfg.amp, self.device.type)
-        # fp16's scaler unscales an optimizer's gradients: this one is never stepped
-        self.unscaler = (torch.optim.SGD(model.parameters(), lr=0.0)
+        # fp16's scaler unscales an optimizer's gradients: this one is never stepped (ours,
+        # not torch.optim's, whose first use costs a process seconds importing torch._dynamo)
+        self.unscaler = (SGD(model.parameters(), lr=1.0)
                          if self.precision.scaler is not None else None)
         self.clip = clipper(cfg.clip_grad_norm)
         self.overflows = 0  # fp16 steps dropped, their gradients not finite
