@@ -51,6 +51,16 @@ def test_clipping_by_hand():
     assert torch.allclose(q.grad, torch.tensor([4 * coef]), rtol=0, atol=1e-7)
 
 
+def test_an_overflowed_fp16_gradient_is_not_counted_as_clipped():
+    """fp16's scaler skips that step: nothing was clipped and applied."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    clip = Clipper(1.0)
+    for grad in ([3.0, 4.0], [float("inf"), 0.0], [0.1, 0.0]):
+        p.grad = torch.tensor(grad)
+        clip([p])
+    assert clip.to_dict() == {"max_norm": 1.0, "steps": 3, "clipped_steps": 1}
+
+
 def test_clipping_sparse_gradients_as_their_dense_equals():
     """An embedding's sparse gradient (torch's clip_grad_norm_ refuses it), accumulated
     twice so that rows repeat uncoalesced: clipped as the same gradient made dense."""

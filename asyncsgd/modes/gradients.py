@@ -54,10 +54,15 @@ class Clipper:
             norm = _clip_sparse([p.grad for p in params], self.max_norm)
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm)
-        over = (norm > self.max_norm).to(torch.int64)
+        over = self.clipped_by(norm).to(torch.int64)
         self._clipped = over if self._clipped is None else self._clipped + over
         self.steps += 1
         return norm
+
+    def clipped_by(self, norm: torch.Tensor) -> torch.Tensor:
+        """Whether a step of total norm ``norm`` was clipped: not an overflowed fp16 one,
+        whose step the scaler skips."""
+        return (norm > self.max_norm) & torch.isfinite(norm)
 
     @property
     def clipped(self) -> int:

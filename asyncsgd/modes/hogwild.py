@@ -124,7 +124,7 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
             loss_acc[SPAN] = pacer.span
             if clip is not None:
                 precision.unscale(opt)
-                count[CLIPPED] += bool(clip(model.parameters()) > s.clip_grad_norm)
+                count[CLIPPED] += bool(clip.clipped_by(clip(model.parameters())))
             if lock is None:
                 precision.step(opt)
             else:
