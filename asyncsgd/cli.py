@@ -191,6 +191,13 @@ def _worker_report(result) -> None:
         click.echo(f"worker {result.worker}: {result.stats['compute_seconds']:.1f} s computing "
                    f"gradients, {result.stats['waited_seconds']:.1f} s waited on purpose "
                    "(--slowdown, --delay)")
+    clipping = result.stats.get("clipping")
+    if clipping:
+        click.echo(f"worker {result.worker}: --clip-grad-norm {clipping['max_norm']:g} clipped "
+                   f"{clipping['clipped_steps']} of {clipping['steps']} steps' gradients")
+    if result.stats.get("overflowed_steps"):
+        click.echo(f"worker {result.worker}: --amp fp16 dropped {result.stats['overflowed_steps']} "
+                   "steps whose gradients overflowed")
 
 
 @cli.command("ps-job", epilog="Examples:\n\n\b\n"

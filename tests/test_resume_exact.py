@@ -1,6 +1,7 @@
 """Full checkpoints: a run stopped anywhere and resumed ends with exactly the parameters of
-the same run never stopped (bit for bit, one process), with momentum, adam or a simulated
-staleness queue, and a dropout model (so torch's generator must continue too)."""
+the same run never stopped (bit for bit, one process), with momentum, adam, a simulated
+staleness queue or --accumulate (checkpoints fall between its steps), and a dropout model
+(so torch's generator must continue too)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def _stopped_midway(tmp_path, monkeypatch, run=train, rows=128, **settings):
     dict(momentum=0.9, weight_decay=0.01),
     dict(optimizer="adam", weight_decay=0.01),
     dict(momentum=0.5, simulate_staleness=2),
-], ids=["momentum", "adam", "staleness"])
+    dict(momentum=0.9, accumulate=2, clip_grad_norm=0.5),
+], ids=["momentum", "adam", "staleness", "accumulate-clip"])
 def test_a_resumed_run_is_the_uninterrupted_run_bit_for_bit(tmp_path, monkeypatch, settings):
     whole = tmp_path / "whole"
     train(_cfg(whole, **settings))

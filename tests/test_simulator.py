@@ -281,3 +281,25 @@ def test_ddp_balance_sizes_batches_to_speed_and_rounds_shrink_to_the_fair_time(t
     assert int(engine.row_counts.sum()) - result.summary["samples"] in (0, 64)
     assert engine.coverage()["granularity"] == "sample"
     assert engine.row_counts.max() - engine.row_counts.min() <= 1 + (rows % 64 > 0)
+
+
+def test_the_virtual_clock_accumulates_and_clips_as_the_real_modes(tmp_path):
+    """ps-sync, one round of 3 workers: --accumulate 2 of batch 8 pushes the gradients of
+    batch 16 (to float rounding) in twice the steps' time; --clip-grad-norm bounds them."""
+    task = load_task(TASK, samples=48)
+    spec = parse_modes("ps-sync")[0]
+    saved = {}
+    for name, kw in [("big", dict(batch_size=16)), ("acc", dict(batch_size=8, accumulate=2)),
+                     ("clip", dict(batch_size=16, clip_grad_norm=1e-3))]:
+        engine = prepare(task, spec, _setup(epochs=1, **kw), out=str(tmp_path / name),
+                         progress="off")
+        engine.trace = []
+        assert finish(engine).summary["updates"] == 1
+        saved[name] = torch.cat([t.reshape(-1) for t in load_checkpoint(
+            tmp_path / name / "checkpoint.pt")["model"].values()])
+        if name == "acc":
+            assert engine.step_time(engine.workers[0]) == 2 * MS
+    assert torch.allclose(saved["acc"], saved["big"], rtol=0, atol=1e-6)
+    start = torch.cat([t.reshape(-1) for t in task.build_model(0).state_dict().values()])
+    moved = (saved["clip"] - start).norm().item()
+    assert moved <= task.lr * 1e-3 * (1 + 1e-4) < (saved["big"] - start).norm().item()

@@ -27,6 +27,9 @@ from asyncsgd.core.pacing import Pacer, Pacing, pace_note
 from asyncsgd.core.signature import PS_PARTITION_SEED, data_signature
 from asyncsgd.core.tasks import epoch_order, partition_indices, task_of
 from asyncsgd.errors import ConfigError
+from asyncsgd.modes.gradients import accumulate, clipper
+from asyncsgd.modes.optim import SGD
+from asyncsgd.modes.precision import Precision, check_amp
 from asyncsgd.run.lifetime import command_started_at
 from asyncsgd.run.process_group import available_cores
 from asyncsgd.run.progress import Progress
@@ -133,6 +136,11 @@ def run_worker(cfg: WorkerConfig, seen: Optional[list] = None,
         raise ConfigError("--transport shared moves float32 through memory: compressed "
                           "pushes or pulls (--compress, --push-dtype, --pull-dtype) need "
                           "--transport tcp or auto")
+    check_amp(cfg.amp, cfg.device)
+    if cfg.accumulate > 1 and cfg.push_every > 1:
+        raise ConfigError(f"--accumulate {cfg.accumulate} and --push-every {cfg.push_every}: "
+                          "choose one (--accumulate pushes the mean gradient of K micro-batches, "
+                          "--push-every the sum of N gradients with local steps between)")
     auto, steps = parse_local_steps(cfg.local_steps)
     if (auto or steps > 1) and cfg.push_every > 1:
         raise ConfigError(f"--local-steps {cfg.local_steps} and --push-every {cfg.push_every}: "
@@ -223,6 +231,14 @@ class _Loop:
                       if self.auto or self.H > 1 else None)
         self.anchor = torch.zeros(layout.total) if self.inner is not None else None
         self.batch_size = cfg.batch_size or task.batch_size
+        self.step_rows = self.batch_size * cfg.accumulate  # --accumulate's micro-batches
+        self.precision = Precision(cfg.amp, self.device.type)
+        # fp16's scaler unscales an optimizer's gradients: this one is never stepped (ours,
+        # not torch.optim's, whose first use costs a process seconds importing torch._dynamo)
+        self.unscaler = (SGD(model.parameters(), lr=1.0)
+                         if self.precision.scaler is not None else None)
+        self.clip = clipper(cfg.clip_grad_norm)
+        self.overflows = 0  # fp16 steps dropped, their gradients not finite
         self.steps = self.pushes = self.samples = 0
         # Where it is in its batches (across epochs). Under sync it follows the rounds: a
         # server restored from an older checkpoint sends it back to the batch of the round
@@ -247,7 +263,7 @@ class _Loop:
             return self._run_balanced()
         if self.client.plan is not None:
             return self._run_dispatched()
-        per_epoch = -(-len(self.part) // self.batch_size)
+        per_epoch = -(-len(self.part) // self.step_rows)
         order, ordered = None, None  # the batches of epoch ``ordered``
         while self.position < per_epoch * self.cfg.epochs:
             epoch, batch = divmod(self.position, per_epoch)
@@ -256,7 +272,7 @@ class _Loop:
             if self.out_of_time():
                 return self._finish()
             self.position += 1
-            self._step(order[batch * self.batch_size:(batch + 1) * self.batch_size])
+            self._step(order[batch * self.step_rows:(batch + 1) * self.step_rows])
         return self._finish()
 
     def _run_balanced(self) -> WorkerResult:
@@ -305,9 +321,9 @@ class _Loop:
         seed, chunks, _ = self.client.plan
         rows, taken = [], 0
         for epoch, start, stop in chunks:
-            if epoch >= self.cfg.epochs or taken >= self.batch_size:
+            if epoch >= self.cfg.epochs or taken >= self.step_rows:
                 break
-            take = min(stop - start, self.batch_size - taken)
+            take = min(stop - start, self.step_rows - taken)
             if (seed, epoch) not in self._orders:  # the chunks of at most two epochs are out
                 self._orders = {k: v for k, v in self._orders.items() if k[1] >= epoch - 1}
                 self._orders[(seed, epoch)] = epoch_rows(len(self.task.train), seed, epoch)
@@ -334,18 +350,22 @@ class _Loop:
     def _step(self, index: torch.Tensor) -> None:
         began = time.perf_counter()
         self.pacer.begin()
-        inputs, targets = self.task.train.rows(index)
-        inputs = tuple(t.to(self.device) for t in inputs)
-        loss = self.task.loss_fn(self.model(*inputs), targets.to(self.device))
-        (self.flat_grads if self.gpu_grads is None else self.gpu_grads).zero_()
-        loss.backward()
+        grads = self.flat_grads if self.gpu_grads is None else self.gpu_grads
+        grads.zero_()
+        loss = accumulate(index, self.cfg.accumulate, self._loss, self.precision.backward)
+        overflowed = self.precision.overflowed(self.unscaler, grads)
+        if self.clip is not None and not overflowed:  # on the worker, before compression
+            self.clip(self.model.parameters())
         if self.gpu_grads is not None:
             self.flat_grads.copy_(self.gpu_grads)  # waits for backward, as loss.item() would
         self.pacer.end()  # a straggler waits here: its gradient reaches the server late
         self.computed += time.perf_counter() - began
         self.steps += 1
-        self.samples += len(targets)
-        self.unpushed += len(targets)
+        self.samples += len(index)
+        if overflowed:  # fp16's scale was too high: nothing to push, a lower scale next
+            self.overflows += 1
+            return
+        self.unpushed += len(index)
         value = loss.item()
         if math.isfinite(value):
             self.loss_sum, self.loss_steps = self.loss_sum + value, self.loss_steps + 1
@@ -362,6 +382,13 @@ class _Loop:
                 self._load()
                 return
         self._push()
+
+    def _loss(self, index: torch.Tensor) -> torch.Tensor:
+        """The mean loss on rows ``index`` (one micro-batch), under autocast."""
+        inputs, targets = self.task.train.rows(index)
+        inputs = tuple(t.to(self.device) for t in inputs)
+        with self.precision.autocast():
+            return self.task.loss_fn(self.model(*inputs), targets.to(self.device))
 
     def _push(self) -> None:
         meta = {Key.LOSS: self.loss_sum / max(1, self.loss_steps), Key.SAMPLES: self.unpushed,
@@ -444,7 +471,15 @@ class _Loop:
         return WorkerResult(self.client.worker, self.steps, self.pushes, self.samples,
                             round(self.elapsed(), 3),
                             {**self.client.stats, "ended_by_server": ended_by_server,
-                             **self.pacer.figures()})
+                             **self.pacer.figures(), **self._precision_figures()})
+
+    def _precision_figures(self) -> dict:
+        """What --amp and --clip-grad-norm did, when asked for."""
+        figures = {} if self.cfg.amp == "off" else {**self.precision.state(),
+                                                     "overflowed_steps": self.overflows}
+        if self.clip is not None:
+            figures["clipping"] = self.clip.to_dict()
+        return figures
 
 
 def inner_optimizer(kind: str, flat_params: torch.Tensor, flat_grads: torch.Tensor, lr: float,

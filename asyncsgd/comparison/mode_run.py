@@ -91,7 +91,9 @@ class ModeRun:
         """What every training process takes; ``world``: its mode's processes (stragglers
         are named by rank: single, one process, is rank 0)."""
         c = self.cfg
-        return _present({"--epochs": c.epochs or NO_EPOCH_LIMIT, "--batch-size": c.batch_size}
+        return _present({"--epochs": c.epochs or NO_EPOCH_LIMIT, "--batch-size": c.batch_size,
+                         "--clip-grad-norm": c.clip_grad_norm,
+                         "--accumulate": c.accumulate if c.accumulate > 1 else None}
                         ) + Pacing.parse(c.slowdown, c.delay).flags(world)
 
     def _schedule_flags(self) -> list:

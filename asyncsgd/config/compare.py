@@ -9,8 +9,9 @@ import click
 from .knobs import knob, settings
 from .modes import DC_ASGD
 from .ps import SHARDS
-from .shared import (BATCH_SIZE, DATA, EPOCHS, EVAL_EVERY, LOG_TO, LR, LR_SCHEDULE, OUT, PACING,
-                     PROGRESS, SEED, TARGET, TASK, TENSORBOARD, WARMUP)
+from .shared import (ACCUMULATE, BATCH_SIZE, CLIP_GRAD_NORM, DATA, EPOCHS, EVAL_EVERY, LOG_TO,
+                     LR, LR_SCHEDULE, OUT, PACING, PROGRESS, SEED, TARGET, TASK, TENSORBOARD,
+                     WARMUP)
 from .training import PROCS
 
 # The modes 'asyncsgd compare' runs by default, in this order.
@@ -143,7 +144,7 @@ CompareConfig = settings(
     knob("grace", float, 60.0,
          "Seconds a run may take beyond --budget to start up and finish before it is stopped "
          "and marked failed.", type=click.FloatRange(min=1), metavar="SECONDS"),
-    CLOCK, OUT, TENSORBOARD, PROGRESS, LOG_TO, LR_SCHEDULE, WARMUP,
+    CLOCK, OUT, TENSORBOARD, PROGRESS, LOG_TO, LR_SCHEDULE, WARMUP, CLIP_GRAD_NORM, ACCUMULATE,
     module=__name__)
 
 PlotConfig = settings(

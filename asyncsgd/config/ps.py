@@ -10,9 +10,10 @@ import click
 
 from ..wire.busy_poll import BUSY_POLL_US, MAX_BUSY_POLL_US
 from .knobs import knob, settings
-from .shared import (BALANCE, BATCH_SIZE, DATA, DATA_DISPATCH, DEVICE, EPOCHS, LOCAL_STEPS,
-                     LR, LR_SCHEDULE, MAX_SECONDS, MOMENTUM, PACING, PROGRESS, RECORD_DIGESTS,
-                     SEED, TASK, THREADS, WARMUP, WEIGHT_DECAY, RunConfig)
+from .shared import (ACCUMULATE, AMP, BALANCE, BATCH_SIZE, CLIP_GRAD_NORM, DATA, DATA_DISPATCH,
+                     DEVICE, EPOCHS, LOCAL_STEPS, LR, LR_SCHEDULE, MAX_SECONDS, MOMENTUM, PACING,
+                     PROGRESS, RECORD_DIGESTS, SEED, TASK, THREADS, WARMUP, WEIGHT_DECAY,
+                     RunConfig)
 from .values import BACKUP_WORKERS, SHARD_COUNT, Compression, Consistency, ValueType
 
 BIND = knob(
@@ -117,7 +118,9 @@ ServerConfig = settings(
          "Seconds of silence after which a worker is dropped from ssp/sync barriers.",
          type=click.FloatRange(min=0.1)),
     knob("max_grad_norm", Optional[float], None,
-         "Reject pushes whose gradient norm (per shard) exceeds this.",
+         "Reject pushes whose gradient norm (per shard) exceeds this: a security limit "
+         "against a broken or hostile worker, counted and never applied. To clip gradients "
+         "(rescale and apply them) give the workers --clip-grad-norm instead.",
          type=click.FloatRange(min=0, min_open=True), show="no bound"),
     knob("allow_nonfinite", bool, False,
          "Apply gradients holding NaN or Inf (rejected by default)."),
@@ -198,5 +201,5 @@ WorkerConfig = settings(
          "The server's public key (server.key from 'asyncsgd keygen DIR'): connect with CURVE "
          "authentication and encryption. Needs --curve-secret.", metavar="FILE",
          show="off: plain TCP"),
-    CURVE_SECRET, AUDIT_DIR,
+    CURVE_SECRET, AUDIT_DIR, AMP, CLIP_GRAD_NORM, ACCUMULATE,
     module=__name__)

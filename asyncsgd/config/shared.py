@@ -410,7 +410,67 @@ WARMUP = knob(
         "simulate": "Linear warm-up of every simulated mode, in steps (a parameter "
                     "server's: updates), e.g. --warmup 100. 0: none."})
 
-TRAINING = (BATCH_SIZE, LR, MOMENTUM, WEIGHT_DECAY, EPOCHS, *PACING, LR_SCHEDULE, WARMUP)
+# What each step does with its gradients (modes.gradients, modes.precision).
+AMP = knob(
+    "amp", str, "off",
+    "Mixed precision: bf16 or fp16 autocast (fp16 adds a gradient scaler). fp16 needs "
+    "--device cuda; bf16 also runs on CPUs (fast only where they have bf16 instructions).",
+    type=click.Choice(["off", "bf16", "fp16"]), per_command={
+        "hogwild": "Mixed precision of every process's forward: bf16 or fp16 autocast (fp16 "
+                   "adds a gradient scaler per process; the shared parameters stay float32). "
+                   "fp16 needs --device cuda; bf16 also runs on CPUs (fast only where they "
+                   "have bf16 instructions).",
+        "worker": "Mixed precision of this worker's forward: bf16 or fp16 autocast (fp16 "
+                  "adds a gradient scaler; what is pushed is the unscaled float32 gradient, "
+                  "and a step whose gradient overflowed is not pushed). fp16 needs --device "
+                  "cuda; bf16 also runs on CPUs (fast only where they have bf16 "
+                  "instructions)."})
+CLIP_GRAD_NORM = knob(
+    "clip_grad_norm", Optional[float], None,
+    "Clip each step's gradient to this total 2-norm over all parameters, as "
+    "torch.nn.utils.clip_grad_norm_ (gradients scaled by MAX / norm when the norm exceeds "
+    "MAX), after fp16's unscaling and, under ddp, after the all-reduce; summary.json's "
+    "clipping counts the steps clipped. E.g. --clip-grad-norm 1.0.",
+    type=click.FloatRange(min=0, min_open=True), metavar="MAX", show="off", per_command={
+        "worker": "Clip each step's gradient on this worker, before it is compressed and "
+                  "pushed, to this total 2-norm over all parameters, as "
+                  "torch.nn.utils.clip_grad_norm_; with --push-every or --local-steps each "
+                  "local step's gradient (not the pushed sum or change). Unlike the server's "
+                  "--max-grad-norm, a security limit that refuses a push above it, this "
+                  "rescales and pushes. E.g. --clip-grad-norm 1.0.",
+        "compare": "Every mode clips each step's gradient to this total 2-norm "
+                   "(torch.nn.utils.clip_grad_norm_; the parameter server's workers before "
+                   "they push). E.g. 1.0.",
+        "simulate": "Every simulated worker clips each gradient it computes to this total "
+                    "2-norm (torch.nn.utils.clip_grad_norm_), as a real worker before it "
+                    "pushes. E.g. 1.0."})
+ACCUMULATE = knob(
+    "accumulate", int, 1,
+    "Gradient accumulation: each step trains K micro-batches of --batch-size rows and "
+    "applies the mean of their gradients, the gradient of one K x --batch-size batch (so "
+    "--lr keeps its meaning) in the memory of one micro-batch. Checkpoints fall between "
+    "steps, never inside one. E.g. --accumulate 4.",
+    type=click.IntRange(min=1), metavar="K", per_command={
+        "ddp": "Gradient accumulation: each step trains K micro-batches of --batch-size rows "
+               "on every rank and applies the mean of their gradients (the first K-1 "
+               "without an all-reduce, under no_sync), the gradient of one K x --batch-size "
+               "batch per rank (so --lr keeps its meaning). Checkpoints fall between steps. "
+               "E.g. --accumulate 4.",
+        "worker": "Gradient accumulation: each push carries the mean gradient of K "
+                  "micro-batches of --batch-size rows (one K x --batch-size batch; the "
+                  "server's --lr keeps its meaning), one push per K micro-batches. "
+                  "--push-every N pushes the sum of N gradients with local SGD steps "
+                  "between them instead: give one or the other. With --local-steps each "
+                  "local step accumulates K micro-batches. E.g. --accumulate 4.",
+        "compare": "Every mode accumulates each step's (each push's) gradient over K "
+                   "micro-batches of --batch-size rows, the mean gradient of one K x "
+                   "--batch-size batch. E.g. 4.",
+        "simulate": "Every simulated worker's gradient is the mean over K micro-batches of "
+                    "--batch-size rows (one K x --batch-size batch), and its step takes K "
+                    "times the profile's step time. Not with balanced modes. E.g. 4."})
+
+TRAINING = (BATCH_SIZE, LR, MOMENTUM, WEIGHT_DECAY, EPOCHS, *PACING, LR_SCHEDULE, WARMUP,
+            CLIP_GRAD_NORM, ACCUMULATE)
 
 RunConfig = settings(
     "RunConfig", "run", "Settings of every run that evaluates a model and writes a run "

@@ -14,8 +14,9 @@ from ..errors import ConfigError
 from .compare import BUDGET, LINK, MODES, REPEATS, STOP_AT_TARGET, TUNE, TUNE_BUDGET
 from .knobs import knob, settings
 from .ps import WORKERS
-from .shared import (BATCH_SIZE, DATA, EPOCHS, EVAL_EVERY, LR, LR_SCHEDULE, OUT, PACING,
-                     PROGRESS, RECORD_DIGESTS, SEED, TARGET, TASK, WARMUP)
+from .shared import (ACCUMULATE, BATCH_SIZE, CLIP_GRAD_NORM, DATA, EPOCHS, EVAL_EVERY, LR,
+                     LR_SCHEDULE, OUT, PACING, PROGRESS, RECORD_DIGESTS, SEED, TARGET, TASK,
+                     WARMUP)
 from .values import CheckedText
 
 
@@ -138,5 +139,5 @@ SimulateConfig = settings(
     "one process on a virtual clock, learning for real.", TASK, *DATA, MODES, WORKERS,
     STEP_TIME, GRADIENT_BYTES, LINK, LATENCY, SLOW_WORKERS, WORKER_SPEEDS, PACING, LEAVE, JOIN,
     BUDGET, TARGET, STOP_AT_TARGET, TUNE, TUNE_BUDGET, REPEATS, SEED, BATCH_SIZE, LR, EPOCHS,
-    EVAL_EVERY, OUT, PROGRESS, RECORD_DIGESTS, LR_SCHEDULE, WARMUP,
+    EVAL_EVERY, OUT, PROGRESS, RECORD_DIGESTS, LR_SCHEDULE, WARMUP, CLIP_GRAD_NORM, ACCUMULATE,
     module=__name__)

@@ -7,7 +7,7 @@ from typing import Optional
 import click
 
 from .knobs import knob, settings
-from .shared import BALANCE, DATA_DISPATCH, LOCAL_STEPS, RECORD_DIGESTS, TrainConfig
+from .shared import AMP, BALANCE, DATA_DISPATCH, LOCAL_STEPS, RECORD_DIGESTS, TrainConfig
 from .values import CheckedText, parse_comm_hook
 
 
@@ -47,16 +47,13 @@ HogwildConfig = settings(
     knob("quantum_ms", float, 250.0,
          "Milliseconds a process computes before passing its run token on (ring only). Each "
          "switch costs: short quanta lose throughput.", type=click.FloatRange(min=1)),
-    DATA_DISPATCH,
+    DATA_DISPATCH, AMP,
     extends=TrainConfig, module=__name__)
 
 SingleConfig = settings(
     "SingleConfig", "single", "Settings of ``asyncsgd single``: plain SGD in one process, the "
     "reference baseline.",
-    knob("amp", str, "off",
-         "Mixed precision: bf16 or fp16 autocast (fp16 adds a gradient scaler). fp16 needs "
-         "--device cuda; bf16 also runs on CPUs (fast only where they have bf16 "
-         "instructions).", type=click.Choice(["off", "bf16", "fp16"])),
+    AMP,
     knob("optimizer", str, "sgd",
          "Update rule: sgd (with --momentum) or adam (betas 0.9/0.999, eps 1e-8: the "
          "parameter server's adam rule). Pick the lr for it: adam wants ~1e-3.",

@@ -27,7 +27,9 @@ from ..run.process_group import WorkerGroup, available_cores, context, threads_p
 from ..run.recorder import Outcome, RunResult, check_target
 from .hogwild_dispatch import DynamicRows, RowLedger, StaticRows
 from .hogwild_state import RNG_SAVED, HogwildState, set_worker_rngs, unpack, worker_rngs
+from .gradients import accumulate, clipper
 from .optim import SGD
+from .precision import Precision, check_amp
 from .resume import StatefulRecorder, warn_model_only
 from .token_ring import TokenRing
 
@@ -36,7 +38,8 @@ log = logging.getLogger(__name__)
 # Columns of the shared per-worker counters (one row per worker, written only by it).
 # (POSITION and RNG_SAVED, columns 5 and 6, are the training state's: hogwild_state.)
 SAMPLES, STEPS, EPOCHS, READY, DONE = range(5)
-COLUMNS = 7
+CLIPPED = 7  # steps whose gradient --clip-grad-norm rescaled
+COLUMNS = 8
 # Columns of the shared per-worker sums: training loss, its steps, and (core.pacing)
 # seconds computing and seconds waited on purpose.
 LOSS_SUM, LOSS_STEPS, COMPUTED, WAITED, SPAN = range(5)
@@ -62,6 +65,9 @@ class WorkerSettings:
     pacing: Pacing
     schedule: Schedule
     steps_before: int  # steps of all processes in the sessions before a --resume
+    amp: str = "off"
+    clip_grad_norm: Optional[float] = None
+    accumulate: int = 1
 
 
 def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lock,
@@ -76,6 +82,8 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
     if count[RNG_SAVED]:  # resumed: this worker's generators continue where they stopped
         set_worker_rngs(rngs[rank], device)
     opt = SGD(model.parameters(), lr=s.lr, momentum=s.momentum, weight_decay=s.weight_decay)
+    precision = Precision(s.amp, device.type)
+    clip = clipper(s.clip_grad_norm)
     if buffers:
         opt.keep_buffers_in(buffers)
     loss_acc = losses.numpy()[rank]
@@ -86,13 +94,16 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
     ring = TokenRing(rank, *ring_sems, counters.numpy()[:, DONE], stop, s.quantum) \
         if ring_sems else None
     if ledger.dynamic:
-        batches = DynamicRows(ledger, rank, s.epochs, s.batch_size, pending, count)
+        # a step claims its --accumulate micro-batches' rows at once: positions and claims
+        # stay whole steps, so a checkpoint never falls inside one
+        batches = DynamicRows(ledger, rank, s.epochs, s.batch_size * s.accumulate, pending,
+                              count)
         log.info("worker %d: %d thread(s), batches claimed on demand%s%s", rank, s.threads,
                  f", {len(pending)} handed again first" if pending else "",
                  ", run token ring" if ring else "")
     else:
         part = partition_indices(len(task.train), s.procs, rank, s.seed)
-        batches = StaticRows(part, s.seed, rank, s.epochs, s.batch_size, count)
+        batches = StaticRows(part, s.seed, rank, s.epochs, s.batch_size * s.accumulate, count)
         log.info("worker %d: %d thread(s), %d rows, epochs %d..%d%s%s", rank, s.threads,
                  len(part), batches.epoch + 1, s.epochs,
                  f" from row {batches.start}" if batches.start else "",
@@ -108,26 +119,26 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
             if rows is None:
                 return
             pacer.begin()
-            inputs, targets = task.train.rows(rows)
-            if device.type != "cpu":
-                inputs = tuple(t.to(device, non_blocking=True) for t in inputs)
-                targets = targets.to(device, non_blocking=True)
-            loss = task.loss_fn(model(*inputs), targets)
             opt.zero_grad()
-            loss.backward()
+            loss = accumulate(rows, s.accumulate, lambda part: _loss(task, model, part, device,
+                                                                     precision),
+                              precision.backward)
             pacer.end()  # a straggler waits here: its gradient lands late
             loss_acc[COMPUTED], loss_acc[WAITED] = pacer.computed, pacer.waited
             loss_acc[SPAN] = pacer.span
             opt.lr = s.schedule(s.steps_before + int(all_steps.sum()))
+            if clip is not None:
+                precision.unscale(opt)
+                count[CLIPPED] += bool(clip.clipped_by(clip(model.parameters())))
             if lock is None:
-                opt.step()
+                precision.step(opt)
             else:
                 with lock:
-                    opt.step()
+                    precision.step(opt)
             ledger.trained(rank, rows)
             loss_acc[LOSS_SUM] += loss.item()
             loss_acc[LOSS_STEPS] += 1
-            count[SAMPLES] += len(targets)
+            count[SAMPLES] += len(rows)
             count[STEPS] += 1
             batches.done(rows)
             if ring:
@@ -139,10 +150,22 @@ def _worker(rank: int, s: WorkerSettings, task: Task, model: torch.nn.Module, lo
             ring.leave(holding)
 
 
+def _loss(task: Task, model: torch.nn.Module, rows: torch.Tensor, device: torch.device,
+          precision: Precision) -> torch.Tensor:
+    """The mean loss on ``rows`` (one micro-batch), under autocast."""
+    inputs, targets = task.train.rows(rows)
+    if device.type != "cpu":
+        inputs = tuple(t.to(device, non_blocking=True) for t in inputs)
+        targets = targets.to(device, non_blocking=True)
+    with precision.autocast():
+        return task.loss_fn(model(*inputs), targets)
+
+
 def _check_config(cfg: HogwildConfig, model: torch.nn.Module) -> None:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA GPU is visible to torch "
                           "(torch.cuda.is_available() is False); use --device cpu")
+    check_amp(cfg.amp, cfg.device)
     if cfg.momentum and any(getattr(m, "sparse", False) for m in model.modules()):
         log.info("momentum with sparse gradients densifies each process's momentum buffer")
 
@@ -184,12 +207,13 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
         procs=procs, threads=threads, seed=cfg.seed, lr=lr, momentum=cfg.momentum,
         weight_decay=cfg.weight_decay, batch_size=batch_size, epochs=cfg.epochs,
         device=cfg.device, quantum=cfg.quantum_ms / 1000, pacing=pacing,
-        schedule=Schedule(lr), steps_before=0)
+        schedule=Schedule(lr), steps_before=0, amp=cfg.amp,
+        clip_grad_norm=cfg.clip_grad_norm, accumulate=cfg.accumulate)
     counters = torch.zeros(procs, COLUMNS, dtype=torch.int64).share_memory_()
     state = _shared_state(cfg, task, model, recorder, procs, counters)
     ledger, pending = _ledger(cfg, task, recorder, procs, state)
     settings.steps_before, settings.schedule, lr_in_force = _schedule(
-        cfg, task, recorder, procs, lr, batch_size, counters)
+        cfg, task, recorder, procs, lr, batch_size * cfg.accumulate, counters)
     control = torch.zeros(1, dtype=torch.int64).share_memory_()
     counters[:, EPOCHS] = torch.tensor([unpack(int(p))[0] for p in state.positions])
     losses = torch.zeros(procs, SPAN + 1, dtype=torch.float64).share_memory_()
@@ -211,7 +235,8 @@ def train(cfg: HogwildConfig, task: Optional[Task] = None,
         log.info("hogwild: stragglers: %s", pacing.describe())
     return _supervise(cfg, recorder, group, control, counters, losses, ledger, lr_in_force,
                       extra={"procs": procs, "threads": threads, "lock": cfg.lock, "lr": lr,
-                             "batch_size": batch_size, "token_ring": bool(ring_sems),
+                             "batch_size": batch_size, "accumulate": cfg.accumulate,
+                             "amp": cfg.amp, "token_ring": bool(ring_sems),
                              "pacing": pacing.to_dict(), "data_dispatch": {
                                  "kind": cfg.data_dispatch,
                                  # resumed rows of claims a stopped run left untrained
@@ -238,17 +263,17 @@ def _shared_state(cfg: HogwildConfig, task: Task, model: torch.nn.Module,
 
 
 def _schedule(cfg: HogwildConfig, task: Task, recorder: StatefulRecorder, procs: int,
-              lr: float, batch_size: int, counters: torch.Tensor) -> tuple:
+              lr: float, step_rows: int, counters: torch.Tensor) -> tuple:
     """(steps before this session, the lr rule, the lr in force now), driven by the steps
     of all processes together, a count the checkpoints hold."""
     rows = len(task.train)
-    per_epoch = (-(-rows // batch_size) if cfg.data_dispatch == "dynamic" else
-                 sum(-(-len(partition_indices(rows, procs, r, cfg.seed)) // batch_size)
+    per_epoch = (-(-rows // step_rows) if cfg.data_dispatch == "dynamic" else
+                 sum(-(-len(partition_indices(rows, procs, r, cfg.seed)) // step_rows)
                      for r in range(procs)))
     rule = schedule(lr, cfg.lr_schedule, cfg.warmup, steps=cfg.epochs * per_epoch,
-                    samples_per_step=batch_size)
+                    samples_per_step=step_rows)
     before = int((recorder.resumed or {}).get("schedule_steps",
-                                              recorder.samples_offset // batch_size))
+                                              recorder.samples_offset // step_rows))
 
     def steps() -> int:
         return before + int(counters[:, STEPS].sum())
@@ -403,5 +428,9 @@ def _supervise(cfg: HogwildConfig, recorder: StatefulRecorder, group: WorkerGrou
     recorder.lr = lr_in_force()
     extra["pacing"]["ranks"] = events.pace()
     extra["coverage"] = coverage.of_samples(ledger.counts)
+    if cfg.clip_grad_norm:
+        extra["clipping"] = {"max_norm": cfg.clip_grad_norm,
+                             "steps": int(counters[:, STEPS].sum()),
+                             "clipped_steps": int(counters[:, CLIPPED].sum())}
     return recorder.conclude(samples, epochs_done(), outcome,
                              rate=throughput["steady_samples_per_second"], **throughput, **extra)

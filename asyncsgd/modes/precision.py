@@ -1,4 +1,4 @@
-"""Mixed precision for the synchronous modes (``single``, ``ddp``): ``--amp off|bf16|fp16``.
+"""Mixed precision of every mode that computes gradients: ``--amp off|bf16|fp16``.
 
 The forward pass and loss run under ``torch.autocast``, everything else stays float32; fp16
 adds a gradient scaler (under DDP it sees the all-reduced gradients, so every rank skips the
@@ -51,17 +51,39 @@ class Precision:
     def backward_and_step(self, loss: torch.Tensor, optimizer,
                           between: Optional[Callable[[], object]] = None) -> None:
         """``between``: called once the gradients are computed, before the step."""
-        if self.scaler is None:
-            loss.backward()
-            if between is not None:
-                between()
-            optimizer.step()
-            return
-        self.scaler.scale(loss).backward()
+        self.backward(loss)
         if between is not None:
             between()
+        self.step(optimizer)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Gradients of ``loss`` added to ``.grad`` (scaled, for fp16)."""
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def unscale(self, optimizer) -> None:
+        """The gradients as computed, fp16's scale taken off (to clip them); at most once a
+        step."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer) -> None:
+        """The update; fp16 skips a step whose gradients overflowed and adjusts its scale."""
+        if self.scaler is None:
+            optimizer.step()
+            return
         self.scaler.step(optimizer)
         self.scaler.update()
+
+    def overflowed(self, optimizer, grads: torch.Tensor) -> bool:
+        """For gradients applied elsewhere (a parameter server's worker pushes them): take
+        fp16's scale off ``grads`` (the gradients of ``optimizer``'s parameters), adjust
+        the scale, and say whether they overflowed, so the caller drops them."""
+        if self.scaler is None:
+            return False
+        self.scaler.unscale_(optimizer)
+        overflowed = not bool(torch.isfinite(grads).all())
+        self.scaler.update()
+        return overflowed
 
     def state(self) -> dict:
         """What summary.json records about the precision (the fp16 scale it ended at)."""

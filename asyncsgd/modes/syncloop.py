@@ -29,6 +29,7 @@ from ..run.rundir import RunDir
 from ..run.signals import signals_as_flag
 from .optim import SGD, Adam, Delayed
 from .balancing import BatchBalance
+from .gradients import accumulate, clipper
 from .precision import Precision, check_amp
 from .resume import (Agree, StatefulRecorder, SyncState, fresh_state, resumed_start,
                      warn_model_only)
@@ -75,6 +76,9 @@ def check_settings(cfg: SingleConfig) -> None:
             raise ConfigError("--simulate-staleness with --amp fp16: the gradient scaler "
                               "would skip steps by the current gradient, not the one applied; "
                               "use --amp bf16 or off")
+    if cfg.accumulate > 1 and getattr(cfg, "balance", "none") == "batch":
+        raise ConfigError("--accumulate with --balance batch: the balance sizes each rank's "
+                          "whole step to its speed; drop one of them")
     if cfg.optimizer == "adam" and cfg.momentum:
         raise ConfigError("--momentum is sgd's; adam has its own (betas 0.9/0.999): drop "
                           "--momentum or use --optimizer sgd")
@@ -114,6 +118,8 @@ class SyncLoop:
         self.part, self.device, self.rank, self.world = part, device, rank, world
         self.recorder, self.agree, self.interrupted = recorder, agree, interrupted
         self.batch_size = cfg.batch_size or task.batch_size
+        self.step_rows = self.batch_size * cfg.accumulate  # --accumulate's micro-batches
+        self.clip = clipper(cfg.clip_grad_norm)
         self.opt = make_optimizer(cfg, task, net.parameters())
         self.epochs_done = start[0]
         self.state = SyncState(self.opt, precision.scaler, device, rank=rank, world=world,
@@ -195,7 +201,7 @@ class SyncLoop:
 
     @property
     def rows_per_step(self) -> int:
-        return self.balance.global_batch if self.balance is not None else self.batch_size
+        return self.balance.global_batch if self.balance is not None else self.step_rows
 
     def _batches(self, epoch: int, first_row: int):
         """This process's (rows, epoch's rows done after the step, loss scale) of each step."""
@@ -203,9 +209,9 @@ class SyncLoop:
             yield from self.balance.steps(epoch, first_row)
             return
         order = epoch_order(self.part, self.cfg.seed, self.rank, epoch)
-        for start in range(first_row, len(order), self.batch_size):
-            yield order[start:start + self.batch_size], min(start + self.batch_size,
-                                                            len(order)), None
+        for start in range(first_row, len(order), self.step_rows):
+            yield order[start:start + self.step_rows], min(start + self.step_rows,
+                                                           len(order)), None
 
     def _train(self) -> str:
         until_check = 1
@@ -250,25 +256,35 @@ class SyncLoop:
         """One step on rows ``index``; ``scale``: --balance batch's weight of this rank's mean
         loss, so that the ranks' averaged gradients are the global batch's mean."""
         self.pacer.begin()
+        self.opt.zero_grad()
+        self.opt.lr = self.schedule(self.step_index())
+        if self.recorder is not None:
+            self.recorder.lr = self.opt.lr
+        loss = accumulate(index, self.cfg.accumulate, lambda part: self._loss(part, scale),
+                          self.precision.backward,
+                          getattr(self.net, "no_sync", contextlib.nullcontext))
+        if self._pace_after_backward is not None:
+            self._pace_after_backward()
+        if self.clip is not None:  # under DDP the gradients are all-reduced by now
+            self.precision.unscale(self.opt)
+            self.clip(self.net.parameters())
+        self.precision.step(self.opt)
+        if self.comm is not None:
+            self.comm.after_step(self.net.parameters())
+        self._loss_sum += loss  # no .item() per step: it would wait for the GPU
+        self._loss_steps += 1
+        self.local_samples += len(index)
+        self.steps += 1
+
+    def _loss(self, index: torch.Tensor, scale: Optional[float]) -> torch.Tensor:
+        """The mean loss on rows ``index`` (one micro-batch), under autocast."""
         inputs, targets = self.task.train.rows(index)
         if self.device.type != "cpu":
             inputs = tuple(t.to(self.device, non_blocking=True) for t in inputs)
             targets = targets.to(self.device, non_blocking=True)
         with self.precision.autocast():
             loss = self.task.loss_fn(self.net(*inputs), targets)
-            if scale is not None:
-                loss = loss * scale
-        self.opt.zero_grad()
-        self.opt.lr = self.schedule(self.step_index())
-        if self.recorder is not None:
-            self.recorder.lr = self.opt.lr
-        self.precision.backward_and_step(loss, self.opt, between=self._pace_after_backward)
-        if self.comm is not None:
-            self.comm.after_step(self.net.parameters())
-        self._loss_sum += loss.detach()  # no .item() per step: it would wait for the GPU
-        self._loss_steps += 1
-        self.local_samples += len(targets)
-        self.steps += 1
+            return loss * scale if scale is not None else loss
 
     def _resize(self) -> None:
         """All ranks, every --balance-every steps: each rank's samples a second of computing
@@ -485,7 +501,9 @@ def train_process(cfg: SingleConfig, task: Task, *, device: torch.device, rank: 
     return recorder.conclude(loop.samples(), loop.epochs_done, outcome,
                              rate=throughput["steady_samples_per_second"], **throughput,
                              **precision.state(), procs=world, lr=loop.schedule.lr,
-                             batch_size=loop.batch_size, global_batch_size=loop.batch_size * world,
+                             batch_size=loop.batch_size, accumulate=cfg.accumulate,
+                             global_batch_size=loop.step_rows * world,
+                             **({"clipping": loop.clip.to_dict()} if loop.clip else {}),
                              pacing=loop.pace(), optimizer=cfg.optimizer, steps=loop.steps,
                              coverage=loop.coverage(),
                              **loop.rank_bytes(), **_staleness(loop.opt), **(extra or {}),

@@ -18,6 +18,7 @@ from ..core.pacing import Pacing
 from ..core.signature import PS_PARTITION_SEED
 from ..core.tasks import Task, epoch_order, partition_indices
 from ..errors import ConfigError
+from ..modes.gradients import accumulate, clipper
 from ..run.recorder import Recorder
 from ..wire.layout import Layout
 from .costs import Costs
@@ -52,6 +53,8 @@ class VirtualSetup:
     record_digests: bool = False  # parameter-server modes: digests.jsonl in the run directory
     lr_schedule: str = "constant"  # --lr-schedule, over each mode's updates (core.schedule)
     warmup: str = "0"
+    clip_grad_norm: Optional[float] = None  # each gradient's total 2-norm bound
+    accumulate: int = 1  # micro-batches a gradient is the mean of
 
 
 @dataclass
@@ -118,6 +121,9 @@ def check_spec(spec: ModeSpec, setup: VirtualSetup) -> None:
                           f"only, not {spec.name}")
     if setup.workers < 1:
         raise ConfigError(f"--workers {setup.workers}: at least 1")
+    if setup.accumulate > 1 and "--balance" in spec.flags:
+        raise ConfigError(f"--accumulate with {spec.name}: balancing sizes each worker's whole "
+                          "step to its speed; drop one of them")
 
 
 class SimWorker:
@@ -177,7 +183,9 @@ class Engine(ABC):
             factor = speeds[rank] * dict(self.costs.slowdown).get(
                 rank, self.costs.slow_factor if rank in slow else 1.0)
             part = partition_indices(len(task.train), world, rank, PS_PARTITION_SEED)
-            self.workers.append(SimWorker(rank, part, factor, setup.seed, setup.epochs, batch))
+            self.workers.append(SimWorker(rank, part, factor, setup.seed, setup.epochs,
+                                          batch * setup.accumulate))
+        self.clip = clipper(setup.clip_grad_norm)
         # cumulative samples trained on, and the sum and count of step losses; the train
         # event of each evaluation reports the mean loss since the one before
         self.samples, self.loss_sum, self.loss_steps = 0, 0.0, 0
@@ -201,7 +209,8 @@ class Engine(ABC):
     def step_time(self, worker: SimWorker, samples: Optional[int] = None) -> float:
         """A step's seconds: drawn, times the worker's slowdown, plus its delay. ``samples``:
         a batch of that many instead of the worker's own, its compute scaled per sample."""
-        seconds = self.costs.step.draw(self.rng) * worker.factor
+        # the profile timed one micro-batch: a step computes --accumulate of them
+        seconds = self.costs.step.draw(self.rng) * worker.factor * self.setup.accumulate
         if samples is not None:
             seconds *= samples / worker.batch
         if self.pacing.delays(worker.rank):
@@ -215,11 +224,15 @@ class Engine(ABC):
         with torch.no_grad():
             self.flat.copy_(params)
         self.grads.zero_()
-        inputs, targets = self.task.train.rows(index)
-        loss = self.task.loss_fn(self.model(*inputs), targets)
-        loss.backward()
+        loss = accumulate(index, self.setup.accumulate, self._loss, torch.Tensor.backward)
+        if self.clip is not None:
+            self.clip(self.model.parameters())
         self.row_counts.index_add_(0, index, torch.ones_like(index))
-        return self.grads.clone(), loss.item(), len(targets)
+        return self.grads.clone(), loss.item(), len(index)
+
+    def _loss(self, index: torch.Tensor) -> torch.Tensor:
+        inputs, targets = self.task.train.rows(index)
+        return self.task.loss_fn(self.model(*inputs), targets)
 
     def trained(self, samples: int, loss: float, steps: int = 1) -> None:
         self.samples += samples

@@ -163,7 +163,8 @@ def simulate(cfg: SimulateConfig, argv: Optional[list] = None, stream: TextIO = 
                         batch_size=cfg.batch_size,
                         stop_at_target=cfg.stop_at_target and goal.target is not None,
                         leave=leave, join=join, record_digests=cfg.record_digests,
-                        lr_schedule=cfg.lr_schedule, warmup=cfg.warmup)
+                        lr_schedule=cfg.lr_schedule, warmup=cfg.warmup,
+                        clip_grad_norm=cfg.clip_grad_norm, accumulate=cfg.accumulate)
     try:
         with sigterm_as_interrupt():
             if cfg.tune == "lr":
