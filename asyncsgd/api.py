@@ -30,7 +30,7 @@ from .modes import hogwild as hogwild_mode
 from .modes import single as single_mode
 from .run.reader import Run
 from .run.recorder import RunResult
-from .run.given_task import task_from, task_given
+from .run.given_task import task_from, task_given, task_named
 from .run.settings import configure
 from .run.sinks import attached
 from .run.sinks import callbacks as as_sinks
@@ -74,6 +74,7 @@ def compare(config: Optional[CompareConfig] = None, /, **settings: Any) -> Compa
     """``asyncsgd compare``: every mode on the same task, seeds and budget, one after
     another (``clock="virtual"``: in the simulator, as ``simulate``). Returns the
     report's directory, its table and every attempt (``.failed``: those that failed)."""
+    config, settings = task_named(config, settings, "compare's runs")
     return run_compare(configure(CompareConfig, config, settings))
 
 
@@ -82,6 +83,7 @@ def simulate(config: Optional[SimulateConfig] = None, /, **settings: Any) -> Sim
     real, under a cost model (the task's profile, or the step time, gradient size and
     links given). Returns the report's directory, its table, every attempt (``.failed``:
     those that failed) and the cost model."""
+    config, settings = task_named(config, settings, "simulate's runs")
     return run_simulate(configure(SimulateConfig, config, settings))
 
 

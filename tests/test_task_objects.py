@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import asyncsgd
+import asyncsgd.ray
 from asyncsgd import HogwildConfig, Task
 from asyncsgd.core.tasks import load_task
 from asyncsgd.errors import TaskError
@@ -94,6 +95,7 @@ def test_from_model_builds_a_task_from_a_factory_and_datasets():
 _SCRIPT = '''
 import torch
 import asyncsgd
+import asyncsgd.ray
 from asyncsgd import Task
 
 
@@ -138,3 +140,24 @@ def test_the_three_task_forms_run_from_a_script(tmp_path, cli_env):
     recorded = [json.loads((tmp_path / "runs" / form / "config.json").read_text())["config"]
                 ["task"] for form in ("name", "function", "object")]
     assert recorded == ["tasks_for_tests:dense_counter", "__main__:make_task", "object:blobs"]
+
+
+@pytest.mark.parametrize("call", [asyncsgd.compare, asyncsgd.simulate, asyncsgd.ps.serve,
+                                  asyncsgd.ps.work, asyncsgd.ps.job, asyncsgd.ray.start])
+def test_what_builds_the_task_by_name_takes_a_function_of_a_module_only(call, monkeypatch):
+    def in_main(samples=None):
+        return index_counter(samples)
+    in_main.__module__, in_main.__qualname__ = "__main__", "in_main"
+    monkeypatch.setattr(sys.modules["__main__"], "in_main", in_main, raising=False)
+    cases = [(index_counter(20), "task=<Task index-counter>: "),
+             (in_main, "task=in_main: "), (lambda: None, "a lambda has no importable name")]
+    for task, message in cases:
+        with pytest.raises(TaskError) as caught:
+            call(task=task)
+        assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_function_of_a_module_reaches_the_parameter_server_by_name():
+    from asyncsgd.run.given_task import task_named
+    assert task_named(None, {"task": dense_counter, "workers": 2}, "x") == (
+        None, {"task": "tasks_for_tests:dense_counter", "workers": 2})

@@ -43,3 +43,20 @@ def task_from(source: Any, cfg: Any) -> Optional[Task]:
         return source
     return load_task(source, samples=cfg.samples, data_dir=cfg.data_dir,
                      cache_dir=cfg.cache_dir, seed=cfg.seed)
+
+
+def task_named(config: Any, settings: dict, where: str) -> tuple:
+    """``(config, settings)`` with ``task=`` as a name other processes import, for
+    ``where`` (the parameter server, compare's runs) that build the task by name: a
+    function of an importable module becomes its ``module:function``; a Task, or a
+    function of the running script, is refused in one line."""
+    config, settings, source = task_given(config, settings)
+    if isinstance(source, Task):
+        raise TaskError(f"task=<Task {source.name}>: {where} build the task by name, so a "
+                        "Task object cannot reach them; give a top-level function of a "
+                        "module that returns it (task=my_task.make_task)")
+    if source is not None and source.__module__ == "__main__":
+        raise TaskError(f"task={source.__qualname__}: {where} build the task by name and "
+                        "cannot import the running script (__main__); move the function "
+                        "into a module (my_task.py) and pass task=my_task.make_task")
+    return config, settings
