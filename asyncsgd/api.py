@@ -8,9 +8,10 @@ options and calls these).
 
 Each takes its command's settings dataclass, or its fields as keywords, or both (keywords
 win), checked as the options are; with ``resume``, the saved settings under those given.
-The training functions also take ``on_eval=fn`` (and ``callbacks=[...]``): ``fn(record)``
-in this process at each evaluation; one that raises stops the run, which is saved, then
-``CallbackError`` names it.
+``task=`` takes a task's name, a top-level function returning a Task, or a Task
+(``Task.from_model``). The training functions also take ``on_eval=fn`` (and
+``callbacks=[...]``): ``fn(record)`` in this process at each evaluation; one that raises
+stops the run, which is saved, then ``CallbackError`` names it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .modes import hogwild as hogwild_mode
 from .modes import single as single_mode
 from .run.reader import Run
 from .run.recorder import RunResult
+from .run.given_task import task_from, task_given, task_named
 from .run.settings import configure
 from .run.sinks import attached
 from .run.sinks import callbacks as as_sinks
@@ -41,18 +43,20 @@ def hogwild(config: Optional[HogwildConfig] = None, /, *, on_eval: Optional[Call
     """``asyncsgd hogwild``: processes updating one shared model without locks. Returns
     the run's directory and its summary.json. ``on_eval`` (and each of ``callbacks``) is
     called here with each evaluation's record, as metrics.jsonl holds it."""
+    config, settings, source = task_given(config, settings)
     cfg = configure(HogwildConfig, config, settings)
     with attached(as_sinks(on_eval, callbacks)):
-        return hogwild_mode.train(cfg)
+        return hogwild_mode.train(cfg, task_from(source, cfg))
 
 
 def single(config: Optional[SingleConfig] = None, /, *, on_eval: Optional[Callable] = None,
            callbacks: Iterable = (), **settings: Any) -> RunResult:
     """``asyncsgd single``: plain SGD in this process, the baseline. Returns the run's
     directory and its summary.json. ``on_eval``, ``callbacks``: as ``hogwild``'s."""
+    config, settings, source = task_given(config, settings)
     cfg = configure(SingleConfig, config, settings)
     with attached(as_sinks(on_eval, callbacks)):
-        return single_mode.train(cfg)
+        return single_mode.train(cfg, task_from(source, cfg))
 
 
 def ddp(config: Optional[DDPConfig] = None, /, *, on_eval: Optional[Callable] = None,
@@ -60,15 +64,17 @@ def ddp(config: Optional[DDPConfig] = None, /, *, on_eval: Optional[Callable] = 
     """``asyncsgd ddp``: synchronous DistributedDataParallel. Returns the run's directory and
     its summary.json; None in a rank other than 0 under torchrun (rank 0 writes the run).
     ``on_eval``, ``callbacks``: as ``hogwild``'s (under torchrun, rank 0's are called)."""
+    config, settings, source = task_given(config, settings)
     cfg = configure(DDPConfig, config, settings)
     with attached(as_sinks(on_eval, callbacks)):
-        return ddp_mode.train(cfg)
+        return ddp_mode.train(cfg, task_from(source, cfg))
 
 
 def compare(config: Optional[CompareConfig] = None, /, **settings: Any) -> CompareResult:
     """``asyncsgd compare``: every mode on the same task, seeds and budget, one after
     another (``clock="virtual"``: in the simulator, as ``simulate``). Returns the
     report's directory, its table and every attempt (``.failed``: those that failed)."""
+    config, settings = task_named(config, settings, "compare's runs")
     return run_compare(configure(CompareConfig, config, settings))
 
 
@@ -77,6 +83,7 @@ def simulate(config: Optional[SimulateConfig] = None, /, **settings: Any) -> Sim
     real, under a cost model (the task's profile, or the step time, gradient size and
     links given). Returns the report's directory, its table, every attempt (``.failed``:
     those that failed) and the cost model."""
+    config, settings = task_named(config, settings, "simulate's runs")
     return run_simulate(configure(SimulateConfig, config, settings))
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 from .config import JobConfig, ServerConfig, WorkerConfig, make_config
 from .errors import ConfigError
 from .run.recorder import RunResult
+from .run.given_task import task_named
 from .run.settings import configure
 from .run.sinks import attached
 from .run.sinks import callbacks as as_sinks
@@ -31,6 +32,7 @@ def serve(config: Optional[ServerConfig] = None, /, *, on_eval: Optional[Callabl
     Returns the run's directory and its summary.json (updates, staleness, lost updates).
     ``on_eval`` (and each of ``callbacks``) is called in this thread with each evaluation's
     record, as metrics.jsonl holds it; one that raises stops the run (saved)."""
+    config, settings = task_named(config, settings, "the parameter server's processes")
     cfg = configure(ServerConfig, config, settings)
     if cfg.device != "cpu":
         raise ConfigError(f"device {cfg.device} (--device): the parameter server keeps the "
@@ -44,6 +46,7 @@ def work(config: Optional[WorkerConfig] = None, /, **settings: Any) -> WorkerRes
     """``asyncsgd worker``: pull, compute gradients on this worker's partition, push, until
     its epochs end, ``max_seconds`` pass or the server ends training. Returns its counts
     (steps, pushes, samples, seconds) and its client's statistics."""
+    config, settings = task_named(config, settings, "the parameter server's processes")
     return run_worker(configure(WorkerConfig, config, settings))
 
 
@@ -55,6 +58,7 @@ def job(config: Optional[JobConfig] = None, /, **settings: Any) -> Union[RunResu
     says how the address and restarts ride on torchrun."""
     from .jobs import torchrun
     # a job's resume is its server's: the run directory is a ps run, checked as one there
+    config, settings = task_named(config, settings, "the parameter server's processes")
     return torchrun.run(make_config(JobConfig, config, settings))
 
 

@@ -221,3 +221,27 @@ def test_the_cli_calls_the_api(tmp_path, cli_env, command, args, function, error
                          stdin=subprocess.DEVNULL)
     one_line_error(res, error)
     assert res.stdout.split() == ["api", "calls:", function], res.stdout
+
+
+def test_the_guides_ps_example_triggers_no_shard_warning(caplog, cache_dir, monkeypatch):
+    """Friction 9: the guide's ``asyncsgd.ps.serve(...)`` arguments, as its script passes
+    them, through the server's shard count for its task's model: no "--shards auto
+    chooses" warning (the library's own advice against the example)."""
+    import ast
+    import logging
+
+    from asyncsgd.config import ServerConfig, make_config
+    from asyncsgd.core.tasks import task_of
+    from asyncsgd.servers.sharding import shard_count
+
+    monkeypatch.setenv("ASYNCSGD_CACHE", str(cache_dir))
+    script = next(s for s in _readme_scripts() if "asyncsgd.ps.serve" in s)
+    call = next(n for n in ast.walk(ast.parse(script)) if isinstance(n, ast.Call)
+                and ast.unparse(n.func) == "asyncsgd.ps.serve")
+    given = {k.arg: ast.literal_eval(k.value) for k in call.keywords
+             if isinstance(k.value, ast.Constant)}
+    cfg = make_config(ServerConfig, None, given)
+    params = sum(p.numel() for p in task_of(cfg).build_model().parameters())
+    with caplog.at_level(logging.WARNING):
+        shard_count(cfg.shards, params, cfg.workers, 2)
+    assert "--shards" not in caplog.text, caplog.text

@@ -11,8 +11,9 @@ import hashlib
 import importlib
 import inspect
 import json
+import sys
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -134,6 +135,19 @@ class Task:
         self.train.share_memory_()
         self.test.share_memory_()
         return self
+
+    @classmethod
+    def from_model(cls, model_fn: Callable[[], nn.Module], train_dataset, test_dataset, *,
+                   loss: Callable = F.cross_entropy, metric: Metric = ACCURACY,
+                   name: Optional[str] = None, lr: float = 0.1, batch_size: int = 32,
+                   **fields) -> "Task":
+        """A task from a model factory and two map-style torch Datasets (or ``Split``s)
+        whose items are ``(input, ..., target)``; ``loss(outputs, targets, reduction=...)``
+        as ``F.cross_entropy`` takes it, ``metric`` an ``asyncsgd.Metric``. ``name``
+        defaults to the factory's name; ``fields``: the Task's other fields."""
+        return cls(name=name or getattr(model_fn, "__name__", type(model_fn).__name__),
+                   model_fn=model_fn, train=train_dataset, test=test_dataset, loss_fn=loss,
+                   metric=metric, lr=lr, batch_size=batch_size, **fields)
 
 
 def _mnist1d_task(name: str, model_fn, samples: Optional[int], cache_dir: Optional[str],
@@ -299,7 +313,37 @@ def task_options(factory: Callable) -> dict:
 _OFFERED = ("samples", "data_dir", "cache_dir", "seed")
 
 
+# What a run records as its task when given a Task object: nothing can import it again
+OBJECT_PREFIX = "object:"
+
+
+def task_reference(fn: Callable) -> str:
+    """``'module:qualname'``, the name a run records for the task function ``fn`` and
+    by which spawned processes import it; TaskError in one line for a function that
+    cannot be found by its name (a lambda, a closure, a callable object)."""
+    qualname = getattr(fn, "__qualname__", None)
+    module = getattr(fn, "__module__", None)
+    if not (qualname and module) or isinstance(fn, type):
+        why = f"a {type(fn).__name__} has no importable name"
+    elif "<lambda>" in qualname:
+        why = "a lambda has no importable name"
+    elif "<locals>" in qualname:
+        why = f"{qualname} is defined inside a function (a closure)"
+    else:
+        found = sys.modules.get(module)
+        for part in qualname.split("."):
+            found = getattr(found, part, None)
+        why = None if found is fn else f"{module}.{qualname} is not that function"
+    if why:
+        raise TaskError(f"task={fn!r}: {why}; define the task function with def at the top "
+                        "level of a module (then task=make_task, or 'module:make_task')")
+    return f"{module}:{qualname}"
+
+
 def _resolve_factory(name: str) -> Callable:
+    if name.startswith(OBJECT_PREFIX):
+        raise TaskError(f"task {name!r} was a Task object given as task= in Python: pass the "
+                        "same task= again (to resume the run, or to Run.model(task=...))")
     if name in BUILTIN_TASKS:
         return BUILTIN_TASKS[name]
     if ":" not in name:
@@ -312,13 +356,17 @@ def _resolve_factory(name: str) -> Callable:
         raise TaskError(f"cannot import module {module_name!r} for task {name!r}: "
                         f"{type(exc).__name__}: {exc}; check the module is on PYTHONPATH") from exc
     factory = getattr(module, attr, None)
+    if factory is None and module_name == "__main__":
+        raise TaskError(f"task {name!r} is a function of the script that started the run: "
+                        "run that script again with task= (or move the function into a module)")
     if factory is None or not callable(factory):
         raise TaskError(f"module {module_name!r} has no function {attr!r} for task {name!r}")
     return factory
 
 
-def load_task(name: str, *, samples: Optional[int] = None, data_dir: Optional[str] = None,
-              cache_dir: Optional[str] = None, seed: int = 0) -> Task:
+def load_task(name: Union[str, Callable], *, samples: Optional[int] = None,
+              data_dir: Optional[str] = None, cache_dir: Optional[str] = None,
+              seed: int = 0) -> Task:
     """Resolve ``name`` (built-in or ``module:function``) and build the task.
 
     Your own task: a module-level function returning a ``Task``, passed as ``--task
@@ -326,9 +374,13 @@ def load_task(name: str, *, samples: Optional[int] = None, data_dir: Optional[st
     ``cache_dir``, ``seed``. Keep its model factory and loss module-level (or
     ``functools.partial`` of such) so the task can be sent to spawned processes. Options
     follow the name (``mnist1d-mlp:width=2048``) and are part of it, so every process of
-    a run builds the same task."""
-    base, options = split_options(name)
-    factory = _resolve_factory(base)
+    a run builds the same task. ``name`` may be the function itself (recorded as its
+    ``module:function``)."""
+    if callable(name):
+        factory, base, options = name, task_reference(name), {}
+    else:
+        base, options = split_options(name)
+        factory = _resolve_factory(base)
     if options:
         known = task_options(factory)
         unknown = sorted(set(options) - set(known))

@@ -27,6 +27,7 @@ from typing import Any, Optional
 from .. import errors
 from ..config import RayJobConfig, ServerConfig, make_config
 from ..errors import AsyncSGDError, ConfigError
+from ..run.given_task import task_named
 from ..run.lifetime import command_started_at, pid_alive, start_command_clock
 from ..run.process_group import available_cores
 from ..run.recorder import RunResult
@@ -88,6 +89,7 @@ def start(config: Optional[RayJobConfig] = None, /, **settings: Any) -> "RayJob"
 
 
 def _settings(config: Optional[RayJobConfig], settings: dict) -> RayJobConfig:
+    config, settings = task_named(config, settings, "the Ray job's actors")
     job = make_config(RayJobConfig, config, settings)
     if job.device == "cuda" and not job.gpus_per_worker:
         raise ConfigError("--device cuda needs --gpus-per-worker (e.g. 1): Ray shows an actor "

@@ -102,9 +102,12 @@ class Run:
             self._task = task_of(self.config)
         return self._task
 
-    def model(self, device: str = "cpu"):
+    def model(self, device: str = "cpu", task: Optional[Task] = None):
         """The task's model with the weights of the run's checkpoint (the final ones of a
-        finished run), in eval mode: ready for inference."""
+        finished run), in eval mode: ready for inference. ``task``: the Task object a run
+        given one as ``task=`` was trained on (nothing can build it again by name)."""
+        if task is not None:
+            self._task = task
         checkpoint = load_checkpoint(RunDir(self.path).checkpoint)
         model = self.task().build_model(self.config.seed)
         try:
