@@ -236,7 +236,7 @@ class Recorder:
     def show(self, samples: int, rate: float, force: bool = False, note: str = "") -> None:
         """Progress; ``note``: one more part of it (e.g. what stragglers waited)."""
         if self.lr is not None:
-            note = "; ".join(filter(None, [f"lr {self.lr:.4g}", note]))
+            note = " | ".join(filter(None, [f"lr {self.lr:.4g}", note]))
         self.progress.note(note)
         self.progress.update(self.t(), samples, rate, force=force)
 
