@@ -4,8 +4,11 @@
     asyncsgd hogwild --task mnist1d-cnn --procs 8  # Hogwild! on shared memory
     asyncsgd hogwild --resume runs/<dir> --epochs 40
 
-Errors a user can fix are printed as one line, ``error: ...``, with exit
-code 2 for bad usage and 1 otherwise; Ctrl-C exits 130 after saving the run.
+Errors a user can fix are printed as one line, ``error: ...``. Exit codes (the table
+is in docs/exit-codes.md): 0 done; 1 a failure, or compare's runs failed; 2 bad usage
+(an option, a value, a config file, a run directory that does not exist); after saving
+the run, 130 for Ctrl-C (SIGINT) and 143 for SIGTERM, as a shell reports a command killed
+by that signal (128 + its number).
 """
 
 from __future__ import annotations
@@ -23,11 +26,8 @@ from .config import (CompareConfig, DDPConfig, HogwildConfig, JobConfig, PlotCon
 from .config.command import SettingsCommand, given_settings
 from .errors import AsyncSGDError, ConfigError
 from .run.lifetime import exit_now, start_command_clock
-from .run.signals import defer_sigint, restore_sigint, sigint_now
+from .run.signals import defer_sigint, interrupted_exit_code, restore_sigint, sigint_now
 from .version import __version__
-
-INTERRUPTED = 130
-
 
 def _verbose(ctx: click.Context, param: click.Parameter, count: int) -> None:
     """-v/--verbose counts wherever it is given, before the command's name or after it:
@@ -373,7 +373,7 @@ def _finish(ctx: click.Context, command: str, result, how: str = "") -> None:
         click.echo(f"interrupted; {how}continue with: "
                    f"{'torchrun ... -m ' if command == 'ps-job' else ''}asyncsgd {command} "
                    f"--resume {result.run_dir}", err=True)
-        ctx.exit(INTERRUPTED)
+        ctx.exit(interrupted_exit_code())
 
 
 def _tabled(result) -> None:
@@ -555,7 +555,7 @@ def _run(argv: Optional[list]) -> int:
         return exc.exit_code
     except click.Abort:
         click.echo("interrupted", err=True)
-        return INTERRUPTED
+        return interrupted_exit_code()
     except click.ClickException as exc:
         hint = ""
         if isinstance(exc, click.UsageError) and exc.ctx is not None:
@@ -567,4 +567,4 @@ def _run(argv: Optional[list]) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
-        return INTERRUPTED
+        return interrupted_exit_code()

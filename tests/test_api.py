@@ -16,7 +16,6 @@ import pytest
 import asyncsgd
 from asyncsgd import (CompareResult, ConfigError, DDPConfig, HogwildConfig, RunResult,
                       SingleConfig)
-from asyncsgd.errors import CheckpointError
 from conftest import free_port, one_line_error, read_events, read_json
 
 ROOT = Path(__file__).parent.parent
@@ -181,8 +180,10 @@ def test_bad_settings_are_one_clear_error(tmp_path):
         with pytest.raises(ConfigError) as caught:
             call()
         assert message in str(caught.value) and "\n" not in str(caught.value)
-    with pytest.raises(CheckpointError, match="not a run directory"):
+    with pytest.raises(ConfigError, match="not a run directory"):
         asyncsgd.load_run(tmp_path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        asyncsgd.load_run(tmp_path / "nothing")
 
 
 _TRACER = """

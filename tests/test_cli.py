@@ -34,10 +34,22 @@ ROOT = Path(__file__).parent.parent
     (["--task", "lm", "--target", "0.5"], ["perplexity is at least 1"]),
     (["--task", "mnist1d-mlp:height=3"], ["has no option height", "width=256, depth=2"]),
     (["--no-such-flag"], ["No such option '--no-such-flag'"]),
-    (["--resume", "/nonexistent/run"], ["not a run directory"]),
+    (["--resume", "/nonexistent/run"], ["/nonexistent/run does not exist"]),
 ])
 def test_bad_input_gives_one_clear_line(run_cli_here, args, fragments):
     one_line_error(run_cli_here("hogwild", *args, "--progress", "off"), *fragments)
+
+
+@pytest.mark.parametrize("make", [False, True])
+def test_a_resume_of_a_missing_or_empty_directory_is_a_usage_error(run_cli_here, tmp_path, make):
+    """Exit 2 (bad usage) naming what is wrong: it does not exist, or holds no run."""
+    where = tmp_path / "run"
+    if make:
+        where.mkdir()
+    res = run_cli_here("single", "--resume", where)
+    one_line_error(res, str(where), "not a run directory (no config.json)" if make
+                   else "does not exist")
+    assert res.returncode == 2
 
 
 def test_unwritable_out_is_one_clear_line(run_cli_here, tmp_path):

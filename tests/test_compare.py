@@ -557,10 +557,12 @@ def test_compare_refuses_a_used_out_directory(run_cli_here, tmp_path):
 
 @pytest.mark.parametrize("args, fragments", [
     ([], ["Missing argument 'RUN_DIR...'"]),
-    (["/nonexistent/run"], ["/nonexistent/run is not a run directory"]),
+    (["/nonexistent/run"], ["/nonexistent/run does not exist"]),
 ])
 def test_bad_plot_input_is_one_clear_line(run_cli_here, tmp_path, args, fragments):
-    _one_clear_line(run_cli_here("plot", *args, "--out", tmp_path / "p"), fragments)
+    res = run_cli_here("plot", *args, "--out", tmp_path / "p")
+    _one_clear_line(res, fragments)
+    assert res.returncode == 2  # bad usage, as click's own
 
 
 def _one_clear_line(res, fragments):
@@ -607,7 +609,7 @@ def test_sigterm_stops_the_comparison_and_reports_the_runs_so_far(cache_dir, tmp
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 130, err
+    assert proc.returncode == 143, err  # 128 + SIGTERM
     assert "interrupted; the report of the runs so far" in err
     assert marked_processes(mark) == []
     assert read_json(out / "hogwild-r1" / "summary.json")["status"] == "interrupted"

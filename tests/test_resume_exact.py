@@ -106,7 +106,7 @@ def test_the_oracle_tells_a_model_only_resume_apart(tmp_path, monkeypatch):
                          ids=["single", "hogwild-1"])
 def test_sigterm_then_resume_from_the_cli_continues_exactly(tmp_path, run_cli, cli_env, mode,
                                                             sleep):
-    """What a user does: SIGTERM a run part way (exit 130, saved), --resume it; its final
+    """What a user does: SIGTERM a run part way (exit 143, saved), --resume it; its final
     parameters are those of the run never stopped. One Hogwild worker races nobody, so its
     resume is exact too: its momentum buffer, place in the data and generator live in
     shared memory the parent checkpoints once the worker has stopped."""
@@ -117,7 +117,7 @@ def test_sigterm_then_resume_from_the_cli_continues_exactly(tmp_path, run_cli, c
     env = {**cli_env, "ASYNCSGD_TEST_STEP_SLEEP": sleep}
     proc = start_training(asyncsgd_cmd(*common, "--out", stopped), stopped, env)
     _, err, _, _ = stop_tree(proc, signal_parent(signal.SIGTERM), timeout=120)
-    assert proc.returncode == 130, err
+    assert proc.returncode == 143, err
     (worker,) = load_checkpoint(stopped / "checkpoint.pt")["state"]["processes"]
     assert (worker["epoch"], worker["row"]) != (EPOCHS, 0)
     assert worker["rng"] is not None
@@ -151,7 +151,7 @@ def test_two_hogwild_workers_resume_each_where_it_stopped(tmp_path, run_cli, cli
     proc = start_training(asyncsgd_cmd("hogwild", "--procs", "2", *common, "--out", out),
                           out, env)
     _, err, _, _ = stop_tree(proc, signal_parent(signal.SIGTERM), timeout=120)
-    assert proc.returncode == 130, err
+    assert proc.returncode == 143, err
     state = load_checkpoint(out / "checkpoint.pt")["state"]
     assert [(p["epoch"], p["row"]) for p in state["processes"]] != [(EPOCHS, 0)] * 2
     res = run_cli("hogwild", "--resume", out, "--progress", "off")

@@ -114,9 +114,12 @@ class RunDir:
     def open(cls, path: str) -> "RunDir":
         """An existing run directory (for --resume, compare and plot)."""
         run = cls(Path(path))
+        if not run.path.exists():
+            raise ConfigError(f"{path} does not exist; pass a run directory an asyncsgd run "
+                              "wrote (its --out, e.g. runs/hogwild-...)")
         if not (run.path / CONFIG).is_file():
-            raise CheckpointError(f"{path} is not a run directory (no {CONFIG}); "
-                                  "pass a directory written by an asyncsgd run")
+            raise ConfigError(f"{path} is not a run directory (no {CONFIG}); "
+                              "pass a directory written by an asyncsgd run")
         return run
 
     def write_config(self, mode: str, config: dict, task: dict,

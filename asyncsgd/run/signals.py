@@ -8,12 +8,22 @@ from __future__ import annotations
 import contextlib
 import signal
 
+_stopped_by: list = []  # the signals that asked this process to stop, first first
+
+
+def interrupted_exit_code() -> int:
+    """The exit status of a run stopped by a signal, as a shell reports one killed by it:
+    128 + the first signal that came (Ctrl-C 130, SIGTERM 143); 130 for a Ctrl-C that
+    Python's own handler turned into KeyboardInterrupt."""
+    return 128 + (_stopped_by[0] if _stopped_by else signal.SIGINT)
+
 
 @contextlib.contextmanager
 def sigterm_as_interrupt():
     """Within this block SIGTERM raises KeyboardInterrupt, so Ctrl-C and SIGTERM stop alike."""
 
     def handler(signum, frame):
+        _stopped_by.append(signum)
         raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
 
     try:
@@ -36,6 +46,7 @@ def signals_as_flag(flag: list, second_raises: bool = False):
     saves where it is, which may be inside a step)."""
 
     def handler(signum, frame):
+        _stopped_by.append(signum)
         if flag[0] and second_raises:
             raise KeyboardInterrupt(f"a second {signal.Signals(signum).name}: stopping now")
         flag[0] = True
