@@ -121,7 +121,7 @@ class Front:
                 Key.SHARDS: self.shards, Key.CONSISTENCY: self.cfg.consistency,
                 Key.HEARTBEAT_TIMEOUT: self.cfg.heartbeat_timeout, Key.TOTAL: self.layout.total,
                 Key.TASK: self.cfg.task, Key.INSTANCE: self.instance,
-                Key.TOKEN: token})
+                Key.TOKEN: token, Key.EPOCHS: self.cfg.epochs})
         if msg.type == HEARTBEAT:
             if msg.worker in self.joined:
                 self.joined[msg.worker] = now

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from asyncsgd.config import WorkerConfig, parse_local_steps
+from asyncsgd.config import DEFAULT_EPOCHS, NO_EPOCH_LIMIT, WorkerConfig, parse_local_steps
 from asyncsgd.core.balance import global_order, global_slice
 from asyncsgd.core.dispatch import epoch_rows
 from asyncsgd.core.pacing import Pacer, Pacing, pace_note
@@ -252,12 +252,22 @@ class _Loop:
         # --max-seconds from the command's start (run.lifetime), as a Recorder counts it;
         # the progress clock runs from here, so its budget began that much earlier
         self._budget_from = command_started_at() or self.started
-        self.progress = Progress(f"worker {rank}", len(part) * cfg.epochs, cfg.progress,
+        self.epochs = cfg.epochs  # None: the server's, told in its welcome (``run``)
+        self.progress = Progress(f"worker {rank}", self._samples_in_epochs(), cfg.progress,
                                  seconds=cfg.max_seconds,
                                  since=self._budget_from - self.started)
 
+    def _samples_in_epochs(self) -> Optional[int]:
+        """The progress's total: this worker's epochs of rows (None: no limit, or unknown
+        until the server's welcome)."""
+        limited = self.epochs is not None and self.epochs < NO_EPOCH_LIMIT
+        return len(self.part) * self.epochs if limited else None
+
     def run(self) -> WorkerResult:
         self.client.push_pull(None, self.flat_params)
+        if self.epochs is None:
+            self.epochs = int(self.client.info.get(Key.EPOCHS) or DEFAULT_EPOCHS)
+            self.progress.total = self._samples_in_epochs()
         self._pulled()
         if self.client.batch is not None:
             return self._run_balanced()
@@ -265,7 +275,7 @@ class _Loop:
             return self._run_dispatched()
         per_epoch = -(-len(self.part) // self.step_rows)
         order, ordered = None, None  # the batches of epoch ``ordered``
-        while self.position < per_epoch * self.cfg.epochs:
+        while self.position < per_epoch * self.epochs:
             epoch, batch = divmod(self.position, per_epoch)
             if ordered != epoch:
                 order, ordered = epoch_order(self.part, self.cfg.seed, self.rank, epoch), epoch
@@ -287,7 +297,7 @@ class _Loop:
         while True:
             size, offset, total = self.client.batch
             epoch, start, end = global_slice(self.client.versions[0], rows, total, offset, size)
-            if epoch >= self.cfg.epochs:
+            if epoch >= self.epochs:
                 return self._finish()
             if ordered != epoch:
                 order, ordered = global_order(rows, epoch), epoch
@@ -321,7 +331,7 @@ class _Loop:
         seed, chunks, _ = self.client.plan
         rows, taken = [], 0
         for epoch, start, stop in chunks:
-            if epoch >= self.cfg.epochs or taken >= self.step_rows:
+            if epoch >= self.epochs or taken >= self.step_rows:
                 break
             take = min(stop - start, self.step_rows - taken)
             if (seed, epoch) not in self._orders:  # the chunks of at most two epochs are out

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..analysis.report import Attempt, Goal
-from ..config import CompareConfig
+from ..config import NO_EPOCH_LIMIT, CompareConfig
 from ..core.pacing import Pacing
 from ..run.hosts import Hosts
 from ..run.link import Link
@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.2
 PORT_ATTEMPTS = 3
 LINGER_SECONDS = 15.0
-NO_EPOCH_LIMIT = 1_000_000  # the budget ends the run
 
 
 def _present(flags: dict) -> list:

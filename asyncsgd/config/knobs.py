@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .values import ValueType
 
@@ -66,13 +66,15 @@ def knob(name: str, annotation: Any, default: Any, help: str, *, type: Any = Non
 
 
 def settings(name: str, mode: str, doc: str, *parts: Any, extends: Optional[type] = None,
-             left_out: frozenset = frozenset(), module: str) -> type:
+             left_out: frozenset = frozenset(), finish: Optional[Callable] = None,
+             module: str) -> type:
     """A settings dataclass of the knobs in ``parts``, in order, as command ``mode`` reads
     them. A part is a knob, a tuple of knobs, or another settings class (its knobs, as that
     command reads those without a variant for ``mode``). ``extends``: the settings class it
     subclasses, whose knobs come first. A name taken already or in ``left_out`` is skipped,
-    so a class made of two others takes a shared setting from the first. ``module`` is where
-    it is defined, as pickle looks it up."""
+    so a class made of two others takes a shared setting from the first. ``finish(cfg)``:
+    settings decided from others once all are parsed (a class that extends this one keeps
+    it). ``module`` is where it is defined, as pickle looks it up."""
     entries = []
     for part in ((extends,) if extends else ()) + parts:
         if isinstance(part, Knob):
@@ -89,7 +91,8 @@ def settings(name: str, mode: str, doc: str, *parts: Any, extends: Optional[type
     made = dataclasses.make_dataclass(
         name, [k.as_field(modes) for k, modes in knobs], bases=(extends,) if extends else (),
         namespace={"mode": mode, "__doc__": doc, "knobs": tuple(knobs),
-                   "to_dict": _to_dict, "__post_init__": _parse_values})
+                   "to_dict": _to_dict, "__post_init__": _parse_values,
+                   **({"finish": finish} if finish else {})})
     made.__module__ = module
     return made
 
@@ -109,3 +112,6 @@ def _parse_values(self) -> None:
             setattr(self, f.name, (value,) if isinstance(value, str) else tuple(value))
         if isinstance(kind, ValueType) and value is not None and not isinstance(value, kind.value):
             setattr(self, f.name, kind.value(str(value)))
+    finish = getattr(type(self), "finish", None)
+    if finish is not None:
+        finish(self)

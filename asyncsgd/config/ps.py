@@ -13,7 +13,7 @@ from .knobs import knob, settings
 from .shared import (ACCUMULATE, AMP, BALANCE, BATCH_SIZE, CLIP_GRAD_NORM, DATA, DATA_DISPATCH,
                      DEVICE, EPOCHS, LOCAL_STEPS, LR, LR_SCHEDULE, MAX_SECONDS, MOMENTUM, PACING,
                      PROGRESS, RECORD_DIGESTS, SEED, TASK, THREADS, WARMUP, WEIGHT_DECAY,
-                     RunConfig)
+                     RunConfig, epochs_in_force)
 from .values import BACKUP_WORKERS, SHARD_COUNT, Compression, Consistency, ValueType
 
 BIND = knob(
@@ -136,7 +136,7 @@ ServerConfig = settings(
          "reconnect on their own, and the updates applied since that checkpoint are lost and "
          "counted (lost_updates). 0: a crashed shard ends the run.", type=click.IntRange(min=0)),
     BUSY_POLL, RECORD_DIGESTS, AUDIT_DIR, LR_SCHEDULE, WARMUP,
-    extends=RunConfig, module=__name__)
+    extends=RunConfig, finish=epochs_in_force, module=__name__)
 
 WorkerConfig = settings(
     "WorkerConfig", "worker", "Settings of ``asyncsgd worker``.",
@@ -202,4 +202,4 @@ WorkerConfig = settings(
          "authentication and encryption. Needs --curve-secret.", metavar="FILE",
          show="off: plain TCP"),
     CURVE_SECRET, AUDIT_DIR, AMP, CLIP_GRAD_NORM, ACCUMULATE,
-    module=__name__)
+    finish=epochs_in_force, module=__name__)

@@ -12,6 +12,7 @@ import click
 
 from ..core.pacing import parse_delay, parse_slowdown
 from ..core.schedule import parse_schedule, parse_warmup
+from ..errors import ConfigError
 from .knobs import knob, settings
 from .values import LOCAL_STEPS_VALUE, CheckedText
 
@@ -268,16 +269,29 @@ MOMENTUM = knob(
 WEIGHT_DECAY = knob(
     "weight_decay", float, 0.0, "L2 weight decay.", type=click.FloatRange(min=0),
     per_command={"ps": "L2 weight decay of the update rule."})
+DEFAULT_EPOCHS = 20  # --epochs of a run given no --target and no --max-seconds
+NO_EPOCH_LIMIT = 1_000_000  # --epochs when another stop condition ends the run
+_EPOCHS_SHOW = f"{DEFAULT_EPOCHS}; no limit with --target or --max-seconds"
 EPOCHS = knob(
-    "epochs", int, 20, "Passes over the training data.", type=click.IntRange(min=1),
+    "epochs", Optional[int], None,
+    f"Passes over the training data. Not given: {DEFAULT_EPOCHS}, or no limit when --target "
+    "or --max-seconds is given (the run goes on until that stops it).",
+    type=click.IntRange(min=1), show=_EPOCHS_SHOW,
     per_command={
-        "hogwild": "Passes over the training data: each process passes over its own "
-                   "partition.",
-        "ddp": "Passes over the training data: each rank passes over its own partition.",
-        "worker": "Passes over this worker's partition (under the server's --data-dispatch "
-                  "dynamic: the server's --epochs end it, or this, whichever comes first).",
-        "ps": "Passes over the training data. --data-dispatch dynamic: the epochs of rows the "
-              "server hands out; static: each worker's --epochs over its partition decide.",
+        "hogwild": f"Passes over the training data: each process passes over its own "
+                   f"partition. Not given: {DEFAULT_EPOCHS}, or no limit when --target or "
+                   "--max-seconds is given.",
+        "ddp": f"Passes over the training data: each rank passes over its own partition. Not "
+               f"given: {DEFAULT_EPOCHS}, or no limit when --target or --max-seconds is given.",
+        "worker": dict(show="the server's --epochs; no limit with --max-seconds", help=(
+            "Passes over this worker's partition (under the server's --data-dispatch "
+            "dynamic: the server's --epochs end it, or this, whichever comes first). Not "
+            "given: the server's --epochs (so its --target or --max-seconds ends the "
+            "worker), or no limit when this worker has --max-seconds.")),
+        "ps": f"Passes over the training data. --data-dispatch dynamic: the epochs of rows the "
+              f"server hands out; static: each worker's --epochs over its partition decide "
+              f"(a worker not given them takes these). Not given: {DEFAULT_EPOCHS}, or no "
+              "limit when --target or --max-seconds is given.",
         "compare": dict(annotation=Optional[int], default=None, show="no limit: the budget "
                         "ends every run", help="Passes over the training data after which a "
                         "run ends early."),
@@ -476,6 +490,31 @@ RunConfig = settings(
     "RunConfig", "run", "Settings of every run that evaluates a model and writes a run "
     "directory.", RUN, module=__name__)
 
+
+
+def epochs_in_force(cfg) -> None:
+    """--epochs not given: no limit when --target or --max-seconds ends the run (20
+    epochs silently ended runs short of their target), else 20; a worker without
+    --max-seconds keeps None and takes its server's."""
+    if cfg.epochs is not None:
+        return
+    if getattr(cfg, "target", None) is not None or cfg.max_seconds is not None:
+        cfg.epochs = NO_EPOCH_LIMIT
+    elif hasattr(cfg, "target"):
+        cfg.epochs = DEFAULT_EPOCHS
+
+
+def _training_epochs(cfg) -> None:
+    """``epochs_in_force``; a cosine or linear schedule without a length then needs one."""
+    epochs_in_force(cfg)
+    kind, steps, _, _ = parse_schedule(cfg.lr_schedule)
+    if cfg.epochs >= NO_EPOCH_LIMIT and kind in ("cosine", "linear") and steps is None:
+        raise ConfigError(f"--lr-schedule {kind} runs over the run's --epochs, and no --epochs "
+                          f"was given (--target or --max-seconds ends this run): give its "
+                          f"length, e.g. --lr-schedule {kind}:5000 (steps), or --epochs")
+
+
 TrainConfig = settings(
     "TrainConfig", "train", "Settings of the modes that run the SGD loop themselves "
-    "(Hogwild, single, DDP).", TRAINING, extends=RunConfig, module=__name__)
+    "(Hogwild, single, DDP).", TRAINING, extends=RunConfig, finish=_training_epochs,
+    module=__name__)

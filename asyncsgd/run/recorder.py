@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import torch.nn as nn
 
-from ..config import TrainConfig, identity_fields
+from ..config import NO_EPOCH_LIMIT, TrainConfig, identity_fields
 from ..core.tasks import Task
 from ..errors import CallbackError, CheckpointError, ConfigError, WorkerError
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -123,7 +123,9 @@ class Recorder:
         self.sinks = Sinks([*open_loggers(getattr(cfg, "log_to", ()), self.run.path),
                             *attached_sinks()])
         self.sinks.start(cfg.to_dict())
-        self.progress = Progress(self.mode, total_samples, cfg.progress,
+        # no --epochs, and --target or --max-seconds ends the run: no samples to count down
+        unlimited = (getattr(cfg, "epochs", None) or 0) >= NO_EPOCH_LIMIT
+        self.progress = Progress(self.mode, None if unlimited else total_samples, cfg.progress,
                                  seconds=cfg.max_seconds, since=self.t_offset)
         self.best_score: Optional[float] = None
         self.last_eval: Optional[dict] = None

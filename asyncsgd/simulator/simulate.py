@@ -21,7 +21,7 @@ from ..analysis.fairness import fairness_notes
 from ..analysis.publish import publish
 from ..analysis.tuning import choose, grid_of, outcome_of, refine, render_tuning
 from ..analysis.report import Attempt, Goal
-from ..config import SimulateConfig
+from ..config import NO_EPOCH_LIMIT, SimulateConfig
 from ..config.modes import parse_modes
 from ..config.simulate import check_ranks, parse_join, parse_leave, parse_slow_workers
 from ..core.pacing import Pacing
@@ -37,7 +37,6 @@ from .run import finish, one_thread, prepare
 from .costs import Costs
 from .engine import wire_suffix
 
-NO_EPOCH_LIMIT = 1_000_000  # --target or --budget ends the run
 AUTO_EVAL_STEPS = 50  # --eval-every's default, in median step times
 
 
