@@ -175,7 +175,8 @@ WorkerConfig = settings(
          type=click.FloatRange(min=0.05)),
     BUSY_POLL,
     knob("server_timeout", float, 60.0,
-         "Give up with an error after the server has been unreachable this long.",
+         "Give up with an error after the server has been unreachable this long (seconds). "
+         "While it waits to reach the server, a worker says so a second in, then every 5 s.",
          type=click.FloatRange(min=0.1)),
     knob("transport", str, "auto",
          "How tensors travel: auto puts them in shared memory when the server runs on this "
