@@ -177,7 +177,9 @@ WorkerConfig = settings(
     knob("local_workers", int, 0,
          "Workers on this host, for the default --threads; 0 means $LOCAL_WORLD_SIZE or "
          "$SLURM_NTASKS_PER_NODE, else all --world workers when the server runs on this host "
-         "(its address is local), else 1.", type=click.IntRange(min=0)),
+         "(its address is local) or this worker runs in a network namespace (hosts staged on "
+         "one machine, as 'asyncsgd hosts up' makes them), else 1.",
+         type=click.IntRange(min=0)),
     knob("heartbeat", float, 1.0, "Seconds between heartbeats while waiting on the server.",
          type=click.FloatRange(min=0.05)),
     BUSY_POLL,
