@@ -145,7 +145,8 @@ def hogwild(ctx: click.Context, **_: object) -> None:
 
 
 @cli.command("ps-server", epilog="Examples:\n\n\b\n"
-             "  asyncsgd ps-server --task mnist1d-cnn --bind tcp://0.0.0.0:5555\n"
+             "  asyncsgd ps-server --task mnist1d-cnn   # workers on this host only\n"
+             "  asyncsgd ps-server --task mnist1d-cnn --bind tcp://0.0.0.0:5555   # any host\n"
              "  asyncsgd ps-server --consistency ssp:2 --workers 4 --optimizer adam --lr 0.01\n"
              "  asyncsgd ps-server --consistency sync --workers 2")
 @click_options(ServerConfig)

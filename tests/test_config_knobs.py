@@ -36,8 +36,7 @@ def test_a_variant_may_set_only_what_a_command_can_change():
 def test_shared_settings_keep_each_commands_default_and_the_old_class_tree():
     assert (CompareConfig().eval_every, HogwildConfig().eval_every) == (1.0, 2.0)
     assert (ServerConfig().momentum, SingleConfig().momentum) == (0.9, 0.0)
-    assert (JobConfig().bind, RayJobConfig().bind, RayJobConfig().workers) == (
-        "tcp://0.0.0.0:0", None, 2)
+    assert (JobConfig().bind, RayJobConfig().bind, RayJobConfig().workers) == (None, None, 2)
     assert isinstance(DDPConfig(), SingleConfig) and isinstance(HogwildConfig(), TrainConfig)
     assert "workers" not in {f.name for f in dataclasses.fields(JobConfig)}
 

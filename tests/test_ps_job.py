@@ -114,6 +114,8 @@ def test_one_host_job_reaches_the_target(cli_env, tmp_path):
     assert summary["lost_updates"] == 0 and summary["shard_restarts"] == 0
     assert output.count("ended training") == 3, output  # each worker told: target reached
     assert [e["event"] for e in read_events(out)].count("resume") == 0
+    # every process on this host: the server listens on loopback only
+    assert read_json(out / "config.json")["config"]["bind"] == "tcp://127.0.0.1:0"
 
 
 def _ended(agents: list) -> bool:
@@ -235,6 +237,8 @@ def test_two_hosts_with_a_c10d_rendezvous_survive_a_worker_kill(cli_env, tmp_pat
     assert {w.rsplit("-r", 1)[1] for w in summary["workers_joined"]} == {"0", "1", "2"}
     events = [e["event"] for e in read_events(out)]
     assert events.count("resume") == 1, (events, said)
+    # the job spans hosts: the server listens on all interfaces
+    assert read_json(out / "config.json")["config"]["bind"] == "tcp://0.0.0.0:0"
 
 
 @pytest.mark.slow

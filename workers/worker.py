@@ -31,6 +31,7 @@ from asyncsgd.modes.gradients import accumulate, clipper
 from asyncsgd.modes.optim import SGD
 from asyncsgd.modes.precision import Precision, check_amp
 from asyncsgd.run.lifetime import command_started_at
+from asyncsgd.run.namespaces import in_staged_host
 from asyncsgd.run.process_group import available_cores
 from asyncsgd.run.progress import Progress
 from asyncsgd.run.signals import sigterm_as_interrupt
@@ -89,18 +90,22 @@ def _launcher_local_workers() -> int:
     return 0
 
 
-def local_processes(cfg: WorkerConfig, world: int, server_local: bool, shards: int) -> tuple:
+def local_processes(cfg: WorkerConfig, world: int, server_local: bool, shards: int,
+                    staged: bool = False) -> tuple:
     """(workers, shards) of the server's on this host: what shares its cores. Started by
-    hand beside a local server, all --world workers are likely here."""
-    workers = cfg.local_workers or _launcher_local_workers() or (world if server_local else 1)
-    return workers, shards if server_local else 0
+    hand beside a local server, all --world workers are likely here; so they are on a host
+    ``staged`` in a network namespace (``asyncsgd hosts up``), where the server's address is
+    not this namespace's but every staged host shares this machine's cores."""
+    together = server_local or staged
+    workers = cfg.local_workers or _launcher_local_workers() or (world if together else 1)
+    return workers, shards if together else 0
 
 
 def set_threads(cfg: WorkerConfig, world: int, server_local: bool, shards: int) -> int:
     """Torch threads of this worker: --threads, or cores // the server's processes here.
 
     A thread per core each is many times slower (experiments/README.md, "Worker threads")."""
-    workers, local_shards = local_processes(cfg, world, server_local, shards)
+    workers, local_shards = local_processes(cfg, world, server_local, shards, in_staged_host())
     cores = available_cores()
     fair = max(1, cores // (workers + local_shards))
     threads = cfg.threads or fair

@@ -25,9 +25,10 @@ JobConfig = settings(
          "processes); every other rank is a worker. Only 1: the shards of one server run on "
          "its host.", type=click.IntRange(1, 1)),
     knob("advertise", Optional[str], None,
-         "Host or IP the workers reach the server at. By default the address of this host's "
-         "interface that routes to the rendezvous host ($MASTER_ADDR).", metavar="HOST",
-         show="the interface towards $MASTER_ADDR", per_command={
+         "Host or IP the workers reach the server at. By default the --bind host, or when "
+         "that is all interfaces (0.0.0.0), the address of this host's interface that routes "
+         "to the rendezvous host ($MASTER_ADDR).", metavar="HOST",
+         show="the --bind host, or the interface towards $MASTER_ADDR", per_command={
              "ray-job": dict(help="Host or IP the workers reach the server at.",
                              show="127.0.0.1 when it listens on loopback, else the address "
                                   "Ray knows the driver's node by")}),

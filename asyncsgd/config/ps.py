@@ -17,12 +17,19 @@ from .shared import (ACCUMULATE, AMP, BALANCE, BATCH_SIZE, CLIP_GRAD_NORM, DATA,
 from .values import BACKUP_WORKERS, SHARD_COUNT, Compression, Consistency, ValueType
 
 BIND = knob(
-    "bind", str, "tcp://0.0.0.0:5555",
-    "Address workers connect to. Shards listen on free ports of the same host and are "
+    "bind", str, "tcp://127.0.0.1:5555",
+    "Address the server listens on and workers connect to. The default, loopback, admits "
+    "workers on this host only; workers on other hosts need an address they reach, or all "
+    "interfaces, an explicit choice: --bind tcp://0.0.0.0:5555 (unauthenticated without "
+    "CURVE, and a warning says so). Shards listen on free ports of the same host and are "
     "announced in the handshake.", metavar="tcp://HOST:PORT", per_command={
-        "ps-job": dict(default="tcp://0.0.0.0:0", help="Where the server listens: port 0 "
-                       "takes a free port, which reaches the workers through the rendezvous "
-                       "store."),
+        "ps-job": dict(annotation=Optional[str], default=None, help="Where the server "
+                       "listens: port 0 takes a free port, which reaches the workers through "
+                       "the rendezvous store. By default loopback when all of the job's "
+                       "processes run on the server's host ($LOCAL_WORLD_SIZE is "
+                       "$WORLD_SIZE: torchrun --standalone, one node), else all interfaces "
+                       "(workers on other hosts must reach it).",
+                       show="tcp://127.0.0.1:0 on one host, else tcp://0.0.0.0:0"),
         "ray-job": dict(annotation=Optional[str], default=None, help="Where the server "
                         "listens; port 0 takes a free port, which the driver hands to the "
                         "workers.", show="tcp://127.0.0.1:0 on a one-node cluster (no peer "
@@ -170,12 +177,15 @@ WorkerConfig = settings(
     knob("local_workers", int, 0,
          "Workers on this host, for the default --threads; 0 means $LOCAL_WORLD_SIZE or "
          "$SLURM_NTASKS_PER_NODE, else all --world workers when the server runs on this host "
-         "(its address is local), else 1.", type=click.IntRange(min=0)),
+         "(its address is local) or this worker runs in a network namespace (hosts staged on "
+         "one machine, as 'asyncsgd hosts up' makes them), else 1.",
+         type=click.IntRange(min=0)),
     knob("heartbeat", float, 1.0, "Seconds between heartbeats while waiting on the server.",
          type=click.FloatRange(min=0.05)),
     BUSY_POLL,
     knob("server_timeout", float, 60.0,
-         "Give up with an error after the server has been unreachable this long.",
+         "Give up with an error after the server has been unreachable this long (seconds). "
+         "While it waits to reach the server, a worker says so a second in, then every 5 s.",
          type=click.FloatRange(min=0.1)),
     knob("transport", str, "auto",
          "How tensors travel: auto puts them in shared memory when the server runs on this "

@@ -49,6 +49,25 @@ def check_world(job: JobConfig, world: int) -> int:
     return workers
 
 
+ALL_INTERFACES = ("0.0.0.0", "::", "*")
+
+
+def job_bind(bind: Optional[str], local_world: int, world: int) -> str:
+    """The server's --bind: as given, else loopback when all ``world`` processes of the job
+    run on this host (torchrun's $LOCAL_WORLD_SIZE, ``local_world``, is its $WORLD_SIZE:
+    --standalone, or one node), else all interfaces, which workers elsewhere must reach
+    (``local_world`` 0: torchrun did not say)."""
+    if bind:
+        return bind
+    return "tcp://127.0.0.1:0" if local_world == world else "tcp://0.0.0.0:0"
+
+
+def advertised_host(bind_host: str, towards: str) -> str:
+    """The host the workers reach a server bound to ``bind_host`` at: that host, unless it
+    is all interfaces; then this host's address towards the rendezvous host ``towards``."""
+    return reachable_host(towards) if bind_host in ALL_INTERFACES else bind_host
+
+
 def reachable_host(towards: str) -> str:
     """The address of this host's interface that routes to ``towards``: the one peers that
     reach ``towards`` can reach this host at. No packet is sent (a UDP connect only picks

@@ -26,7 +26,8 @@ from ..run.process_group import signal_on_parent_death
 from ..run.recorder import RunResult
 from ..run.rundir import RunDir
 from ..wire.transport import parse_endpoint
-from .roles import check_world, reachable_host, server_settings, worker_settings
+from .roles import (advertised_host, check_world, job_bind, server_settings,
+                    worker_settings)
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +189,10 @@ def _serve(job: JobConfig, launch: Launch, store: JobStore, workers: int,
     resume = job.resume
     if starts > 1:
         resume = _previous_run(store, starts)
+    job = dataclasses.replace(job, bind=job_bind(job.bind, launch.local_world, launch.world))
     cfg = server_settings(job, workers, resume=resume)
-    _, port = parse_endpoint(cfg.bind, "--bind")
-    host = job.advertise or reachable_host(launch.master_addr)
+    bind_host, _ = parse_endpoint(cfg.bind, "--bind")
+    host = job.advertise or advertised_host(bind_host, launch.master_addr)
     log.info("ps-job: rank %d serves %d worker(s)%s", launch.rank, workers,
              f", resuming {resume} (start {starts})" if starts > 1 else "")
 

@@ -21,10 +21,30 @@ from .lifetime import pid_alive
 PREFIX = "asgd"
 OWNED = re.compile(rf"{PREFIX}t?-(\d+)-")  # asgd-<pid>-...: a process owns it (asgdt-: old tests)
 STANDING = re.compile(rf"{PREFIX}-[A-Za-z]")  # asgd-<name>: made by `asyncsgd hosts up`
+NAMED = "/run/netns"  # where `ip netns add` mounts the namespaces it names
 IP_TIMEOUT = 20.0  # seconds for each `ip` or `tc` command
 _CAP_NET_ADMIN, _CAP_SYS_ADMIN = 12, 21
 _lock = threading.Lock()
 _probed: Optional[Tuple[str, str]] = None  # (why not namespaces, why not shaping); "" = can
+
+
+def in_staged_host(named: str = NAMED) -> bool:
+    """Whether this process runs in a named network namespace (one of ``named``, as
+    ``ip netns add`` makes them, and ``asyncsgd hosts up``): a host staged on this machine,
+    whose cores the other staged hosts share. ``ip netns identify`` compares so too."""
+    try:
+        own = os.stat("/proc/self/ns/net")
+        entries = list(os.scandir(named))
+    except OSError:
+        return False
+    for entry in entries:
+        try:
+            found = os.stat(entry.path)
+        except OSError:
+            continue
+        if (found.st_dev, found.st_ino) == (own.st_dev, own.st_ino):
+            return True
+    return False
 
 
 def binary(name: str) -> Optional[str]:

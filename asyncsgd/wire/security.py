@@ -26,6 +26,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import ConfigError, SecurityError
 from .greeting import HangUps, misfit
+from .waiting import Waiting
 
 log = logging.getLogger(__name__)
 
@@ -341,11 +342,18 @@ def await_handshake(ctx: zmq.Context, endpoint: str, keys: Optional[ClientKeys],
         "--curve-secret WORKER.key_secret (from 'asyncsgd keygen')")
     deadline = time.monotonic() + timeout
     hang_ups = HangUps(endpoint, deadline)
+    waiting = Waiting(endpoint, timeout, time.monotonic())
     try:
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not monitor.poll(int(left * 1000) + 1):
+            now = time.monotonic()
+            left = deadline - now
+            if left <= 0:
                 return False
+            line = waiting.due(now)
+            if line:
+                log.warning(line)
+            if not monitor.poll(int(min(left, waiting.until_due(now)) * 1000) + 1):
+                continue
             event = parse_monitor_message(monitor.recv_multipart())
             kind, value = event["event"], event["value"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
