@@ -76,13 +76,15 @@ class SparseTable:
     def gather(self, ids: torch.Tensor, now: float = 0.0) -> torch.Tensor:
         """float32 [len(ids), dim]: the rows of ``ids`` (unique), in their order, a copy."""
         self._check(ids)
-        return self.weight[self._slots(ids, now)]
+        slots = self._slots(ids, now)  # first: creating rows may grow ``weight``
+        return self.weight[slots]
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, now: float = 0.0,
               lr_scale: float = 1.0) -> None:
         """One step of the rule on the rows ``ids`` (unique) with ``grads`` [len(ids), dim]."""
         self._check(ids, grads)
-        self.rule.apply(self.weight, self._slots(ids, now), grads, lr_scale)
+        slots = self._slots(ids, now)  # first: creating rows may grow ``weight``
+        self.rule.apply(self.weight, slots, grads, lr_scale)
 
     def expire(self, now: float) -> int:
         """Evict the rows ttl has aged out at ``now`` (the shard's tick); how many."""
