@@ -31,8 +31,10 @@ class IdMap:
         ids, slots = ids[order], slots[order]
         n, m = len(self), ids.numel()
         # each element's place in the merged run: its own index plus the other run's before it
-        at_new = torch.searchsorted(self.keys, ids) + torch.arange(m)
-        at_old = torch.arange(n) + torch.searchsorted(ids, self.keys)
+        place = torch.searchsorted(self.keys, ids)
+        at_new = place + torch.arange(m)
+        # new ids before old key i: those placed at or before i (linear, not n binary searches)
+        at_old = torch.arange(n) + torch.bincount(place, minlength=n + 1)[:n].cumsum(0)
         keys = torch.empty(n + m, dtype=torch.int64)
         out = torch.empty(n + m, dtype=torch.int64)
         keys[at_old], keys[at_new] = self.keys, ids
@@ -41,7 +43,8 @@ class IdMap:
 
     def remove(self, ids: torch.Tensor) -> None:
         """Drop ``ids`` (each present)."""
-        keep = ~torch.isin(self.keys, ids)
+        keep = torch.ones(len(self), dtype=torch.bool)
+        keep[torch.searchsorted(self.keys, ids)] = False
         self.keys, self.slots = self.keys[keep], self.slots[keep]
 
     def nbytes(self) -> int:

@@ -153,11 +153,7 @@ class SparseTable:
             if over > 0:
                 spare = self.used.clone()
                 spare[keep] = False
-                candidates = spare.nonzero().flatten()
-                # least used first, ties by oldest touch: stable sorts, the minor key first
-                by_age = candidates[torch.argsort(self.touched[candidates], stable=True)]
-                by_use = by_age[torch.argsort(self.uses[by_age], stable=True)]
-                self._drop(by_use[:over])
+                self._drop(self._least_used(spare.nonzero().flatten(), over))
         free = (~self.used).nonzero().flatten()
         if free.numel() < m:
             held = int(self.used.sum())
@@ -174,6 +170,15 @@ class SparseTable:
         self.map.insert(ids, slots)
         self.created += m
         return slots
+
+    def _least_used(self, candidates: torch.Tensor, count: int) -> torch.Tensor:
+        """``count`` of ``candidates`` (ascending slots): the least used, ties by oldest touch,
+        then by lowest slot; selections in linear time, as a full sort of a large table
+        cost more than the rest of a push."""
+        below, tied = _smallest(candidates, self.uses[candidates], count)
+        count -= below.numel()
+        older, tied = _smallest(tied, self.touched[tied], count)
+        return torch.cat([below, older, tied[:count - older.numel()]])
 
     def _drop(self, slots: torch.Tensor) -> None:
         if not slots.numel():
@@ -245,6 +250,14 @@ class SparseTable:
             if now is not None:
                 self.touched += now - self.clock
                 self.clock = now
+
+
+def _smallest(items: torch.Tensor, keys: torch.Tensor, count: int) -> tuple:
+    """The ``items`` whose keys are below the ``count``-th smallest key, and those at it."""
+    if count <= 0:
+        return items[:0], items[:0]
+    kth = torch.kthvalue(keys, count).values
+    return items[keys < kth], items[keys == kth]
 
 
 def _grown(old: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype) -> torch.Tensor:

@@ -247,6 +247,9 @@ def test_lfu_keeps_at_most_its_rows_over_ever_new_ids():
     assert len(set(held[4:])) == 1  # flat once full
     assert table.weight.shape[0] == 64
     assert table.evictions == table.created - 64 == 1600 - 64
+    # rows, adagrad's sum, and per slot: id, used, last touch, uses; the map
+    assert table.stats() == {"rows": 64, "bytes": 64 * (DIM * 4 + DIM * 4 + 8 + 1 + 8 + 8 + 16),
+                             "created": 1600, "evictions": 1536}
 
 
 def test_lfu_evicts_least_used_then_oldest():
