@@ -18,6 +18,7 @@ from .sparse_rules import SparseRule
 
 ID_SPACES = ("fixed", "hashed")
 _GROW_FROM = 1024  # first capacity of a hashed table, in rows
+_INIT_CHUNK = 1 << 16  # rows made at once by a fixed table's seeded init
 
 
 class RowsRefused(ProtocolError):
@@ -67,8 +68,14 @@ class SparseTable:
         if init is not None and tuple(init.shape) != (local, dim):
             raise ValueError(f"init must be [{local}, {dim}] (this shard's rows), "
                              f"got {tuple(init.shape)}")
-        self.weight = (init.to(torch.float32).clone() if init is not None
-                       else seeded_rows(ids, dim, seed, init_scale))
+        if init is not None:
+            self.weight = init.to(torch.float32).clone()
+        else:
+            self.weight = torch.empty(local, dim, dtype=torch.float32)
+            # in chunks: seeded_rows' int64 temporaries are 4x to 8x the rows they make
+            for at in range(0, local, _INIT_CHUNK):
+                self.weight[at: at + _INIT_CHUNK] = seeded_rows(
+                    ids[at: at + _INIT_CHUNK], dim, seed, init_scale)
         self.rule.resize(local)
         self.created = local
 

@@ -370,3 +370,9 @@ def test_settings_a_user_gets_wrong():
         SparseTable(DIM, make_sparse_rule("sgd", DIM, LR), id_space="dense")
     with pytest.raises(ValueError, match="valid rules"):
         make_sparse_rule("adam", DIM, LR)
+
+
+def test_fixed_init_made_in_chunks_equals_one_piece(monkeypatch):
+    monkeypatch.setattr("asyncsgd.servers.sparse_table._INIT_CHUNK", 5)
+    mine = SHARD + SHARDS * torch.arange(LOCAL, dtype=torch.int64)
+    assert torch.equal(fixed_table().weight, seeded_rows(mine, DIM, 5, 0.5))
