@@ -31,6 +31,8 @@ class SparseRule:
     STATE: Tuple[Tuple[str, object], ...] = ()
 
     def __init__(self, dim: int, lr: float, **hyper):
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be a positive int, got {dim!r}")
         lr = _finite_float("lr", lr)
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr!r}")

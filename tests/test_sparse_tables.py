@@ -142,6 +142,14 @@ def test_pushes_equal_the_dense_oracle_and_leave_other_rows_untouched(rule):
         assert not state[-3:].any()
 
 
+def test_lr_scale_scales_the_step():
+    table = fixed_table("sgd")
+    table.rule.lr = 1.0
+    before = table.gather(ids(4, 7))
+    table.apply(ids(4, 7), torch.ones(2, DIM), lr_scale=0.5)  # a stale push, say
+    assert torch.equal(table.gather(ids(4, 7)), before - 0.5)
+
+
 def test_rowwise_adagrad_by_hand():
     table = fixed_table("rowwise_adagrad")
     table.rule.lr = 1.0
@@ -368,6 +376,8 @@ def test_settings_a_user_gets_wrong():
         fixed_table(evict=("lfu", 5))
     with pytest.raises(ConfigError, match="--id-space"):
         SparseTable(DIM, make_sparse_rule("sgd", DIM, LR), id_space="dense")
+    with pytest.raises(ValueError, match="dim must be"):
+        make_sparse_rule("sgd", 0, LR)
     with pytest.raises(ValueError, match="valid rules"):
         make_sparse_rule("adam", DIM, LR)
 
