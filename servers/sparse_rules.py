@@ -62,6 +62,13 @@ class SparseRule:
                 new[:keep] = old[:keep]
             self.state[key] = new
 
+    def compact(self, keep: torch.Tensor, rows: int) -> None:
+        """Hold state for ``rows`` slots, the first ``len(keep)`` being old slots ``keep``."""
+        for key, width in self.STATE:
+            new = torch.zeros(self._shape(width, rows), dtype=torch.float32)
+            new[:keep.numel()] = self.state[key][keep]
+            self.state[key] = new
+
     def reset(self, slots: torch.Tensor) -> None:
         """Zero the state of ``slots``: rows created afresh (new, or back after eviction)."""
         for t in self.state.values():

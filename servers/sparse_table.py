@@ -100,6 +100,9 @@ class SparseTable:
             return 0
         stale = (self.used & (now - self.touched > self.evict[1])).nonzero().flatten()
         self._drop(stale)
+        capacity = self.weight.shape[0]
+        if stale.numel() and capacity > _GROW_FROM and 4 * len(self) <= capacity:
+            self._compact()
         return stale.numel()
 
     # -- checks -----------------------------------------------------------
@@ -193,6 +196,21 @@ class SparseTable:
         self.map.remove(self.ids_at[slots])
         self.used[slots] = False
         self.evictions += slots.numel()
+
+    def _compact(self) -> None:
+        """Move the rows held to the first slots and shrink to twice their number: memory
+        follows the rows in use after ttl has aged out a burst."""
+        keep = self.used.nonzero().flatten()
+        rows = max(2 * keep.numel(), _GROW_FROM)
+        moved = torch.full((self.weight.shape[0],), -1, dtype=torch.int64)
+        moved[keep] = torch.arange(keep.numel())
+        self.map.slots = moved[self.map.slots]
+        self.rule.compact(keep, rows)
+        for name in ("weight", "ids_at", "used", "touched", "uses"):
+            old = getattr(self, name)
+            new = torch.zeros((rows,) + tuple(old.shape[1:]), dtype=old.dtype)
+            new[:keep.numel()] = old[keep]
+            setattr(self, name, new)
 
     def _resize(self, rows: int) -> None:
         old = getattr(self, "weight", None)

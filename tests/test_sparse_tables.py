@@ -386,3 +386,18 @@ def test_fixed_init_made_in_chunks_equals_one_piece(monkeypatch):
     monkeypatch.setattr("asyncsgd.servers.sparse_table._INIT_CHUNK", 5)
     mine = SHARD + SHARDS * torch.arange(LOCAL, dtype=torch.int64)
     assert torch.equal(fixed_table().weight, seeded_rows(mine, DIM, 5, 0.5))
+
+
+@pytest.mark.parametrize("rule", ["adagrad", "rowwise_adagrad"])
+def test_ttl_shrinks_after_a_burst_and_keeps_what_it_holds(rule):
+    table = hashed_table(evict=("ttl", 5.0), rule=rule)
+    table.apply(torch.arange(5000, dtype=torch.int64), torch.ones(5000, DIM), now=0.0)
+    table.apply(ids(7, 10 ** 9), torch.full((2, DIM), 3.0), now=4.0)
+    rows, state = table.gather(ids(10 ** 9, 7), now=4.0), table.rule.state["sum"][
+        table.map.find(ids(10 ** 9, 7))]
+    peak = table.nbytes()
+    assert table.expire(6.0) == 4999 and len(table) == 2
+    assert table.weight.shape[0] == 1024 and table.nbytes() < peak / 4
+    assert torch.equal(table.rule.state["sum"][table.map.find(ids(10 ** 9, 7))], state)
+    assert torch.equal(table.gather(ids(10 ** 9, 7), now=6.0), rows)
+    assert table.map.find(ids(7, 10 ** 9)).tolist() == [0, 1]
