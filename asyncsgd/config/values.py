@@ -56,6 +56,22 @@ def parse_comm_hook(text: str) -> tuple:
                       "with RANK >= 1")
 
 
+def parse_evict(text: str) -> tuple:
+    """``(kind, bound)`` of an --evict value: ("none", 0), ("ttl", SECONDS), ("lfu", ROWS)."""
+    kind, _, bound = text.partition(":")
+    if kind == "none" and not bound:
+        return kind, 0
+    try:
+        value = float(bound) if kind == "ttl" else int(bound)
+    except ValueError:
+        value = 0
+    if kind in ("ttl", "lfu") and value > 0 and value != float("inf"):
+        return kind, value
+    raise ConfigError(f"--evict {text!r}: use none, ttl:SECONDS (drop rows untouched for that "
+                      "long, e.g. ttl:600) or lfu:ROWS (keep at most ROWS rows per shard, "
+                      "e.g. lfu:1000000)")
+
+
 class _Parsed(str):
     """A setting's text with the parts it parsed to, read-only. It stays a str so that
     config.json, summary.json and the server's handshake carry the text as given."""
