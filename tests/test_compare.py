@@ -726,3 +726,25 @@ def test_a_run_of_compare_is_out_of_ctrl_c_reach_yet_scheduled_with_its_caller(
     finally:
         stop_all([child])
     assert child.returncode is not None
+
+
+def test_a_run_that_trained_no_samples_is_not_trained_and_not_in_the_verdict(tmp_path):
+    """Friction 5: a server that took its whole budget to start wrote a run of 0 samples;
+    the table said 'ok 1/1' and the verdict ranked it. It is no result: 'not trained',
+    with why, in the table, the failed runs and results.json."""
+    ok = _fake_run(tmp_path / "single", "single", 0, [(1, 100, 0.4), (2, 300, 0.6)])
+    idle = _fake_run(tmp_path / "ps", "ps-async", 0, [(19.5, 0, 0.1)])
+    attempts = [Attempt("single", 0, 0, run_dir=str(ok.path)),
+                Attempt("ps-async", 0, 0, run_dir=str(idle.path))]
+    for a in attempts:
+        a.read_back()
+    assert attempts[0].status == "ok"
+    assert attempts[1].status == "not trained" and not attempts[1].ok
+    assert "trained no samples: stopped by max_seconds" in attempts[1].error
+    goal = Goal.of(attempts, 0.5)
+    rows = {r.label: r for r in mode_rows(attempts, goal)}
+    cells = table_cells(rows["ps-async"], goal)
+    assert cells["runs ok"] == "0/1" and cells["final acc. %"] == "not trained"
+    assert "ps-async" not in verdict(list(rows.values()), goal).split("Not reached")[0]
+    assert attempts[1].to_dict(goal)["status"] == "not trained"
+    assert Run.read(idle.path).outcome()[0] == "not trained"  # plot reads it so too

@@ -98,7 +98,7 @@ class Attempt:
     label: str
     repeat: int = 0
     seed: Optional[int] = None
-    status: str = "ok"  # ok | failed | interrupted
+    status: str = "ok"  # ok | failed | interrupted | not trained (0 samples)
     error: Optional[str] = None
     run: Optional[Run] = None
     run_dir: Optional[str] = None
@@ -117,6 +117,10 @@ class Attempt:
                 self.run = Run.read(self.run_dir)
             except AsyncSGDError as exc:
                 self.status, self.error = "failed", str(exc)
+                return
+            untrained = self.run.untrained()
+            if self.status == "ok" and untrained:  # no result: the verdict must not count it
+                self.status, self.error = "not trained", untrained
         elif self.status == "ok":
             self.status, self.error = "failed", "it wrote no run directory"
 

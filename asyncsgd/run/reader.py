@@ -118,6 +118,19 @@ class Run:
                                   ) from exc
         return model.to(device).eval()
 
+    def untrained(self) -> Optional[str]:
+        """Why a run that ended without an error is no result: it trained no sample (its
+        processes took its whole budget to start, say) and did not start at its target;
+        None when it trained."""
+        if (not self.recorded_summary or self.summary.get("samples", 1) != 0
+                or self.summary.get("stopped_by") == "target"):  # met untrained: a result
+            return None
+        start = first_progress(self.events)
+        return (f"trained no samples: stopped by {self.summary.get('stopped_by')} after "
+                f"{self.summary.get('train_seconds', '?')} s"
+                + ("" if start else ", before its first step (its start-up took the time: "
+                   "give it a longer budget)"))
+
     def outcome(self) -> tuple:
         """(status, error) as the run's own files tell it, for a report that was not there
         to see it end (``asyncsgd plot``): summary.json's status and error where the run
@@ -133,6 +146,8 @@ class Run:
             status = self.summary.get("status", "ok")
             if status == "interrupted" and not missing:
                 return "ok", None
+            if status == "ok" and self.untrained():
+                return "not trained", self.untrained()
             error = self.summary.get("error")
             if status != "ok" and not error:
                 error = f"summary.json says {status} (stopped by {self.summary.get('stopped_by')})"
