@@ -258,6 +258,21 @@ def slow_counter(samples=None):
     return _rows_task("slow-counter", SlowScalars, samples or 2000)
 
 
+class SlowEvalScalars(Scalars):
+    """``Scalars`` whose evaluation forward takes $ASYNCSGD_TEST_EVAL_SECONDS (a big test
+    set, as lm's on a busy machine); training is not slowed."""
+
+    def forward(self, x):
+        if not torch.is_grad_enabled():
+            time.sleep(float(os.environ.get("ASYNCSGD_TEST_EVAL_SECONDS", "0")))
+        return super().forward(x)
+
+
+def slow_eval_counter(samples=None):
+    """dense_counter whose every evaluation takes $ASYNCSGD_TEST_EVAL_SECONDS."""
+    return _rows_task("slow-eval-counter", SlowEvalScalars, samples or 2000)
+
+
 class OrderProbe(Scalars):
     """dense_counter's scalar; each training forward appends the rows of its batch to a file
     of its process in $ASYNCSGD_TEST_PROBE_DIR: the data order a mode really trains in."""
