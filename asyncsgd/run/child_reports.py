@@ -24,14 +24,15 @@ def tail(text: str, limit: int) -> str:
     return "...\n" + data[-limit:].decode("utf-8", "ignore")
 
 
-def send_report(writer: Connection, payload: Any) -> None:
+def send_report(writer: Connection, payload: Any) -> bool:
     """From a child: ``payload`` (small: a pipe holds 64 KiB, 4 KiB for a user past the
     kernel's pipe-user-pages-soft; the parent drains it as it polls) to its parent;
-    nothing when the parent is gone."""
+    False when the parent is gone or no longer reads."""
     try:
         writer.send((time.monotonic(), payload))
     except OSError:  # the parent closed its end or died: there is no one to tell
-        pass
+        return False
+    return True
 
 
 class ChildReports:

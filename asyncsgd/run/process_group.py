@@ -149,7 +149,9 @@ def _child_main(target: Callable, rank: int, report: Any, parent_pid: int,
     try:
         target(rank, *args)
     except BaseException:
-        send_report(report, tail(traceback.format_exc(), _MAX_TRACEBACK))
+        text = tail(traceback.format_exc(), _MAX_TRACEBACK)
+        if not send_report(report, text):  # the parent stopped reading: keep it on stderr
+            sys.stderr.write(text)
         exit_now(1)
     exit_now(0)  # its work is saved; the parent waits for this exit (run.lifetime)
 
