@@ -86,7 +86,8 @@ def local_slurm():
         why = _start_local_slurm()
         started = why is None
     if why:
-        pytest.skip(f"{why}: start a local Slurm as root with '{START}' ('{START2}' for the hetjob)")
+        pytest.skip(f"{why}: start a local Slurm as root with '{START}' ('{START2}' for "
+                    "the hetjob)")
     yield
     if started:
         subprocess.run(["bash", str(EXAMPLES / "local-slurm.sh"), "stop"], cwd=REPO,
