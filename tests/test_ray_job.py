@@ -315,12 +315,16 @@ def test_an_error_in_an_actor_is_one_clear_line_and_nothing_is_left(cli_env):
 @pytest.mark.slow
 def test_the_cli_runs_a_job_on_a_ray_of_its_own(cli_env, tmp_path):
     """The guide's command: a local Ray of its own, the job to the target, the report
-    (restarts, lost updates, accuracy, run directory), and no process left."""
+    (restarts, lost updates, accuracy, run directory), and no process left. Its output, as
+    in a log file (``> log.txt 2>&1``), is plain text: the actors' lines without colour
+    codes, and without Ray's notice that token authentication is on."""
     mark, out = uuid.uuid4().hex, tmp_path / "run"
-    code, output = _finish(_cli_job(cli_env, mark, readme_command() + ["--out", out,
-                                                                    "--progress", "off"]), mark)
+    code, output = _finish(_cli_job(cli_env, mark, readme_command() + ["--out", out]), mark)
     assert code == 0, output
     assert "Traceback" not in output, output
+    assert "(AsyncSGDServer pid=" in output, output  # the server actor's progress lines
+    assert "\x1b" not in output, output
+    assert "Token authentication is enabled" not in output, output
     assert "2 worker(s), 0 restarted by Ray; 0 lost update(s)" in output, output
     assert re.search(r"final test accuracy: \d", output) and "stopped by: target" in output
     assert f"run directory: {out}" in output, output

@@ -33,8 +33,8 @@ from conftest import read_json
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "slurm"
-START = "sudo examples/slurm/local-slurm.sh start"
-START2 = "sudo LOCAL_SLURM_NODES=2 examples/slurm/local-slurm.sh start"
+START = "examples/slurm/local-slurm.sh start"  # both as root
+START2 = "LOCAL_SLURM_NODES=2 examples/slurm/local-slurm.sh start"
 
 # The run stops at the first evaluation that reaches TARGET, the 85%: that is
 # the check. Its final evaluation, after the pushes in flight at the stop, can come out
@@ -86,7 +86,8 @@ def local_slurm():
         why = _start_local_slurm()
         started = why is None
     if why:
-        pytest.skip(f"{why}: start a local Slurm with '{START}' ('{START2}' for the hetjob)")
+        pytest.skip(f"{why}: start a local Slurm as root with '{START}' ('{START2}' for "
+                    "the hetjob)")
     yield
     if started:
         subprocess.run(["bash", str(EXAMPLES / "local-slurm.sh"), "stop"], cwd=REPO,
@@ -104,7 +105,7 @@ def _usable_nodes() -> int:
 def _need_nodes(n: int) -> None:
     have = _usable_nodes()
     if have < n:
-        pytest.skip(f"needs {n} usable Slurm nodes, this Slurm has {have}: '{START2}'")
+        pytest.skip(f"needs {n} usable Slurm nodes, this Slurm has {have}: as root, '{START2}'")
 
 
 def _job_ids(name: str) -> list:

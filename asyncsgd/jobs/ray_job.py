@@ -36,6 +36,7 @@ from ..run.settings import configure
 from ..run.signals import sigterm_as_interrupt
 from ..servers.supervisor import SHARD_READY_SECONDS
 from ..wire.transport import parse_endpoint
+from .ray_env import DriverOutput
 from .roles import server_settings, worker_settings
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ class RayJob:
         self.server_place: Optional[dict] = None  # where the server's actor runs: node, ip, pid
         self._ray = _import_ray()
         self._ours = False  # this process called ray.init: it calls ray.shutdown
+        self._output: Optional[DriverOutput] = None
         self._closed = False
         self._server = self._ledger = None
         self._workers: list = []
@@ -185,6 +187,7 @@ class RayJob:
         address = job.address or os.environ.get("RAY_ADDRESS") or None
         began = time.monotonic()
         self._ours = True
+        self._output = DriverOutput()
         if address:
             _check_reachable(address)
             try:
@@ -466,6 +469,8 @@ class RayJob:
             self._closed = True
             if self._ours:
                 ray.shutdown()
+            if self._output is not None:
+                self._output.restore()
 
     def _local_pids(self) -> list:
         server = self._places.get("server")

@@ -2,10 +2,12 @@
 # local-slurm.sh — a real single-node Slurm on this machine, for trying the
 # examples/slurm/*.sbatch scripts and for tests/test_slurm.py.
 #
-#   sudo examples/slurm/local-slurm.sh start    # install if needed, configure, start, wait for the node
-#   sudo examples/slurm/local-slurm.sh status   # daemons, node state; exit 0 only when usable
-#   sudo examples/slurm/local-slurm.sh stop     # stop the daemons this script started
-#   sudo LOCAL_SLURM_NODES=2 examples/slurm/local-slurm.sh start   # this machine as 2 Slurm nodes
+#   examples/slurm/local-slurm.sh start    # as root: install if needed, configure, start, wait for the node
+#   examples/slurm/local-slurm.sh status   # any user: daemons, node state; exit 0 only when usable
+#   examples/slurm/local-slurm.sh stop     # as root: stop the daemons this script started
+#   LOCAL_SLURM_NODES=2 examples/slurm/local-slurm.sh start   # as root: this machine as 2 Slurm nodes
+# Not root? It says so and names the sudo line (sudo env VAR=... keeps the settings:
+# 'sudo VAR=... cmd' is refused by sudo's default policy).
 #
 # What `start` does (each step is skipped when already done, so it can be run again):
 #   1. installs Debian's slurm-wlm (slurmctld, slurmd, client commands) and munge
@@ -98,7 +100,10 @@ log_tails() {
 }
 
 need_root() {
-    [[ $EUID -eq 0 ]] || die "must run as root (it installs packages, writes $CONF and starts daemons); try: sudo $0 $1"
+    [[ $EUID -eq 0 ]] && return
+    local why="must run as root (it installs packages, writes $CONF and starts daemons)"
+    command -v sudo >/dev/null || die "$why; no sudo here: run it as root"
+    die "$why; try: sudo env LOCAL_SLURM_NODES=$NNODES $0 $1"
 }
 
 # alive PID NAME: true when PID runs a program called NAME (guards against reused pids).
