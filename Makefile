@@ -42,5 +42,6 @@ test: lint
 bench: setup
 	$(BIN)/python experiments/hogwild_scaling.py
 
-clean:
-	rm -rf $(VENV) runs .pytest_cache
+clean:  # runs/ itself stays: Slurm's jobs write their output into it (runs/.gitignore)
+	rm -rf $(VENV) .pytest_cache
+	find runs -mindepth 1 -maxdepth 1 ! -name .gitignore -exec rm -rf {} +
