@@ -349,12 +349,14 @@ def await_handshake(ctx: zmq.Context, endpoint: str, keys: Optional[ClientKeys],
             left = deadline - now
             if left <= 0:
                 return False
-            line = waiting.due(now)
+            line = waiting.due(now) if waiting else None
             if line:
                 log.warning(line)
-            if not monitor.poll(int(min(left, waiting.until_due(now)) * 1000) + 1):
+            wait = min(left, waiting.until_due(now)) if waiting else left
+            if not monitor.poll(int(wait * 1000) + 1):
                 continue
             event = parse_monitor_message(monitor.recv_multipart())
+            waiting = None  # something answers there: what it says decides, not the wait
             kind, value = event["event"], event["value"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 return True
