@@ -101,11 +101,13 @@ def test_plot_warns_of_unlike_settings_and_counts_a_failed_start_as_failed(runs,
     assert f"- **ps-async**, repeat 1, failed: {FAILED_START}\n" in report
     assert "| ps-async | 1 | 0 | failed | `ps-port-taken` |" in report
     rows = {r["mode"]: r for r in parse_table(report)}
-    assert list(rows) == ["single (bs32)", "single (bs64)", "ps-async"]
+    # the legend and the table tell the runs apart by the settings that differ
+    told = {"bs32": "single (batch-size 32, lr 0.1)", "bs64": "single (batch-size 64, lr 0.05)"}
+    assert list(rows) == [*told.values(), "ps-async"]
     assert rows["ps-async"]["runs ok"] == "0/1" and rows["ps-async"]["final acc. %"] == "failed"
-    for name in ("bs32", "bs64"):
-        assert rows[f"single ({name})"]["runs ok"] == "1/1"
-        assert rows[f"single ({name})"]["final acc. %"] == _accuracy(runs / name)
+    for name, label in told.items():
+        assert rows[label]["runs ok"] == "1/1"
+        assert rows[label]["final acc. %"] == _accuracy(runs / name)
     assert parse_table(res.stdout) == list(rows.values())
 
 
