@@ -94,7 +94,9 @@ def _report(summary: dict) -> None:
         to_target = summary.get("bytes_to_target")
         click.echo(f"on the network: {summary['bytes'] / 1e6:,.1f} MB"
                    + (f" ({to_target / 1e6:,.1f} MB to the target)" if to_target is not None
-                      else ""))
+                      else "")
+                   + (f"; {summary['shared_bytes'] / 1e6:,.1f} MB more through shared memory "
+                      "on this host" if summary.get("shared_bytes") else ""))
     click.echo(f"stopped by: {summary['stopped_by']}")
     click.echo(f"run directory: {summary['run_dir']}")
 

@@ -376,3 +376,21 @@ def test_plot_names_the_task_the_processes_and_the_settings_that_differ(tmp_path
     assert not [w for w in result.warnings if "differ" in w]
     assert (tmp_path / "out2" / "report.md").read_text().startswith(
         "# asyncsgd plot: synthetic, 4 processes\n")
+
+
+def test_runs_that_moved_tensors_through_shared_memory_say_so_on_the_traffic_plot(tmp_path):
+    """A same-host parameter server's wire count leaves out what its areas moved: its
+    legend names those megabytes; a run without any keeps its plain label."""
+    def evals(shared):
+        return [("eval", t, 80 * t, {"loss": 1.0, "accuracy": 0.5, "bytes": 1_000_000 * t,
+                                     **({"shared_bytes": shared * t} if shared else {})})
+                for t in (1, 2)]
+
+    ps = _run_dir(tmp_path / "ps", events=evals(17_500_000), mode="ps", workers=2)
+    ddp = _run_dir(tmp_path / "ddp", events=evals(0), mode="ddp", procs=2)
+    drawn = {name: fig for name, _, fig in
+             figures([("ps-async", [ps]), ("ddp", [ddp])], Goal(ACCURACY))}
+    legend = drawn["accuracy_vs_bytes.png"].axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "ps-async (shared memory: 35.0 MB not on the wire)", "ddp"]
+    assert ps.summary["shared_bytes"] == 35_000_000 and "shared_bytes" not in ddp.summary
