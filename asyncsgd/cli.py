@@ -94,7 +94,9 @@ def _report(summary: dict) -> None:
         to_target = summary.get("bytes_to_target")
         click.echo(f"on the network: {summary['bytes'] / 1e6:,.1f} MB"
                    + (f" ({to_target / 1e6:,.1f} MB to the target)" if to_target is not None
-                      else ""))
+                      else "")
+                   + (f"; {summary['shared_bytes'] / 1e6:,.1f} MB more through shared memory "
+                      "on this host" if summary.get("shared_bytes") else ""))
     click.echo(f"stopped by: {summary['stopped_by']}")
     click.echo(f"run directory: {summary['run_dir']}")
 
@@ -466,7 +468,8 @@ def plot(run_dirs: tuple, **params: object) -> None:
     """Plot and tabulate any run directories (of any mode, or of a compare).
 
     Writes the compare plots (the task's test metric and training loss vs time, loss vs
-    samples, throughput) and report.md into --out, and prints the table. Each run is
+    samples, throughput, the metric vs megabytes sent where runs counted them) and
+    report.md into --out, and prints the table. Each run is
     given once; runs of different tasks are refused unless --allow-mixed; settings that
     differ between runs of one task (batch size, learning rate, budget) are warned about;
     a run that failed (at start, too) is counted and named as failed.

@@ -104,6 +104,14 @@ class _TrainFeed:
         self.seen: dict = {}
         self.samples = recorder.samples_offset
         self._samples, self._bytes = _Running(), _Running()
+        self._shared: dict = {}  # shard -> its _Running bytes through same-host areas
+
+    def shared(self, shards: list) -> None:
+        """The bytes every shard moved through same-host areas (each shard's own count,
+        kept across its restarts): what the wire's count leaves out."""
+        moved = sum(self._shared.setdefault(i, _Running())(s.get("area_bytes", 0))
+                    for i, s in enumerate(shards))
+        self.recorder.shared_bytes = self.recorder.shared_offset + moved
 
     def update(self, shard0: dict) -> None:
         train = shard0.get("train", {})  # the most recently seen workers only
@@ -148,6 +156,7 @@ class Evaluator:
         self.model.load_state_dict(self.layout.state_dict(self.reader.flat))
         self.latest = self.reader.stats()
         self.feed.update(self.latest[0])
+        self.feed.shared(self.latest)
         self.recorder.lr = self.latest[0].get("lr")  # shard 0's latest update's
         return self.last_observation()
 

@@ -245,6 +245,7 @@ def _reply(sock: zmq.Socket, state: ShardState, peer: bytes, reply: Message,
     if area is not None:
         store.apply_pending()
         send(sock, reply, peer, local=(area.link, area.params))
+        areas.sent(reply)
         return
     if reply.type == PARAMS and store.sends_in_place(reply):
         buffer = store.buffer
@@ -265,6 +266,7 @@ def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
     msg = None
     try:
         peer, msg = recv_from(sock, areas.grads_of)
+        areas.received(msg)
     finally:
         busy.waited(time.perf_counter() - idle, msg.nbytes if isinstance(msg, Message) else 0)
     if isinstance(msg, ProtocolError):

@@ -13,10 +13,10 @@ import subprocess
 
 import pytest
 
-from asyncsgd.analysis.plots import figure_data, loss_curve
+from asyncsgd.analysis.plots import figure_data, figures, loss_curve
 from asyncsgd.analysis.publish import report_runs, setting_warnings, task_groups, write_results
 from asyncsgd.analysis.report import Attempt, Goal, mode_rows, parse_table
-from asyncsgd.core.scoring import ACCURACY
+from asyncsgd.core.scoring import ACCURACY, PERPLEXITY
 from asyncsgd.errors import ConfigError
 from asyncsgd.run.metrics import MetricsLog, summarize, train_curve
 from asyncsgd.run.reader import Run
@@ -101,11 +101,13 @@ def test_plot_warns_of_unlike_settings_and_counts_a_failed_start_as_failed(runs,
     assert f"- **ps-async**, repeat 1, failed: {FAILED_START}\n" in report
     assert "| ps-async | 1 | 0 | failed | `ps-port-taken` |" in report
     rows = {r["mode"]: r for r in parse_table(report)}
-    assert list(rows) == ["single (bs32)", "single (bs64)", "ps-async"]
+    # the legend and the table tell the runs apart by the settings that differ
+    told = {"bs32": "single (batch-size 32, lr 0.1)", "bs64": "single (batch-size 64, lr 0.05)"}
+    assert list(rows) == [*told.values(), "ps-async"]
     assert rows["ps-async"]["runs ok"] == "0/1" and rows["ps-async"]["final acc. %"] == "failed"
-    for name in ("bs32", "bs64"):
-        assert rows[f"single ({name})"]["runs ok"] == "1/1"
-        assert rows[f"single ({name})"]["final acc. %"] == _accuracy(runs / name)
+    for name, label in told.items():
+        assert rows[label]["runs ok"] == "1/1"
+        assert rows[label]["final acc. %"] == _accuracy(runs / name)
     assert parse_table(res.stdout) == list(rows.values())
 
 
@@ -150,12 +152,12 @@ def test_the_plotted_score_curve_is_each_evaluation_of_the_run(runs):
 
 # -- loss curves ---------------------------------------------------------------------------
 
-def _run_dir(path, task=None, events=(), summary=True, **config):
+def _run_dir(path, task=None, events=(), summary=True, mode="single", **config):
     """A run directory written with the project's writers: config.json (``config`` as its
-    settings, ``task`` as its task record), ``events`` as (event, t, samples, fields) and
-    summary.json from them."""
-    run = RunDir.create(str(path), "single")
-    run.write_config("single", {"seed": 0, **config},
+    settings, ``task`` as its task record, ``mode`` its mode), ``events`` as (event, t,
+    samples, fields) and summary.json from them."""
+    run = RunDir.create(str(path), mode)
+    run.write_config(mode, {"seed": 0, **config},
                      task or {"name": "synthetic", "train_samples": 100, "test_samples": 10,
                               "metric": ACCURACY.describe()}, argv=[])
     metrics = MetricsLog(run)
@@ -164,7 +166,7 @@ def _run_dir(path, task=None, events=(), summary=True, **config):
         metrics.write(event, t, samples, **fields)
     metrics.close()
     if summary:
-        run.write_summary(summarize(list(run.events()), mode="single", task="synthetic",
+        run.write_summary(summarize(list(run.events()), mode=mode, task="synthetic",
                                     target=None, stopped_by="epochs"))
     return Run.read(path)
 
@@ -292,3 +294,103 @@ def test_a_run_given_on_its_own_and_in_its_compare_directory_is_refused(tmp_path
             f"the run {(cmp / 'single-r1').resolve()} is given twice "
             f"\\({cmp} and {cmp / 'single-r1'}\\): give each run once")):
         report_runs([cmp, cmp / "single-r1"], tmp_path / "out2", None)
+
+
+# -- where the plots go, their axes, titles and legends -------------------------------------
+
+TRAINED = [_eval(0.0, 0, 0.1), _train(1.0, 80, 0, 2.0, 10), _eval(1.0, 80, 0.5)]
+
+
+def test_an_out_that_cannot_be_written_is_one_line_and_bad_usage(tmp_path, run_cli_here):
+    """As root, chmod stops no write: a path under a regular file cannot be made."""
+    _run_dir(tmp_path / "run", events=TRAINED)
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "plots"
+    with pytest.raises(ConfigError, match=f"^cannot write the plots to {out}: "
+                       f"{tmp_path / 'file'} is not a directory; choose a writable place "
+                       "with --out DIR$"):
+        report_runs([tmp_path / "run"], out, None)
+    res = run_cli_here("plot", tmp_path / "run", "--out", out)
+    assert res.returncode == 2, res
+    assert res.stderr.splitlines() == [f"error: cannot write the plots to {out}: "
+                                       f"{tmp_path / 'file'} is not a directory; choose a "
+                                       "writable place with --out DIR"]
+    for command in (("compare", "--modes", "single", "--budget", "1"), ("simulate",),
+                    ("single", "--epochs", "1")):
+        res = run_cli_here(*command, "--out", tmp_path / "file" / command[0])
+        assert res.returncode == 2, (command, res)
+        assert res.stderr.splitlines() == [
+            f"error: cannot write the run directory {tmp_path / 'file' / command[0]}: Not a "
+            "directory; choose a writable place with --out DIR"], (command, res.stderr)
+
+
+def _perplexity(t, samples, value):
+    return "eval", t, samples, {"loss": 1.0, "perplexity": value}
+
+
+LM = {"name": "lm", "train_samples": 100, "test_samples": 10,
+      "metric": PERPLEXITY.describe()}
+
+
+def test_perplexity_is_drawn_on_a_log_axis_and_accuracy_on_a_linear_one(tmp_path):
+    lm = _run_dir(tmp_path / "lm", LM, [_perplexity(0.0, 0, 300.0), _perplexity(1.0, 80, 4.0),
+                                        _perplexity(2.0, 160, 2.0)])
+    drawn = {name: fig for name, _, fig in figures([("single", [lm])], Goal(PERPLEXITY, 2.0))}
+    assert drawn["perplexity_vs_time.png"].axes[0].get_yscale() == "log"
+    assert drawn["loss_vs_time.png"].axes[0].get_yscale() == "linear"
+    acc = _run_dir(tmp_path / "acc", events=TRAINED)
+    drawn = {name: fig for name, _, fig in figures([("single", [acc])], Goal(ACCURACY))}
+    assert drawn["accuracy_vs_time.png"].axes[0].get_yscale() == "linear"
+
+
+def test_the_time_axis_says_start_up_is_on_it(tmp_path):
+    run = _run_dir(tmp_path / "run", events=TRAINED)
+    drawn = {name: fig for name, _, fig in figures([("single", [run])], Goal(ACCURACY))}
+    for name in ("accuracy_vs_time.png", "loss_vs_time.png"):
+        assert drawn[name].axes[0].get_xlabel() == "seconds since the command started"
+    virtual = {name: fig for name, _, fig in
+               figures([("single", [run])], Goal(ACCURACY, clock="virtual"))}
+    assert virtual["loss_vs_time.png"].axes[0].get_xlabel() == "virtual seconds"
+
+
+def test_plot_names_the_task_the_processes_and_the_settings_that_differ(tmp_path):
+    """Runs of one mode with 8 and 2 processes: the legend says procs (not the
+    directories' time stamps), the title the task and both counts, a warning the
+    difference; runs whose settings are all alike keep their directories' names."""
+    for name, procs in (("20261122-101500-hogwild", 8), ("20261122-103000-hogwild", 2)):
+        _run_dir(tmp_path / name, events=TRAINED, mode="hogwild", procs=procs)
+    result = report_runs([tmp_path / "20261122-101500-hogwild",
+                          tmp_path / "20261122-103000-hogwild"], tmp_path / "out", None)
+    assert [r["mode"] for r in parse_table(result.text)] == ["hogwild (procs 8)",
+                                                             "hogwild (procs 2)"]
+    assert result.warnings[-1:] == [  # after the oversubscription a host of < 8 cores has
+        f"these runs differ in training processes (workers or ranks): 8 ("
+        f"{tmp_path / '20261122-101500-hogwild'}) vs 2 ({tmp_path / '20261122-103000-hogwild'})"
+        "; the table compares runs under different settings"]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert report.startswith("# asyncsgd plot: synthetic, 2 and 8 processes\n")
+    for name in ("a", "b"):
+        _run_dir(tmp_path / name, events=TRAINED, mode="hogwild", procs=4)
+    result = report_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "out2", None)
+    assert [r["mode"] for r in parse_table(result.text)] == ["hogwild (a)", "hogwild (b)"]
+    assert not [w for w in result.warnings if "differ" in w]
+    assert (tmp_path / "out2" / "report.md").read_text().startswith(
+        "# asyncsgd plot: synthetic, 4 processes\n")
+
+
+def test_runs_that_moved_tensors_through_shared_memory_say_so_on_the_traffic_plot(tmp_path):
+    """A same-host parameter server's wire count leaves out what its areas moved: its
+    legend names those megabytes; a run without any keeps its plain label."""
+    def evals(shared):
+        return [("eval", t, 80 * t, {"loss": 1.0, "accuracy": 0.5, "bytes": 1_000_000 * t,
+                                     **({"shared_bytes": shared * t} if shared else {})})
+                for t in (1, 2)]
+
+    ps = _run_dir(tmp_path / "ps", events=evals(17_500_000), mode="ps", workers=2)
+    ddp = _run_dir(tmp_path / "ddp", events=evals(0), mode="ddp", procs=2)
+    drawn = {name: fig for name, _, fig in
+             figures([("ps-async", [ps]), ("ddp", [ddp])], Goal(ACCURACY))}
+    legend = drawn["accuracy_vs_bytes.png"].axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "ps-async (shared memory: 35.0 MB not on the wire)", "ddp"]
+    assert ps.summary["shared_bytes"] == 35_000_000 and "shared_bytes" not in ddp.summary

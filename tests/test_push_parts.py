@@ -125,6 +125,11 @@ def test_large_pushes_in_parts_through_a_real_server_are_exact(server, transport
                   for port in srv.stats()["shard_ports"]]
     assert [s["pushes"] for s in shards] == [4, 3] and [s["nonfinite"] for s in shards] == [0, 1]
     assert [s["areas_made"] for s in shards] == [int(transport == "shared")] * 2
+    # through the areas: each shard's slice in 4 pushes (the refused one too) and out in
+    # its replies' parameters (5 on shard 0, 4 on shard 1, which refused one); none on TCP
+    sizes = [end - start for start, end in client.ranges]
+    assert [s["area_bytes"] for s in shards] == (
+        [4 * sizes[0] * (4 + 5), 4 * sizes[1] * (4 + 4)] if transport == "shared" else [0, 0])
 
 
 def test_a_deferred_update_goes_part_by_part_and_equals_the_immediate_one():

@@ -15,7 +15,8 @@ import torch
 from asyncsgd.wire.layout import Layout
 from asyncsgd.wire.protocol import (ATTACH, ERROR, PUSH, VERSION, Key, Message, ProtocolError,
                                     Segment, decode, encode)
-from asyncsgd.wire.shared import Area, AreaUnavailable, supported
+from asyncsgd.wire.shared import Area, Areas, AreaUnavailable, supported
+from asyncsgd.servers.evaluator import _TrainFeed
 from conftest import shard_stats
 from faults import observe
 from tasks_for_tests import index_counter
@@ -83,6 +84,37 @@ def test_area_headers_are_decoded_as_strictly_as_frames():
     frames = encode(Message(type=PUSH, seq=1, segments=[Segment(1, torch.ones(3))]),
                     local=(5, slot))
     assert len(frames) == 1 and torch.equal(slot[1:4], torch.ones(3)), "written, not framed"
+
+
+def test_an_area_counts_the_bytes_it_moved_and_frames_are_not_counted():
+    """What crosses no socket is counted where it moves: a push decoded from an area, a
+    reply written into one; a framed push, whose bytes the wire counts, is not."""
+    areas = Areas(elements=8, limit=2)
+    area = areas.attach("w", 1, b"peer")
+    try:
+        def push(**local):
+            return encode(Message(type=PUSH, worker="w", incarnation=1, seq=1,
+                                  segments=[Segment(2, torch.ones(4))]), **local)
+
+        areas.received(decode(push(local=(area.link, area.grads)), areas.grads_of, b"peer"))
+        assert areas.moved == 4 * 4
+        areas.received(decode(push(), areas.grads_of, b"peer"))
+        assert areas.moved == 4 * 4, "a framed push is the wire's to count"
+        areas.sent(Message(type="params", segments=[Segment(0, torch.zeros(8))]))
+        assert areas.stats()["area_bytes"] == 4 * 4 + 4 * 8
+    finally:
+        areas.close()
+
+
+def test_the_server_adds_up_every_shards_area_bytes_across_restarts_and_resumes():
+    class Recorder:
+        samples_offset, shared_offset, shared_bytes = 0, 10, None  # 10: before a resume
+
+    feed = _TrainFeed(Recorder())
+    feed.shared([{"area_bytes": 100}, {"area_bytes": 50}])
+    assert feed.recorder.shared_bytes == 10 + 100 + 50
+    feed.shared([{"area_bytes": 200}, {"area_bytes": 5}])  # shard 1 restarted from 0
+    assert feed.recorder.shared_bytes == 10 + 200 + 50 + 5
 
 
 def _attach(peer: Peer, seq: int, token=None) -> Message:

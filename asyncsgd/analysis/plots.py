@@ -23,7 +23,9 @@ PLOTS = [("{metric}_vs_time.png", "Test {metric} vs wall-clock time"),
          ("throughput.png", "Throughput per mode")]
 # Drawn when a run counts its bytes (the parameter server, ddp): its metric by traffic
 BYTES_PLOT = ("{metric}_vs_bytes.png",
-              "Test {metric} vs megabytes on the network (single and hogwild use none)")
+              "Test {metric} vs megabytes on the network (single and hogwild use none; a "
+              "parameter server's workers on its host move their tensors through shared "
+              "memory instead, which the legend names)")
 SIZE = (6.4, 4.0)  # inches; at DPI 80 a 512 x 320 PNG of a few tens of KB
 DPI = 80
 
@@ -82,8 +84,10 @@ def _band(label: str, colour: int, curves: list) -> list:
 
 
 def _lines(lines: list, title: str, xlabel: str, ylabel: str,
-           hline: Optional[tuple] = None, conditions: str = ""):
+           hline: Optional[tuple] = None, conditions: str = "", log: bool = False):
     fig, ax = _figure(title, xlabel, ylabel, conditions)
+    if log:
+        ax.set_yscale("log")
     counts = {label: sum(line[0] == label for line in lines) for label, *_ in lines}
     shown: set = set()
     for label, colour, xs, ys, *spread in lines:
@@ -195,19 +199,31 @@ def draw_all(groups: list, out_dir: Path, goal: Goal, conditions: str = "") -> l
     repeats with their min–max shaded (``series``); every figure carries the
     ``conditions`` (task, processes, stragglers, link) under its title."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, caption, figure in figures(groups, goal, conditions):
+        figure.savefig(out_dir / name, dpi=DPI)
+        written.append((name, caption))
+        log.info("wrote %s", out_dir / name)
+    return written
+
+
+def figures(groups: list, goal: Goal, conditions: str = "") -> list:
+    """[(file name, caption, matplotlib Figure)] of what ``draw_all`` writes."""
     groups = [(label, runs) for label, runs in groups if runs]
     metric, target = goal.metric, goal.target
     scale = 100 if metric.percent else 1
     unit = " (%)" if metric.percent else ""
     data = figure_data(groups, goal)
     score, by_time, by_samples = data.values()
-    seconds = "virtual seconds" if goal.clock == "virtual" else "training seconds"
-    figures = [
+    # a run's clock starts with the command: its start-up is on the axis too
+    seconds = "virtual seconds" if goal.clock == "virtual" else \
+        "seconds since the command started"
+    hline = None if target is None else (target * scale, f"target {goal.label}")
+    drawn = [
         _lines(score, f"Test {metric.name}", seconds,
                f"test {metric.name}{unit}" + ("" if metric.higher_is_better else
                                                " (lower is better)"),
-               hline=None if target is None else (target * scale, f"target {goal.label}"),
-               conditions=conditions),
+               hline=hline, conditions=conditions, log=log_axis(metric, score)),
         _lines(by_time, "Training loss", seconds, "training loss",
                conditions=conditions),
         _lines(by_samples, "Training loss", "samples processed", "training loss",
@@ -215,20 +231,37 @@ def draw_all(groups: list, out_dir: Path, goal: Goal, conditions: str = "") -> l
         _throughput(groups, conditions, goal.unit),
     ]
     names = list(PLOTS)
-    by_bytes = series(groups, _bytes_curve(goal), 0, 1)
+    named = {label: shared_label(label, runs) for label, runs in groups}
+    by_bytes = [(named[label], *rest)
+                for label, *rest in series(groups, _bytes_curve(goal), 0, 1)]
     if by_bytes:
-        figures.append(_lines(
+        drawn.append(_lines(
             by_bytes, f"Test {metric.name} by traffic", "MB on the network",
-            f"test {metric.name}{unit}",
-            hline=None if target is None else (target * scale, f"target {goal.label}"),
-            conditions=conditions))
+            f"test {metric.name}{unit}", hline=hline, conditions=conditions,
+            log=log_axis(metric, by_bytes)))
         names.append(BYTES_PLOT)
-    written = []
-    for figure, (name, caption) in zip(figures, names):
+    made = []
+    for figure, (name, caption) in zip(drawn, names):
         name, caption = name.format(metric=metric.name), caption.format(metric=metric.name)
         if goal.clock == "virtual":
             caption = caption.replace("wall-clock", "virtual")
-        figure.savefig(out_dir / name, dpi=DPI)
-        written.append((name, caption))
-        log.info("wrote %s", out_dir / name)
-    return written
+        made.append((name, caption, figure))
+    return made
+
+
+def shared_label(label: str, runs: list) -> str:
+    """``label``, with the megabytes its runs moved through shared memory where they did
+    (a parameter server and workers on one host): the traffic figure's x axis counts only
+    what crossed a socket, so those runs would look nearly free beside ddp's."""
+    moved = max((e.get("shared_bytes", 0) for run in runs for e in run.events
+                 if e.get("event") == "eval"), default=0)
+    return f"{label} (shared memory: {moved / 1e6:,.1f} MB not on the wire)" if moved else label
+
+
+def log_axis(metric, lines: list) -> bool:
+    """A lower-is-better metric that is no fraction (perplexity, mse, a loss) falls by
+    orders of magnitude early on: on a linear axis its first values flatten every later
+    curve and the target line. Log where every value drawn is positive."""
+    values = [y for line in lines for ys in line[3:] for y in ys]  # medians, mins, maxes
+    return not metric.higher_is_better and not metric.percent and bool(values) \
+        and min(values) > 0

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -23,7 +24,16 @@ TASK_FIELDS = (("name", "task"), ("train_samples", "training samples"),
 # None means "the task's default", which summary.json resolves where the run records it).
 SETTINGS = (("batch_size", "batch size per process", True), ("lr", "learning rate", True),
             ("max_seconds", "time budget (--max-seconds)", False),
-            ("epochs", "--epochs", False))
+            ("epochs", "--epochs", False),
+            ("processes", "training processes (workers or ranks)", False))
+# The settings a legend names to tell runs of one mode apart (plain runs, not repeats), in
+# this order, at most LEGEND_SETTINGS of them: those that change what or how a run trains.
+TELLING = ("procs", "workers", "batch_size", "lr", "lr_schedule", "warmup", "optimizer",
+           "momentum", "weight_decay", "consistency", "shards", "local_steps", "push_every",
+           "compress", "push_dtype", "pull_dtype", "transport", "accumulate", "clip_grad_norm",
+           "amp", "comm_hook", "data_dispatch", "balance", "threads", "device", "slowdown",
+           "delay", "max_seconds", "epochs", "target", "seed")
+LEGEND_SETTINGS = 3
 UNKNOWN = object()
 
 
@@ -80,6 +90,7 @@ def report_runs(paths: list, out: Path, target: Optional[float],
     files say: one that failed at start is no result. Runs that recorded more training
     processes than their host had CPUs are warned about first, and the verdict says what
     that did to the lock-step modes."""
+    writable(out)
     _given_once(paths)
     sourced = [(path, a) for path in paths for a in _attempts_of(Path(path))]
     _runs_once(sourced)
@@ -98,11 +109,24 @@ def report_runs(paths: list, out: Path, target: Optional[float],
                  "spent: it is reported for what it recorded"
                  for a in attempts if a.ok and a.run.recorded_summary
                  and a.run.summary.get("status") == "interrupted"]
-    text = publish(out, "asyncsgd plot", [f"Runs: {', '.join(str(p) for p in paths)}"],
+    text = publish(out, plot_title(groups), [f"Runs: {', '.join(str(p) for p in paths)}"],
                    attempts, Goal.of(attempts, target), {"command": sys.argv},
                    groups=groups if len(groups) > 1 else None, warnings=tuple(warnings),
                    caveat=caveat)
     return Plotted(text, warnings, [a for a in attempts if not a.ok])
+
+
+def writable(out: Path) -> None:
+    """``out`` can hold the plots, checked before any run is read and without making it (a
+    refused plot leaves nothing behind): one line naming the place, not a traceback after
+    the work."""
+    existing = next(p for p in (out, *out.parents) if p.exists() or p == Path(p.anchor))
+    why = (f"{existing} is not a directory" if not existing.is_dir() else
+           f"no permission to write in {existing}"
+           if not os.access(existing, os.W_OK | os.X_OK) else "")
+    if why:
+        raise ConfigError(f"cannot write the plots to {out}: {why}; choose a writable place "
+                          "with --out DIR")
 
 
 def _is_compare_dir(path: Path) -> bool:
@@ -147,8 +171,14 @@ def _runs_once(sourced: list) -> None:
 
 def _tell_apart(group: list, plain: list) -> None:
     """Plain runs of one mode are different experiments, not repeats: one whose label
-    another run of ``group`` shares gets its directory's name, with as many parent
-    folders as tell it from the others of that label."""
+    another run of ``group`` shares gets the settings that differ between them ('hogwild
+    (procs 8)'); where none do, its directory's name, with as many parent folders as tell
+    it from the others of that label."""
+    labels = {a.label for a in plain}
+    for label in labels:
+        same = [a for a in group if a.label == label]
+        if len(same) > 1:
+            _name_settings([a for a in same if id(a) in {id(b) for b in plain}], same)
     clashing = [a for a in plain if sum(b.label == a.label for b in group) > 1]
     parts = {id(a): Path(a.run_dir).resolve().parts for a in clashing}
     names = {}
@@ -161,6 +191,26 @@ def _tell_apart(group: list, plain: list) -> None:
         names[id(a)] = "/".join(mine[-depth:])
     for a in clashing:
         a.label = f"{a.label} ({names[id(a)]})"
+
+
+def _name_settings(plain: list, same: list) -> None:
+    """Each of ``plain`` labelled with the settings (``TELLING``) whose values differ
+    among ``same``, the runs of its label."""
+    def value(a, key):
+        found = UNKNOWN if a.run is None else _setting(a.run, key, True)
+        return "default" if found is UNKNOWN or found is None else found
+
+    differ = [key for key in TELLING
+              if len({str(value(a, key)) for a in same}) > 1][:LEGEND_SETTINGS]
+    if not differ:
+        return
+    for a in plain:
+        a.label += " (" + ", ".join(f"{key.replace('_', '-')} {_shown(value(a, key))}"
+                                    for key in differ) + ")"
+
+
+def _shown(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _task(run: Run) -> tuple:
@@ -246,7 +296,10 @@ def setting_warnings(attempts: list, task: str = "") -> list:
 def _setting(run: Run, key: str, defaulted: bool):
     """The value a run used: summary.json's where it records it (the task's default
     resolved), else config.json's; UNKNOWN where neither says (a parameter server knows
-    no batch size, nor, with fixed partitions, the epochs: its workers have them)."""
+    no batch size, nor, with fixed partitions, the epochs: its workers have them).
+    ``processes``: a parallel mode's workers or ranks (UNKNOWN for single)."""
+    if key == "processes":
+        return _processes(run)
     if run.summarized.get(key) is not None:
         return run.summarized[key]
     settings = run.record.get("config", {})
@@ -256,6 +309,29 @@ def _setting(run: Run, key: str, defaulted: bool):
     if key not in settings or (defaulted and settings[key] is None):
         return UNKNOWN
     return settings[key]
+
+
+def _processes(run: Run):
+    """The training processes of a parallel mode's run: hogwild's and ddp's procs (as
+    summary.json resolved them), a parameter server's workers; UNKNOWN for single."""
+    mode = run.record.get("mode")
+    key = {"hogwild": "procs", "ddp": "procs", "ps": "workers"}.get(mode)
+    found = None if key is None else _setting(run, key, True)
+    return UNKNOWN if found is None else found
+
+
+def plot_title(groups: list) -> str:
+    """report.md's title and the plots': the task (each task with --allow-mixed) and the
+    training processes of the parallel modes, like compare's ('asyncsgd plot:
+    mnist1d-cnn, 4 processes'); counts that differ are all named ('2 and 8 processes')."""
+    tasks = [task for task, _ in groups if task] or sorted(
+        {_task(a.run)[0] for _, group in groups for a in group if a.run is not None} - {None})
+    counts = sorted(_by_value([a for _, group in groups for a in group], _processes))
+    title = "asyncsgd plot: " + (", ".join(map(str, tasks)) or "runs")
+    if counts:
+        many = " and ".join(map(str, counts))
+        title += f", {many} process{'es' if counts != [1] else ''}"
+    return title
 
 
 def _compare_attempts(path: Path) -> list:

@@ -154,6 +154,9 @@ def summarize(events: list, *, mode: str, task: str, target: Optional[float],
         "bytes": max((e["bytes"] for e in evals if e.get("bytes") is not None), default=None),
         "bytes_to_target": bytes_to_target(evals, target, metric),
     }
+    shared = max((e.get("shared_bytes", 0) for e in evals), default=0)
+    if shared:  # a same-host parameter server's tensors, moved through shared memory
+        summary["shared_bytes"] = shared
     if error:
         summary["error"] = error
     summary.update(extra)

@@ -110,6 +110,9 @@ class Recorder:
         # Bytes on the network so far, for modes that count them (the parameter server):
         # eval events and checkpoints carry it, a resumed run continues from its checkpoint's
         self.bytes_offset, self.wire_bytes = 0, None
+        # Bytes a same-host parameter server moved through shared memory instead (none of
+        # them on the network, so not in wire_bytes): carried as wire_bytes is
+        self.shared_offset, self.shared_bytes = 0, None
         self.lr: Optional[float] = None  # the lr in force, where a mode sets it (--lr-schedule)
         self.run = run
         if cfg.resume:
@@ -163,6 +166,7 @@ class Recorder:
         self.t_offset = float(ckpt.get("t", 0.0))
         self.samples_offset = int(ckpt.get("samples", 0))
         self.bytes_offset = int(ckpt.get("bytes") or 0)
+        self.shared_offset = int(ckpt.get("shared_bytes") or 0)
         self.epochs_done = int(ckpt.get("epochs_done", 0))
         self._restored(ckpt)
         log.info("resuming %s from t=%.1fs, %d samples, epoch %d", self.run.path,
@@ -205,6 +209,8 @@ class Recorder:
         fields = {"loss": round(result["loss"], 6), self.metric.name: round(score, 6)}
         if self.wire_bytes is not None:
             fields["bytes"] = int(self.wire_bytes)
+        if self.shared_bytes:
+            fields["shared_bytes"] = int(self.shared_bytes)
         if self.lr is not None:
             fields["lr"] = self.lr
         self.sinks.eval(self.metrics.write("eval", self.t(), samples, **fields, **extra))
@@ -231,7 +237,8 @@ class Recorder:
         save_checkpoint(self.run.checkpoint, {
             "mode": self.mode, "task": self.task.name, "model": state, "samples": int(samples),
             "t": self.t(), "epochs_done": int(epochs_done), **extra,
-            **({"bytes": int(self.wire_bytes)} if self.wire_bytes is not None else {})})
+            **({"bytes": int(self.wire_bytes)} if self.wire_bytes is not None else {}),
+            **({"shared_bytes": int(self.shared_bytes)} if self.shared_bytes else {})})
         self._next_checkpoint = self.elapsed() + (self.cfg.checkpoint_every or math.inf)
 
     def checkpoint_due(self) -> bool:

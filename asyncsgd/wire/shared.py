@@ -138,6 +138,10 @@ class Areas:
         self._next = 1
         self.made = 0
         self.dropped = 0
+        # bytes of tensors moved through the areas (pushes in, parameters out): traffic
+        # that crosses no socket, so a report can say what the wire's count leaves out
+        self.moved = 0
+        self._lent = False  # grads_of gave the message being decoded a slot
 
     def attach(self, worker: str, incarnation: int, peer: bytes) -> Area:
         """A fresh area for ``worker``'s incarnation (replacing one it had)."""
@@ -161,10 +165,21 @@ class Areas:
         if area is None or (area.worker, area.incarnation) != (worker, incarnation):
             return None
         self.by_link[link] = self.by_link.pop(link)  # most recently used
+        self._lent = True
         if self.by_peer.get(peer) != link:  # a reconnected worker: replies go to its new id
             self._forget_peers(link)
             self.by_peer[peer] = link
         return area.grads
+
+    def received(self, msg) -> None:
+        """Count the tensors of ``msg``, just decoded, when they came through an area."""
+        if self._lent:
+            self.moved += tensor_bytes(msg)
+        self._lent = False
+
+    def sent(self, msg) -> None:
+        """Count the tensors of ``msg``, just written into an area."""
+        self.moved += tensor_bytes(msg)
 
     def for_peer(self, peer: bytes) -> Optional[Area]:
         """The area replies to ``peer`` are written to, if it has one."""
@@ -191,4 +206,9 @@ class Areas:
 
     def stats(self) -> dict:
         return {"areas": len(self.by_link), "areas_made": self.made,
-                "areas_evicted": self.dropped}
+                "areas_evicted": self.dropped, "area_bytes": self.moved}
+
+
+def tensor_bytes(msg) -> int:
+    """The bytes of a message's segments: float32, all that an area holds."""
+    return 4 * sum(seg.data.shape[0] for seg in getattr(msg, "segments", ()))
