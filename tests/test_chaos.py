@@ -117,6 +117,7 @@ SHORT_RUNS = {"ps-async": (0.6, 6, 16), "ps-backup:auto": (1, 12, 25)}
 
 
 @pytest.mark.slow
+@pytest.mark.solo  # its goodput floor counts seconds: alone, as make test runs it
 def test_a_short_chaos_run_loses_and_doubles_nothing_and_recovers_from_every_fault(
         cli_env, tmp_path):
     """Two modes, 4 workers, 36 s (ps-async) and a minute (ps-backup:auto) each from their

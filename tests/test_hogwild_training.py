@@ -212,6 +212,7 @@ def test_the_token_ring_lets_one_process_compute_per_core(run_cli, cli_env, tmp_
         assert _overlap(intervals) > cores
 
 
+@pytest.mark.solo  # checkpoints a second apart within 8 s: alone, as make test runs it
 def test_checkpoints_are_written_every_checkpoint_every_seconds(cli_env, tmp_path):
     """While a run trains, checkpoint.pt is replaced about every second (--checkpoint-every
     1), never sooner: by its own clock each is at least 1 s of training after the last.

@@ -22,6 +22,9 @@ from asyncsgd.run.process_group import available_cores
 from conftest import Server, asyncsgd_cmd, finish, read_json, worker
 from faults import record_figure
 
+# They load the machine on purpose and time the commands: make test runs them alone
+pytestmark = pytest.mark.solo
+
 SPINNERS = 4
 BUDGET = 12
 # Five processes importing torch beside the spinners: the server and both workers were

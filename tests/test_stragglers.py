@@ -20,6 +20,9 @@ from conftest import Server, asyncsgd_cmd, finish, read_events, read_json, worke
 from faults import record_figure
 from test_exactly_once import TASK as COUNTER, Peer
 
+# They time steps against each other: make test runs them alone, after the rest
+pytestmark = pytest.mark.solo
+
 STEP = 0.01
 TASK = ("--task", "tasks_for_tests:slow_counter", "--epochs", 1_000_000, "--progress", "off")
 SLOW = 4
