@@ -146,7 +146,7 @@ def _serve_until_stopped(cfg: ServerConfig, front: Front, supervisor: ShardSuper
     while True:
         front.serve(POLL_MS)
         supervisor.check()
-        if recorder.eval_due() and not recorder.out_of_time():  # else the final one is next
+        if recorder.eval_due() and not recorder.out_of_time(then=recorder.eval_seconds):
             try:
                 evaluator.evaluate()
             except TimeoutError as exc:  # a shard died meanwhile: restart, evaluate later

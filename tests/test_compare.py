@@ -312,14 +312,15 @@ def test_plot_draws_any_run_directories(compared, cache_dir, tmp_path):
                "--out", tmp_path / "plots", "--target", TARGET)
     assert res.returncode == 0, res.stderr
     rows = {r["mode"]: r for r in parse_table((tmp_path / "plots" / "report.md").read_text())}
-    # Two hogwild runs are different experiments, told apart by their directory.
-    assert set(rows) == {"hogwild (hogwild-r1)", "ps-async", "hogwild (my-hogwild)"}
-    for name, run_dir in (("hogwild (hogwild-r1)", out / "hogwild-r1"),
+    # Two hogwild runs are different experiments, told apart by the one setting both record
+    # and that differs (friction 12: not by their directories' names)
+    assert set(rows) == {"hogwild (seed 0)", "ps-async", "hogwild (seed 3)"}
+    for name, run_dir in (("hogwild (seed 0)", out / "hogwild-r1"),
                           ("ps-async", out / "ps-async-r1")):
         expected = expected_row(run_dir, TARGET)
         assert {k: rows[name][k] for k in expected} == expected
-    assert rows["hogwild (my-hogwild)"]["samples/s"] == "400"  # (900 - 100) / (2.5 - 0.5)
-    assert rows["hogwild (my-hogwild)"][f"time to {TARGET * 100:g}%"] == "2.5 s"
+    assert rows["hogwild (seed 3)"]["samples/s"] == "400"  # (900 - 100) / (2.5 - 0.5)
+    assert rows["hogwild (seed 3)"][f"time to {TARGET * 100:g}%"] == "2.5 s"
     for name in PNGS:
         _check_png(tmp_path / "plots" / name)
     assert "| mode" in res.stdout

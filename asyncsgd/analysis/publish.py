@@ -198,10 +198,12 @@ def _name_settings(plain: list, same: list) -> None:
     among ``same``, the runs of its label."""
     def value(a, key):
         found = UNKNOWN if a.run is None else _setting(a.run, key, True)
-        return "default" if found is UNKNOWN or found is None else found
+        return "default" if found is None else found
 
+    # a setting some run does not record tells nothing: those fall back to the directory
     differ = [key for key in TELLING
-              if len({str(value(a, key)) for a in same}) > 1][:LEGEND_SETTINGS]
+              if all(value(a, key) is not UNKNOWN for a in same)
+              and len({str(value(a, key)) for a in same}) > 1][:LEGEND_SETTINGS]
     if not differ:
         return
     for a in plain:

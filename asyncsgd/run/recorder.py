@@ -131,7 +131,8 @@ class Recorder:
         self.progress = Progress(self.mode, None if unlimited else total_samples, cfg.progress,
                                  seconds=cfg.max_seconds, since=self.t_offset)
         self.best_score: Optional[float] = None
-        self._eval_seconds = 0.0  # the last evaluation's: what the final one will take
+        self.eval_seconds = 0.0  # the last evaluation's, and the shortest's: what the
+        self._eval_shortest = 0.0  # final one will take, the workers stopped
         self._eval_samples: Optional[int] = None  # the samples the last evaluation saw
         self.last_eval: Optional[dict] = None
         self.clock, self._origin = self._start_clock(started_at)
@@ -185,12 +186,13 @@ class Recorder:
         """Seconds since this command started (``clock_origin``): its start-up included."""
         return time.monotonic() - self._origin
 
-    def out_of_time(self) -> bool:
+    def out_of_time(self, then: float = 0.0) -> bool:
         """--max-seconds, less the final evaluation's time, have passed since the command
-        started: the time a user waits. That evaluation comes after the stop (4 s of a
-        20 s lm run here), so it is set aside, as long as the last one took."""
+        started (``then`` seconds from now): the time a user waits. That evaluation comes
+        after the stop (4 s of a 20 s lm run here), so it is set aside, as long as the
+        shortest one took (those beside hogwild's busy workers take longer)."""
         limit = self.cfg.max_seconds
-        return bool(limit) and self.elapsed() + self._eval_seconds >= limit
+        return bool(limit) and self.elapsed() + then + self._eval_shortest >= limit
 
     def train(self, samples: int, worker: int, loss: float, steps: int, epoch: int,
               **extra) -> None:
@@ -201,7 +203,8 @@ class Recorder:
         """The task's loss and metric on its test set now, recorded and shown."""
         began = time.monotonic()
         result = self.task.evaluate(self.model)
-        self._eval_seconds = time.monotonic() - began
+        self.eval_seconds = time.monotonic() - began
+        self._eval_shortest = min(self._eval_shortest or math.inf, self.eval_seconds)
         self.last_eval, self._eval_samples = result, samples
         score = result[self.metric.name]
         if self.metric.better(score, self.best_score):
@@ -225,7 +228,8 @@ class Recorder:
     def evaluate_if_due(self, samples: int) -> Optional[dict]:
         """An evaluation once --eval-every passed, unless the run is out of time: its final
         one comes next."""
-        return self.evaluate(samples) if self.eval_due() and not self.out_of_time() else None
+        return (self.evaluate(samples) if self.eval_due()
+                and not self.out_of_time(then=self.eval_seconds) else None)
 
     def target_reached(self) -> bool:
         """The latest evaluation is at or past --target, in the metric's direction."""
