@@ -72,7 +72,7 @@ class Teacher:
         self.rows = rows
         vectors = min(rows, TEACHER_VECTORS)
         # each part's logit has a standard deviation of about 1 (dense features: about 0.27)
-        self.dense_weights = rng.standard_normal(DENSE) / (0.27 * np.sqrt(DENSE))
+        self.dense_weights = rng.standard_normal(DENSE) * 1.5 / (0.27 * np.sqrt(DENSE))
         # features differ in weight, as in Criteo a few of them tell most
         weight = rng.dirichlet(np.full(CATEGORICAL, 0.3))
         self.id_bias = rng.standard_normal((CATEGORICAL, vectors)) * np.sqrt(weight)[:, None]

@@ -283,7 +283,7 @@ def ctr(samples: Optional[int] = None, rows: int = 10_000) -> Task:
     if not 1 <= rows <= ctr_data.MAX_ROWS:
         raise TaskError(f"ctr:rows={rows}: give between 1 and {ctr_data.MAX_ROWS} ids per "
                         "feature, e.g. ctr:rows=100000")
-    n = samples or 100_000
+    n = samples or 40_000
     teacher = ctr_data.Teacher(rows, CTR_DATA_SEED)
     split = int(0.9 * n)
     train = ctr_data.generate(split, rows, CTR_DATA_SEED, teacher, stream=0)
@@ -298,7 +298,7 @@ def ctr(samples: Optional[int] = None, rows: int = 10_000) -> Task:
     params = sum(p.numel() for p in model_fn().parameters())
     return Task(
         name="ctr", model_fn=model_fn, train=as_split(train), test=as_split(test),
-        loss_fn=models.binary_logloss, lr=CTR_LR, batch_size=128, metric=AUC,
+        loss_fn=models.binary_logloss, lr=CTR_LR, batch_size=32, metric=AUC,
         default_target=round(0.9 * ceiling, 2),
         description=f"synthetic Criteo-like clicks, 13 dense and 26 categorical features of "
                     f"{rows:,} Zipf(1.1) ids; DLRM-like model, {params:,} parameters "
@@ -308,7 +308,7 @@ def ctr(samples: Optional[int] = None, rows: int = 10_000) -> Task:
 
 
 CTR_DATA_SEED = 1234
-CTR_LR = 0.1
+CTR_LR = 0.5
 
 
 BUILTIN_TASKS: dict = {
