@@ -273,17 +273,17 @@ def lm(samples: Optional[int] = None, layers: int = 4, width: int = 128,
 
 
 def ctr(samples: Optional[int] = None, rows: int = 10_000) -> Task:
-    """Synthetic Criteo-like clicks (13 dense, 26 Zipf ids), DLRM-like model; metric AUC.
+    """Synthetic Criteo-like clicks, DLRM-like model, metric AUC; lr 0.5, batch 32.
 
     ``rows``: raw ids per categorical feature, the size of each of the 26 tables of 16
     floats (default 10,000: 4.2 M parameters, trained in seconds; Criteo-sized 10^7 rows
     are 16 GB of tables, the size only a sparse parameter server holds). Labels come from a
     fixed random teacher whose own test AUC (``info["auc_ceiling"]``) no model passes; the
     data do not change with --seed, as for mnist1d. Every eval's loss is the log loss."""
-    if not 1 <= rows <= ctr_data.MAX_ROWS:
-        raise TaskError(f"ctr:rows={rows}: give between 1 and {ctr_data.MAX_ROWS} ids per "
-                        "feature, e.g. ctr:rows=100000")
-    n = samples or 40_000
+    if not isinstance(rows, int) or not 1 <= rows <= ctr_data.MAX_ROWS:
+        raise TaskError(f"ctr:rows={rows}: give a whole number of ids per feature between 1 "
+                        f"and {ctr_data.MAX_ROWS}, e.g. ctr:rows=100000")
+    n = samples or 30_000
     teacher = ctr_data.Teacher(rows, CTR_DATA_SEED)
     split = int(0.9 * n)
     train = ctr_data.generate(split, rows, CTR_DATA_SEED, teacher, stream=0)
@@ -299,7 +299,7 @@ def ctr(samples: Optional[int] = None, rows: int = 10_000) -> Task:
     return Task(
         name="ctr", model_fn=model_fn, train=as_split(train), test=as_split(test),
         loss_fn=models.binary_logloss, lr=CTR_LR, batch_size=32, metric=AUC,
-        default_target=round(0.9 * ceiling, 2),
+        default_target=round(0.85 * ceiling, 2),   # reached within one epoch of the default
         description=f"synthetic Criteo-like clicks, 13 dense and 26 categorical features of "
                     f"{rows:,} Zipf(1.1) ids; DLRM-like model, {params:,} parameters "
                     f"(teacher's AUC {ceiling:.3f})",
