@@ -24,6 +24,7 @@ TEACHER_VECTORS = 1 << 14
 MAX_ROWS = 1 << 31
 # the teacher's mean logit before its dense part: about a quarter of the labels are clicks
 CLICK_LOGIT = -1.6
+_BLOCK = 1 << 14
 _CDF_CACHE: dict = {}
 
 
@@ -71,15 +72,16 @@ class Teacher:
         rng = np.random.default_rng([seed, 0x7EAC])
         self.rows = rows
         vectors = min(rows, TEACHER_VECTORS)
-        # each part's logit has a standard deviation of about 1 (dense features: about 0.27)
-        self.dense_weights = rng.standard_normal(DENSE) * 1.5 / (0.27 * np.sqrt(DENSE))
+        # the dense part's logit has a standard deviation of about 1.5, each id part about 1:
+        # the dense part is learnt within an epoch, the ids' take data
+        self.dense_weights = rng.standard_normal(DENSE) * 1.5 / (_DENSE_STD * np.sqrt(DENSE))
         # features differ in weight, as in Criteo a few of them tell most
         weight = rng.dirichlet(np.full(CATEGORICAL, 0.3))
         self.id_bias = rng.standard_normal((CATEGORICAL, vectors)) * np.sqrt(weight)[:, None]
         pair_scale = (2.0 / (TEACHER_DIM * (1.0 - (weight ** 2).sum()))) ** 0.25
         self.id_vectors = rng.standard_normal((CATEGORICAL, vectors, TEACHER_DIM)) \
             * (np.sqrt(weight) * pair_scale)[:, None, None]
-        # the id permutation of each feature: an odd multiplier coprime to rows
+        # the id permutation of each feature: a multiplier coprime to rows
         self.multipliers = np.array([_coprime(rng, rows) for _ in range(CATEGORICAL)])
         self.offsets = rng.integers(0, rows, size=CATEGORICAL)
         self.bias = CLICK_LOGIT - self._mean_id_logit() - self.dense_weights.sum() * _DENSE_MEAN
@@ -96,6 +98,11 @@ class Teacher:
 
     def logits(self, dense: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         """The teacher's logit of each sample from its dense features and id ranks."""
+        # in blocks: a million samples' id vectors at once would be 832 MB
+        return np.concatenate([self._logits(dense[i:i + _BLOCK], ranks[i:i + _BLOCK])
+                               for i in range(0, len(ranks), _BLOCK)] or [np.zeros(0)])
+
+    def _logits(self, dense: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         vectors_per_feature = self.id_bias.shape[1]
         flat = ranks % vectors_per_feature + np.arange(CATEGORICAL) * vectors_per_feature
         linear = np.take(self.id_bias.reshape(-1), flat).sum(1)
@@ -113,12 +120,14 @@ def dense_features(z: np.ndarray) -> np.ndarray:
 
 
 def _normal_mean(fn) -> float:
+    """E[fn(z)] for z ~ N(0, 1), by quadrature."""
     z = np.linspace(-10.0, 10.0, 20_001)
     weights = np.exp(-z * z / 2)
     return float((fn(z) * weights).sum() / weights.sum())
 
 
 _DENSE_MEAN = _normal_mean(dense_features)
+_DENSE_STD = (_normal_mean(lambda z: dense_features(z) ** 2) - _DENSE_MEAN ** 2) ** 0.5
 
 
 def _coprime(rng: np.random.Generator, rows: int) -> int:
