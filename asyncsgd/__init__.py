@@ -25,7 +25,7 @@ _EXPORTS = {
     "Split": "core.tasks", "Task": "core.tasks", "load_task": "core.tasks",
     "DatasetSplit": "core.datasets",
     "Metric": "core.scoring", "ACCURACY": "core.scoring", "PERPLEXITY": "core.scoring",
-    "MSE": "core.scoring", "LOSS": "core.scoring",
+    "MSE": "core.scoring", "LOSS": "core.scoring", "AUC": "core.scoring",
 }
 
 _MODULES = ("ps",)  # submodules re-exported whole: asyncsgd.ps.serve, asyncsgd.ps.work

@@ -1,5 +1,5 @@
 """How a task scores a model on its test set: the ``Metric`` every report, plot, progress line
-and ``--target`` uses (built in: ACCURACY, PERPLEXITY, MSE, LOSS, or your own).
+and ``--target`` uses (built in: ACCURACY, PERPLEXITY, MSE, LOSS, AUC, or your own).
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 
@@ -29,11 +30,14 @@ class Metric:
     higher_is_better: bool
     per_batch: Optional[Callable] = None   # (outputs, targets) -> sum over the batch
     from_loss: Optional[Callable] = None   # mean test loss -> the score
+    whole: Optional[Callable] = None       # (all outputs, all targets) -> the score
     percent: bool = False                   # a fraction, shown (and targeted) as such
 
     def __post_init__(self):
-        if (self.per_batch is None) == (self.from_loss is None):
-            raise ValueError(f"metric {self.name!r}: give exactly one of per_batch or from_loss")
+        given = [f for f in (self.per_batch, self.from_loss, self.whole) if f is not None]
+        if len(given) != 1:
+            raise ValueError(f"metric {self.name!r}: give exactly one of per_batch, from_loss "
+                             "or whole")
         if not self.name.isidentifier() or self.name in RESERVED:
             raise ValueError(f"metric name {self.name!r} must be an identifier (a JSON key "
                              f"and a TensorBoard tag), e.g. 'accuracy', and none of "
@@ -79,6 +83,8 @@ class Metric:
                              f"target between 0 and 1 (e.g. 0.9 for 90%)")
         if self.name == "perplexity" and target < 1:
             raise ValueError(f"--target {target:g}: perplexity is at least 1; give e.g. 4.0")
+        if self.name == "auc" and not 0 <= target <= 1:
+            raise ValueError(f"--target {target:g}: auc lies between 0 and 1; give e.g. 0.75")
 
     def describe(self) -> dict:
         """What a run directory records about the metric (readers need no task to read it)."""
@@ -110,6 +116,31 @@ def squared_error(outputs: torch.Tensor, targets: torch.Tensor) -> float:
     return float(diff.pow(2).mean(1).sum())
 
 
+def auc(scores, labels) -> float:
+    """The area under the ROC curve: the chance that a random positive scores above a random
+    negative, ties counting half (Mann-Whitney U over ranks, ties given their mean rank).
+    NaN when the labels hold one class only."""
+    scores = np.asarray(scores, dtype=np.float64).reshape(-1)
+    positive = np.asarray(labels).reshape(-1) > 0
+    if len(scores) != len(positive):
+        raise ValueError(f"auc: {len(scores)} scores but {len(positive)} labels")
+    n_pos = int(positive.sum())
+    n_neg = len(positive) - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return math.nan
+    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
+    above = np.cumsum(counts)
+    mean_rank = above - (counts - 1) / 2.0       # 1-based ranks, ties their mean
+    rank_sum = float(mean_rank[inverse.reshape(-1)][positive].sum())
+    return (rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg)
+
+
+def auc_of_outputs(outputs: torch.Tensor, targets: torch.Tensor) -> float:
+    """``auc`` of a model's one score per sample (a logit) against 0/1 targets."""
+    return auc(outputs.detach().float().cpu().reshape(len(outputs), -1)[:, -1].numpy(),
+               targets.detach().cpu().numpy())
+
+
 def perplexity(mean_loss: float) -> float:
     # overflow: exp(710) is inf in float64, and a diverged model's loss gets there
     return math.exp(min(mean_loss, 700.0))
@@ -123,3 +154,4 @@ ACCURACY = Metric("accuracy", higher_is_better=True, per_batch=correct, percent=
 PERPLEXITY = Metric("perplexity", higher_is_better=False, from_loss=perplexity)
 MSE = Metric("mse", higher_is_better=False, per_batch=squared_error)
 LOSS = Metric("test_loss", higher_is_better=False, from_loss=identity)
+AUC = Metric("auc", higher_is_better=True, whole=auc_of_outputs)
