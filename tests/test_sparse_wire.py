@@ -123,6 +123,8 @@ GOOD = _payload([1, 3], [[1.0, 2.0], [3.0, 4.0]])
     (PUSH, [0, "rows", [2, 2], "float32"], GOOD[:-1], "length-mismatch"),     # short frame
     (PUSH, [0, "rows", [3, 2], "float32"], GOOD, "length-mismatch"),          # n ids != rows
     (PUSH, [0, "rows", [2, 3], "float32"], GOOD, "length-mismatch"),
+    (PUSH, [0, "rows", [1, 2], "float32"], GOOD, "length-mismatch"),          # rows > ids
+    (PULL, [0, "ids", [1], "int64"], _payload([1, 3]), "length-mismatch"),
     (PUSH, [0, "rows", [2, 2], "float64"], GOOD, "bad-dtype"),
     (PUSH, [0, "rows", [2, 2], "int64"], GOOD, "bad-dtype"),
     (PULL, [0, "ids", [2], "float32"], _payload([1, 3]), "bad-dtype"),
