@@ -17,7 +17,7 @@ from asyncsgd.wire.layout import (Layout, TableSpec, embedding_tables, holds, sh
                                   signature_mismatch)
 from asyncsgd.wire.protocol import (MAX_SEGMENT_ROWS, MAX_SEGMENT_VALUES, PARAMS, PULL, PUSH,
                                     VERSION, Message, ProtocolError, Rows, Segment, decode,
-                                    encode)
+                                    encode, in_parts)
 from asyncsgd.wire.sparse import (MAX_MESSAGE_VALUES, apart, check_rows, ids_segment,
                                   reply_mismatch, rows_reply, rows_segment, split_rows,
                                   widened)
@@ -102,6 +102,19 @@ def test_split_rows_keeps_each_segment_within_its_bounds():
     assert all(decode(_frames(Message(type=PUSH, segments=parts))).segments)
 
 
+def test_rows_in_parts_travel_one_segment_a_part():
+    """A push of dense values and two tables' rows, sent in parts: each part decodes to its
+    segment, so a shard can check rows part by part as it does dense ones."""
+    msg = Message(type=PUSH, worker="w", seq=5, shard=0, token="k",
+                  segments=[Segment(0, torch.ones(3)),
+                            rows_segment(0, torch.tensor([1, 4]), torch.ones(2, 4)),
+                            rows_segment(1, torch.tensor([4]), torch.ones(1, 3), "float16")])
+    parts = [decode(_frames(part)) for part in in_parts(msg)]
+    assert [p.meta["part"] for p in parts] == [0, 1, 2]
+    assert [type(p.segments[0].data).__name__ for p in parts] == ["Tensor", "Rows", "Rows"]
+    assert check_rows([p.segments[0] for p in parts[1:]], TABLES, 1, 3) is None
+
+
 # ---- lying segments -------------------------------------------------------------------
 
 def _header(kind, descriptors):
@@ -140,7 +153,7 @@ GOOD = _payload([1, 3], [[1.0, 2.0], [3.0, 4.0]])
     (PUSH, [0, "ids", [2], "int64"], _payload([1, 3]), "bad-dtype"),          # ids in a push
     (PARAMS, [0, "ids", [2], "int64"], _payload([1, 3]), "bad-dtype"),
     (PUSH, [0, "rowz", [2, 2], "float32"], GOOD, "bad-dtype"),                # unknown form
-])
+], ids=lambda v: f"{len(v)}B" if isinstance(v, bytes) else str(v).replace(" ", ""))
 def test_a_malformed_sparse_segment_is_refused_on_decode(kind, desc, frame, code):
     with pytest.raises(ProtocolError) as info:
         decode([_header(kind, [desc]), frame])
