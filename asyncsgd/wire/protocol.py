@@ -93,6 +93,13 @@ WIRE_FLOATS = ("float32", "bfloat16", "float16")  # what parameters may travel i
 # Packed segment formats (PROTOCOL.md, Compressed pushes): [offset, format, [n], parameter]
 INT8, TOPK = "int8", "topk"
 MAX_INT8_CHUNK = 1 << 20
+# Row-sparse segments (PROTOCOL.md, Row-sparse tables): [table, "rows", [n, dim], dtype] (ids
+# then rows) and a sparse pull's [table, "ids", [n], "int64"]; bounded per segment
+ROWS, IDS = "rows", "ids"
+MAX_TABLES = 1 << 10
+MAX_SEGMENT_ROWS = 1 << 16
+MAX_SEGMENT_VALUES = 1 << 20  # n x dim: a frame's values stay within FRAME_BYTES in float32
+MAX_ROW_DIM = 1 << 16
 
 # Decoded tensors view read-only zmq frames; torch warns about that on every
 # frombuffer. We never write to them (the shard reads gradients, the worker
@@ -155,6 +162,36 @@ def packed_bytes(fmt: str, numel: int, param: int) -> int:
 
 
 @dataclass
+class Rows:
+    """Rows of embedding table ``table`` (its index in the layout's tables) in ``payload``
+    (uint8): n int64 ``ids``, then, unless ``dim`` is 0 (a sparse pull's ids alone), n x
+    ``dim`` ``values`` of ``dtype`` in C order. ``wire.sparse`` makes and checks them."""
+
+    table: int
+    n: int
+    dim: int
+    dtype: str
+    payload: torch.Tensor
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.payload[:8 * self.n].view(torch.int64)
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.payload[8 * self.n:].view(DTYPES[self.dtype]).view(self.n, self.dim)
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload.numel()
+
+
+def rows_bytes(n: int, dim: int, dtype: str) -> int:
+    """The payload size of a row-sparse segment (``dim`` 0: ids alone)."""
+    return 8 * n + n * dim * ITEMSIZE[DTYPES[dtype]]
+
+
+@dataclass
 class Message:
     type: str
     worker: str = ""
@@ -189,7 +226,7 @@ def encode(msg: Message, local: Optional[tuple] = None) -> list:
     if local is not None and msg.segments:  # nbytes: the header alone crosses a socket
         header["x"], slot = local
         for seg in msg.segments:
-            if isinstance(seg.data, Packed) or seg.data.dtype != torch.float32:
+            if isinstance(seg.data, (Packed, Rows)) or seg.data.dtype != torch.float32:
                 raise ValueError("a shared area holds float32 segments only")
             dest = slot[seg.offset:seg.offset + seg.data.shape[0]]
             if dest.data_ptr() != seg.data.data_ptr():  # written there already: no copy
@@ -209,6 +246,9 @@ def wire_of(seg: Segment) -> tuple:
     data = seg.data
     if isinstance(data, Packed):
         desc, tensor = [seg.offset, data.format, [data.numel], data.param], data.payload
+    elif isinstance(data, Rows):
+        shape = [data.n, data.dim] if data.dim else [data.n]
+        desc, tensor = [data.table, ROWS if data.dim else IDS, shape, data.dtype], data.payload
     else:
         desc, tensor = [seg.offset, DTYPE_NAMES[data.dtype], list(data.shape)], data
     wire = desc, _raw(tensor)
@@ -379,6 +419,9 @@ def _message(header: dict, frames: Sequence[Any], areas: Optional[Callable],
         seg = _segment(desc, _buffer(frame))
         if kind != PUSH and type(seg.data) is Packed:
             raise ProtocolError(Code.BAD_DTYPE, "packed segments travel in pushes only")
+        if type(seg.data) is Rows and kind not in _ROWS_IN[bool(seg.data.dim)]:
+            raise ProtocolError(Code.BAD_DTYPE, "rows travel in pushes and params, ids in "
+                                                f"pulls, not {desc[1]!r} in a {kind}")
         segments.append(seg)
     return Message(kind, worker, incarnation, seq, clock, shard, meta, segments, token)
 
@@ -417,6 +460,8 @@ def _shared_segment(desc: Any, slot: torch.Tensor) -> Segment:
 
 def _segment(desc: Any, buf: memoryview) -> Segment:
     if type(desc) is not list or len(desc) != 3:
+        if type(desc) is list and len(desc) == 4 and desc[1] in (ROWS, IDS):
+            return _rows_segment(desc, buf)
         if type(desc) is list and len(desc) == 4:
             return _packed_segment(desc, buf)
         raise ProtocolError(Code.BAD_DESCRIPTOR, "a descriptor is [offset, dtype, shape] or "
@@ -470,6 +515,40 @@ def _packed_segment(desc: list, buf: memoryview) -> Segment:
                                                   f"({param}) needs {need} bytes, frame has "
                                                   f"{len(buf)}")
     return Segment(offset, Packed(fmt, numel, param, torch.frombuffer(buf, dtype=torch.uint8)))
+
+
+_ROWS_IN = {True: (PUSH, PARAMS), False: (PULL,)}  # rows with values; ids alone
+
+
+def _rows_segment(desc: list, buf: memoryview) -> Segment:
+    """A row-sparse segment's form, checked against its frame (bounds first, so nothing
+    is sized by a lie); its ids and values are ``wire.sparse``'s to check against a table."""
+    table, fmt, shape, dtype_name = desc
+    if type(table) is not int or not 0 <= table < MAX_TABLES:
+        raise ProtocolError(Code.BAD_DESCRIPTOR, f"table {table!r} is not an integer in "
+                                                 f"[0, {MAX_TABLES})")
+    allowed = WIRE_FLOATS if fmt == ROWS else ("int64",)
+    if type(dtype_name) is not str or dtype_name not in allowed:
+        raise ProtocolError(Code.BAD_DTYPE, f"{fmt} segment of {dtype_name!r}, not one of "
+                                            f"{', '.join(allowed)}")
+    sizes = 2 if fmt == ROWS else 1
+    if not (type(shape) is list and len(shape) == sizes and
+            all(type(k) is int and k > 0 for k in shape)):
+        raise ProtocolError(Code.BAD_DESCRIPTOR, f"a {fmt} segment's shape is "
+                                                 f"{'[n, dim]' if sizes == 2 else '[n]'}, "
+                                                 f"sizes > 0, not {shape!r:.60}")
+    n, dim = shape[0], (shape[1] if sizes == 2 else 0)
+    if n > MAX_SEGMENT_ROWS or dim > MAX_ROW_DIM or n * dim > MAX_SEGMENT_VALUES:
+        raise ProtocolError(Code.TOO_LARGE, f"a {fmt} segment of {n} x {dim} is above "
+                                            f"{MAX_SEGMENT_ROWS} rows, {MAX_ROW_DIM} "
+                                            f"columns or {MAX_SEGMENT_VALUES} values")
+    need = rows_bytes(n, dim, dtype_name)
+    if need != len(buf):
+        raise ProtocolError(Code.LENGTH_MISMATCH, f"{fmt} segment of {n} ids"
+                                                  f"{f' x {dim} {dtype_name}' if dim else ''} "
+                                                  f"needs {need} bytes, frame has {len(buf)}")
+    payload = torch.frombuffer(buf, dtype=torch.uint8)
+    return Segment(table, Rows(table, n, dim, dtype_name, payload))
 
 
 def in_parts(msg: Message) -> list:

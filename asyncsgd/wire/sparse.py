@@ -1,0 +1,148 @@
+"""Row-sparse segments: a push's rows of an embedding table, a sparse pull's ids and the
+rows its ``params`` reply carries back (PROTOCOL.md, Row-sparse tables).
+
+How senders make them and how a shard checks them against its tables before anything is
+applied; the shard's table (servers.sparse_table) applies them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .layout import TableSpec, holds
+from .protocol import (DTYPE_NAMES, MAX_SEGMENT_ROWS, MAX_SEGMENT_VALUES, WIRE_FLOATS, Code,
+                       Rows, Segment, rows_bytes)
+
+# A message's rows x dim, all its row-sparse segments together: what a sparse pull makes a
+# shard allocate for its reply (64 MiB of float32), and a push's rows to check
+MAX_MESSAGE_VALUES = 1 << 24
+
+
+def rows_segment(table: int, ids: torch.Tensor, values: torch.Tensor,
+                 dtype: str = "float32") -> Segment:
+    """Rows ``values`` [n, dim] of ``ids`` (int64 [n]) of table ``table``, travelling as
+    ``dtype`` (float32, bfloat16 or float16): one frame, ids then values."""
+    if dtype not in WIRE_FLOATS:
+        raise ValueError(f"rows travel as {', '.join(WIRE_FLOATS)}, not {dtype!r}")
+    n, dim = values.shape
+    if ids.dtype != torch.int64 or ids.shape != (n,):
+        raise ValueError(f"ids must be int64 [{n}], got {ids.dtype} {tuple(ids.shape)}")
+    payload = torch.empty(rows_bytes(n, dim, dtype), dtype=torch.uint8)
+    payload[:8 * n] = ids.contiguous().view(torch.uint8)
+    wire = values.detach().to(getattr(torch, dtype)).contiguous()
+    payload[8 * n:] = wire.view(-1).view(torch.uint8)
+    return Segment(table, Rows(table, n, dim, dtype, payload), transient=True)
+
+
+def ids_segment(table: int, ids: torch.Tensor) -> Segment:
+    """A sparse pull's request for the rows ``ids`` (int64, unique) of table ``table``."""
+    if ids.dtype != torch.int64 or ids.dim() != 1:
+        raise ValueError(f"ids must be 1-D int64, got {ids.dtype} {tuple(ids.shape)}")
+    payload = ids.contiguous().view(torch.uint8).clone()
+    return Segment(table, Rows(table, len(ids), 0, "int64", payload), transient=True)
+
+
+def rows_per_segment(dim: int) -> int:
+    """The most rows of width ``dim`` one segment may carry."""
+    return max(1, min(MAX_SEGMENT_ROWS, MAX_SEGMENT_VALUES // max(dim, 1)))
+
+
+def split_rows(table: int, ids: torch.Tensor, values: Optional[torch.Tensor] = None,
+               dtype: str = "float32") -> list:
+    """Segments within the per-segment bounds covering ``ids`` (and their ``values``):
+    rows when values are given, else a sparse pull's ids."""
+    step = rows_per_segment(values.shape[1] if values is not None else 0)
+    return [rows_segment(table, ids[i:i + step], values[i:i + step], dtype)
+            if values is not None else ids_segment(table, ids[i:i + step])
+            for i in range(0, len(ids), step)]
+
+
+def apart(segments: Sequence) -> tuple:
+    """``(dense, rows)``: a message's segments of the flat slice and its row-sparse ones."""
+    dense = [seg for seg in segments if type(seg.data) is not Rows]
+    return dense, [seg for seg in segments if type(seg.data) is Rows]
+
+
+def check_rows(segments: Sequence, tables: Sequence[TableSpec], shard: int, shards: int,
+               hash_ids: Optional[Callable] = None, finite: bool = True) -> Optional[tuple]:
+    """(code, detail) when a push's rows or a pull's ids (``segments``: its row-sparse ones,
+    ``apart``) must be refused, else None; from
+    the descriptors first (nothing is scanned before the sizes are known to be bounded),
+    then the ids (each in this shard's part of its table, unique across the message's
+    segments of that table), then the values (finite). ``hash_ids``: the hashed id space's
+    hash (``layout.holds``); ``finite`` False skips the NaN/Inf scan."""
+    total = 0
+    for seg in segments:
+        data = seg.data
+        if data.table >= len(tables):
+            return Code.BAD_DESCRIPTOR, (f"table {data.table} of a model with "
+                                         f"{len(tables)} tables")
+        want = tables[data.table].dim
+        if data.dim and data.dim != want:
+            return Code.BAD_FIELD, (f"rows of table {data.table} are [n, {want}], not "
+                                    f"[{data.n}, {data.dim}]")
+        total += data.n * want
+    if total > MAX_MESSAGE_VALUES:
+        return Code.TOO_LARGE, (f"{total} row values in one message, above "
+                                f"{MAX_MESSAGE_VALUES}: split it")
+    seen: dict = {}
+    for seg in segments:
+        data = seg.data
+        table = tables[data.table]
+        ids = data.ids
+        mine = holds(ids, shard, shards, table.rows, hash_ids)
+        if not bool(mine.all()):
+            stray = int(ids[~mine][0])
+            where = "" if hash_ids is not None else f" in [0, {table.rows}) with id % " \
+                f"{shards} == {shard}"
+            return Code.OUT_OF_RANGE, (f"id {stray} of table {data.table} is not shard "
+                                       f"{shard}'s{where}")
+        seen.setdefault(data.table, []).append(ids)
+    for table, parts in seen.items():
+        ids = parts[0] if len(parts) == 1 else torch.cat(parts)
+        uniq, counts = torch.unique(ids, return_counts=True)
+        if len(uniq) != len(ids):
+            return Code.BAD_FIELD, (f"id {int(uniq[counts > 1][0])} of table {table} appears "
+                                    "twice; ids in one message must be unique")
+    if finite:
+        for seg in segments:
+            if seg.data.dim and not bool(torch.isfinite(seg.data.values).all()):
+                return Code.NON_FINITE, (f"rows of table {seg.data.table} hold NaN or Inf "
+                                         "values; nothing was applied")
+    return None
+
+
+def widened(seg: Segment) -> tuple:
+    """``(table, ids, values)`` of a rows segment, values as float32 [n, dim] (a bf16 or
+    fp16 one widened, a float32 one a view of the frame)."""
+    data = seg.data
+    return data.table, data.ids, data.values.to(torch.float32)
+
+
+def rows_reply(asked: Segment, values: torch.Tensor, dtype: Optional[torch.dtype] = None
+               ) -> Segment:
+    """The ``params`` reply's segment for the ids ``asked`` (a sparse pull's segment): those
+    ids, in their order, with ``values`` [n, dim] (float32, sent as ``dtype`` when the pull
+    asked ``pull_dtype``)."""
+    name = DTYPE_NAMES[dtype] if dtype is not None else "float32"
+    return rows_segment(asked.data.table, asked.data.ids, values, name)
+
+
+def reply_mismatch(asked: Sequence, got: Sequence, tables: Sequence[TableSpec]) -> str:
+    """Why the rows segments ``got`` of a ``params`` reply are not exactly the rows ``asked``
+    (a sparse pull's segments, in order: the same tables and ids, each row of its table's
+    dim), or '' when they are: a worker copies nothing of a reply that fails."""
+    if len(got) != len(asked):
+        return f"{len(got)} rows segments for {len(asked)} asked"
+    for j, (want, seg) in enumerate(zip(asked, got)):
+        data = seg.data
+        if type(data) is not Rows or not data.dim:
+            return f"segment {j} of the reply is not rows"
+        if data.table != want.data.table or data.n != want.data.n or \
+                not torch.equal(data.ids, want.data.ids):
+            return f"segment {j} holds other rows than asked of table {want.data.table}"
+        if data.table >= len(tables) or data.dim != tables[data.table].dim:
+            return f"segment {j}'s rows are {data.dim} wide, not the table's"
+    return ""
