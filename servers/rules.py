@@ -251,11 +251,29 @@ class UpdateRule(abc.ABC):
         return f"{type(self).__name__}(size={self.size}, lr={self.lr!r}{hyper})"
 
 
+def _non_negative(name: str, hyper: Dict[str, Any]) -> float:
+    """Hyperparameter ``name`` (eps, weight_decay): a finite float >= 0."""
+    value = _finite_float(name, hyper[name])
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return value
+
+
 def _weight_decay(hyper: Dict[str, Any]) -> float:
-    wd = _finite_float("weight_decay", hyper["weight_decay"])
-    if wd < 0:
-        raise ValueError(f"weight_decay must be >= 0, got {wd!r}")
-    return wd
+    return _non_negative("weight_decay", hyper)
+
+
+def _betas(hyper: Dict[str, Any]) -> tuple:
+    """Adam's (beta1, beta2): finite floats in [0, 1)."""
+    betas = hyper["betas"]
+    try:
+        b1, b2 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"betas must be a pair of floats, got {betas!r}") from None
+    b1, b2 = _finite_float("betas[0]", b1), _finite_float("betas[1]", b2)
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise ValueError(f"betas must be in [0, 1), got {betas!r}")
+    return b1, b2
 
 
 class SGD(UpdateRule):
@@ -334,10 +352,7 @@ class Adagrad(UpdateRule):
     STATE = ("sum",)
 
     def _check_hyper(self, hyper):
-        eps = _finite_float("eps", hyper["eps"])
-        if eps < 0:
-            raise ValueError(f"eps must be >= 0, got {eps!r}")
-        self.eps = eps
+        self.eps = _non_negative("eps", hyper)
         self.weight_decay = _weight_decay(hyper)
 
     def _hyper(self):
@@ -363,18 +378,8 @@ class Adam(UpdateRule):
     STATE = ("exp_avg", "exp_avg_sq")
 
     def _check_hyper(self, hyper):
-        betas = hyper["betas"]
-        try:
-            b1, b2 = betas
-        except (TypeError, ValueError):
-            raise ValueError(f"betas must be a pair of floats, got {betas!r}") from None
-        b1, b2 = _finite_float("betas[0]", b1), _finite_float("betas[1]", b2)
-        if not (0 <= b1 < 1 and 0 <= b2 < 1):
-            raise ValueError(f"betas must be in [0, 1), got {betas!r}")
-        eps = _finite_float("eps", hyper["eps"])
-        if eps < 0:
-            raise ValueError(f"eps must be >= 0, got {eps!r}")
-        self.beta1, self.beta2, self.eps = b1, b2, eps
+        self.beta1, self.beta2 = _betas(hyper)
+        self.eps = _non_negative("eps", hyper)
         self.weight_decay = _weight_decay(hyper)
 
     def _hyper(self):

@@ -8,17 +8,18 @@ torch.optim.Adagrad, TorchRec's rowwise adagrad, torch.optim.SparseAdam).
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Any, Dict, Tuple
 
 import torch
 
-from .rules import _finite_float
+from .rules import _betas, _finite_float, _non_negative
 
 SPARSE_RULES = ("sgd", "adagrad", "rowwise_adagrad", "lazy_adam")
 
 
-class SparseRule:
+class SparseRule(abc.ABC):
     """Base class: the learning rate, the step counter and state that grows with the table.
 
     ``STATE`` names each state tensor and its width: ``"dim"`` (one value per element,
@@ -82,8 +83,9 @@ class SparseRule:
         self._apply(p, slots, grads, self.lr * lr_scale)
         rows[slots] = p
 
+    @abc.abstractmethod
     def _apply(self, p: torch.Tensor, slots: torch.Tensor, g: torch.Tensor, lr: float) -> None:
-        raise NotImplementedError
+        """Update ``p`` (the rows of ``slots``, a copy written back) with gradient ``g``."""
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state.values())
@@ -112,13 +114,6 @@ class SparseRule:
         self.steps = int(state["steps"])
 
 
-def _eps(hyper: Dict[str, Any]) -> float:
-    eps = _finite_float("eps", hyper["eps"])
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps!r}")
-    return eps
-
-
 class SparseSGD(SparseRule):
     """``p -= lr * g`` on the rows pushed (torch.optim.SGD)."""
 
@@ -136,7 +131,7 @@ class SparseAdagrad(SparseRule):
     STATE = (("sum", "dim"),)
 
     def _check_hyper(self, hyper):
-        self.eps = _eps(hyper)
+        self.eps = _non_negative("eps", hyper)
 
     def _apply(self, p, slots, g, lr):
         acc = self.state["sum"][slots]
@@ -154,7 +149,7 @@ class RowwiseAdagrad(SparseRule):
     STATE = (("sum", 1),)
 
     def _check_hyper(self, hyper):
-        self.eps = _eps(hyper)
+        self.eps = _non_negative("eps", hyper)
 
     def _apply(self, p, slots, g, lr):
         acc = self.state["sum"][slots]
@@ -172,14 +167,8 @@ class LazyAdam(SparseRule):
     STATE = (("exp_avg", "dim"), ("exp_avg_sq", "dim"))
 
     def _check_hyper(self, hyper):
-        try:
-            b1, b2 = hyper["betas"]
-        except (TypeError, ValueError):
-            raise ValueError(f"betas must be a pair of floats, got {hyper['betas']!r}") from None
-        self.beta1, self.beta2 = _finite_float("betas[0]", b1), _finite_float("betas[1]", b2)
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError(f"betas must be in [0, 1), got {hyper['betas']!r}")
-        self.eps = _eps(hyper)
+        self.beta1, self.beta2 = _betas(hyper)
+        self.eps = _non_negative("eps", hyper)
 
     def _apply(self, p, slots, g, lr):
         # SparseAdam's ops in its order: old + (1 - b) * (new - old), then the step
