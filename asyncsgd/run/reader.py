@@ -146,8 +146,9 @@ class Run:
             status = self.summary.get("status", "ok")
             if status == "interrupted" and not missing:
                 return "ok", None
-            if status == "ok" and self.untrained():
-                return "not trained", self.untrained()
+            untrained = self.untrained() if status == "ok" else None
+            if untrained:
+                return "not trained", untrained
             error = self.summary.get("error")
             if status != "ok" and not error:
                 error = f"summary.json says {status} (stopped by {self.summary.get('stopped_by')})"
