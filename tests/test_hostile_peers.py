@@ -20,7 +20,10 @@ from asyncsgd.servers.rules import dc_asgd
 from test_exactly_once import SIZE, TASK, Peer
 
 IDS = 3000
-FRONT_GROWTH_MIB = 1  # the front's RSS growth allowed over 20,000 fresh hellos
+# The front's RSS growth allowed over 40,000 fresh hellos after 10,000 have settled its
+# allocator: measured 0.05-1.0 MiB per 20,000 (glibc keeps freed frames), and one CI run saw
+# 1.42 MiB over 20,000 hellos against a 1 MiB bound. A leak of 80 bytes a name is 3.05 MiB.
+FRONT_GROWTH_MIB = 3
 
 
 def test_thousands_of_identities_keep_the_oracle_and_the_shard_bounded(server):
@@ -191,16 +194,16 @@ def _hellos(srv, names) -> None:
         front.close()
 
 
-def test_twenty_thousand_fresh_ids_leave_the_fronts_roster_and_memory_bounded(server):
-    """Main's roster kept every name heard from within the heartbeat timeout (14,552 of
-    these, and its process grew 2.3 MiB): here it stays at 256 names, and the front's
-    process grows by less than FRONT_GROWTH_MIB."""
+def test_forty_thousand_fresh_ids_leave_the_fronts_roster_and_memory_bounded(server):
+    """An earlier roster kept every name heard from within the heartbeat timeout (14,552 of
+    20,000, and its process grew 2.3 MiB): here it stays at 256 names, and the front's
+    process grows by less than FRONT_GROWTH_MIB over 40,000 more."""
     srv = server("--task", TASK, "--samples", SIZE, "--no-exit-when-done")
     front = psutil.Process(srv.proc.pid)
-    _hellos(srv, [f"warm-{n}" for n in range(1_000)])  # allocators and caches settle
+    _hellos(srv, [f"warm-{n}" for n in range(10_000)])  # allocators and caches settle
     before = front.memory_info().rss
-    _hellos(srv, [f"fresh-{n}" for n in range(20_000)])
+    _hellos(srv, [f"fresh-{n}" for n in range(40_000)])
     growth = (front.memory_info().rss - before) / 2 ** 20
-    assert growth < FRONT_GROWTH_MIB, f"the front grew {growth:.2f} MiB over 20,000 hellos"
+    assert growth < FRONT_GROWTH_MIB, f"the front grew {growth:.2f} MiB over 40,000 hellos"
     stats = srv.stats()
     assert stats["roster"] == 256 and stats["joined"][0].startswith("fresh-"), stats["roster"]
