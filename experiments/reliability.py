@@ -64,7 +64,7 @@ SCENARIOS = [
      ["tests/test_exactly_once.py"]),
     ("identities", "11. Protocol fuzzer: thousands of worker ids, incarnations, goodbyes, "
                    "malformed hellos, pushes without admission; DC-ASGD copies under 200 ids: "
-                   "exact oracle, server alive, shard memory bounded; 20,000 fresh hellos "
+                   "exact oracle, server alive, shard memory bounded; 50,000 fresh hellos "
                    "leave the front's roster and memory bounded",
      ["tests/test_hostile_peers.py"]),
     ("liveness", "12. Liveness independent of compute: a 3 s step against a 1.5 s heartbeat "
