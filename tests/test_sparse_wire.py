@@ -13,7 +13,8 @@ import torch
 
 from asyncsgd.errors import ConfigError
 from asyncsgd.wire.compression import pack_int8, pack_topk
-from asyncsgd.wire.layout import (Layout, TableSpec, embedding_tables, holds, shard_rows,
+from asyncsgd.core.models import embedding_tables
+from asyncsgd.wire.layout import (Layout, TableSpec, holds, shard_rows,
                                   signature_mismatch)
 from asyncsgd.wire.protocol import (MAX_SEGMENT_ROWS, MAX_SEGMENT_VALUES, PARAMS, PULL, PUSH,
                                     VERSION, Message, ProtocolError, Rows, Segment, decode,

@@ -77,6 +77,11 @@ sys.addaudithook(_audit)
 platform.platform()  # runs `uname -p` (then cached); every run directory records it
 with contextlib.suppress(ImportError):
     import urllib3  # noqa: F401  (its import binds ::1 to learn whether IPv6 works)
+with contextlib.suppress(ImportError):
+    # its first import on a machine runs `fc-list` to build the font cache (~/.cache/
+    # matplotlib), and mnist1d imports it: without this a fresh machine's first fast test
+    # that builds an mnist1d task fails the guard, and leaves the cache unbuilt for the next
+    import matplotlib.font_manager  # noqa: F401
 
 
 def classify(items):

@@ -25,7 +25,7 @@ TITLES = (CONFIG_FILE, TASK, STOP, TRAINING, PROCESSES, SERVER, NETWORK, STRAGGL
 
 _MEMBERS = {
     CONFIG_FILE: "config print_config",
-    TASK: "task samples data_dir cache_dir seed data_dispatch",
+    TASK: "task samples data_dir cache_dir seed data_dispatch embeddings",
     STOP: "max_seconds target epochs budget stop_at_target exit_when_done",
     TRAINING: "batch_size lr momentum weight_decay optimizer nesterov_period amp "
               "simulate_staleness local_steps local_warmup push_every inner_optimizer "

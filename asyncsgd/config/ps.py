@@ -83,9 +83,17 @@ AUDIT_DIR = knob(
     "with asyncsgd.analysis.audit). Costs one write per push; off by default. E.g. "
     "--audit-dir runs/audit.", metavar="DIR", show="off")
 _WIRE_DTYPES = click.Choice(["float32", "bf16", "fp16"])
+EMBEDDINGS = knob(
+    "embeddings", str, "sparse",
+    "How the task's embedding tables travel (a task declares them, as ctr does; the others "
+    "have none): sparse, row by row (a worker pulls the rows its batch touches "
+    "and pushes their gradients; shards hold the tables by row, id % shards); dense, in the "
+    "flat vector with every other parameter, pushed and pulled whole. Server and workers "
+    "must agree: the handshake refuses a worker that lays the tables out otherwise.",
+    type=click.Choice(["sparse", "dense"]))
 
 ServerConfig = settings(
-    "ServerConfig", "ps", "Settings of ``asyncsgd ps-server``.", BIND, SHARDS,
+    "ServerConfig", "ps", "Settings of ``asyncsgd ps-server``.", BIND, SHARDS, EMBEDDINGS,
     knob("optimizer", str, "sgd",
          "Update rule each shard applies to its slice. For workers' --local-steps "
          "pseudo-gradients: nesterov (DiLoCo's outer optimizer with --consistency sync: --lr "
@@ -149,7 +157,7 @@ WorkerConfig = settings(
     "WorkerConfig", "worker", "Settings of ``asyncsgd worker``.",
     knob("server", str, "tcp://127.0.0.1:5555", "The server's address.",
          metavar="tcp://HOST:PORT"),
-    TASK, DATA,
+    TASK, DATA, EMBEDDINGS,
     knob("rank", Optional[int], None,
          "This worker's index; its data partition follows from rank and world.",
          type=click.IntRange(min=0), show="$RANK or $SLURM_PROCID or 0"),

@@ -157,6 +157,16 @@ class DLRM(nn.Module):
         return self.top(torch.cat([x, dots], dim=1)).squeeze(1)
 
 
+def embedding_tables(model: nn.Module) -> list:
+    """The parameter names of ``model``'s ``nn.Embedding`` and ``nn.EmbeddingBag`` weights,
+    in ``named_parameters()`` order: the tables a task serves row by row unless it names
+    its own."""
+    found = {f"{prefix}.weight" if prefix else "weight"
+             for prefix, module in model.named_modules()
+             if isinstance(module, (nn.Embedding, nn.EmbeddingBag))}
+    return [name for name, _ in model.named_parameters() if name in found]
+
+
 def binary_logloss(logits: torch.Tensor, targets: torch.Tensor,
                    reduction: str = "mean") -> torch.Tensor:
     """Log loss of one logit per sample against 0/1 targets (integer labels welcome)."""

@@ -86,6 +86,10 @@ class Task:
     info: dict = field(default_factory=dict)
     metric: Metric = ACCURACY
     default_target: Optional[float] = None  # what compare times when given no --target
+    # Embedding tables a parameter server serves row by row (a pull fetches the rows a
+    # batch touches, a push sends row-sparse gradients): None, every parameter in the dense
+    # slice; "auto", the model's nn.Embedding / nn.EmbeddingBag weights; or their names.
+    tables: Union[None, str, tuple] = None
 
     def __post_init__(self):
         if not isinstance(self.train, (Split, DatasetSplit)):
@@ -138,6 +142,18 @@ class Task:
         else:
             score = total_score / n if per_batch is not None else self.metric.from_loss(loss)
         return {"loss": loss, self.metric.name: score}
+
+    def served_tables(self, model: nn.Module, embeddings: str = "sparse") -> list:
+        """The parameter names of ``model`` served row by row (``tables``); none under
+        ``--embeddings dense``, which pushes and pulls every table whole."""
+        if embeddings == "dense" or self.tables is None:
+            return []
+        if self.tables == "auto":
+            return models.embedding_tables(model)
+        if isinstance(self.tables, str) or not all(isinstance(t, str) for t in self.tables):
+            raise TaskError(f"task {self.name}: tables={self.tables!r}: give None, 'auto' or "
+                            "a tuple of parameter names")
+        return list(self.tables)
 
     def share_memory_(self) -> "Task":
         self.train.share_memory_()
@@ -298,7 +314,7 @@ def ctr(samples: Optional[int] = None, rows: int = 10_000) -> Task:
     params = sum(p.numel() for p in model_fn().parameters())
     return Task(
         name="ctr", model_fn=model_fn, train=as_split(train), test=as_split(test),
-        loss_fn=models.binary_logloss, lr=CTR_LR, batch_size=32, metric=AUC,
+        loss_fn=models.binary_logloss, lr=CTR_LR, batch_size=32, metric=AUC, tables="auto",
         default_target=round(0.85 * ceiling, 2),   # reached within one epoch of the default
         description=f"synthetic Criteo-like clicks, 13 dense and 26 categorical features of "
                     f"{rows:,} Zipf(1.1) ids; DLRM-like model, {params:,} parameters "

@@ -34,16 +34,6 @@ class TableSpec:
     dim: int
 
 
-def embedding_tables(model: nn.Module) -> list:
-    """The parameter names of ``model``'s ``nn.Embedding`` and ``nn.EmbeddingBag`` weights,
-    in ``named_parameters()`` order: the tables a task serves row by row unless it names
-    its own."""
-    found = {f"{prefix}.weight" if prefix else "weight"
-             for prefix, module in model.named_modules()
-             if isinstance(module, (nn.Embedding, nn.EmbeddingBag))}
-    return [name for name, _ in model.named_parameters() if name in found]
-
-
 def holds(ids: torch.Tensor, shard: int, shards: int, rows: Optional[int] = None,
           hash_ids: Optional[Callable] = None) -> torch.Tensor:
     """Which of ``ids`` (int64) shard ``shard`` of ``shards`` holds, as a bool mask: in a
@@ -82,7 +72,7 @@ class Layout:
 
     @classmethod
     def of(cls, model: nn.Module, tables: Sequence = ()) -> "Layout":
-        """``tables``: names of 2-D parameters to serve row by row (``embedding_tables``
+        """``tables``: names of 2-D parameters to serve row by row (``core.models.embedding_tables``
         finds a model's own); the rest is the dense slice."""
         named = dict(model.named_parameters())
         unknown = [name for name in tables if name not in named or named[name].dim() != 2]
