@@ -17,25 +17,26 @@ stops the run, which is saved, then ``CallbackError`` names it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
 
-from .analysis.publish import Plotted, report_runs
-from .comparison.runner import CompareResult
-from .comparison.runner import compare as run_compare
 from .config import (CompareConfig, DDPConfig, HogwildConfig, PlotConfig, SimulateConfig,
                      SingleConfig)
 from .errors import ConfigError
-from .modes import ddp as ddp_mode
 from .modes import hogwild as hogwild_mode
-from .modes import single as single_mode
-from .run.reader import Run
 from .run.recorder import RunResult
 from .run.given_task import task_from, task_given, task_named
 from .run.settings import configure
 from .run.sinks import attached
 from .run.sinks import callbacks as as_sinks
-from .simulator.simulate import SimulateResult
-from .simulator.simulate import simulate as run_simulate
+
+# Each other command's own modules are imported by its function: importing them all cost
+# ``asyncsgd hogwild`` 0.2-0.4 s of its start-up (``python -X importtime``: the report's
+# plots, the comparison runner and the simulator; experiments/README.md, "Start-up and exit").
+if TYPE_CHECKING:
+    from .analysis.publish import Plotted
+    from .comparison.runner import CompareResult
+    from .run.reader import Run
+    from .simulator.simulate import SimulateResult
 
 
 def hogwild(config: Optional[HogwildConfig] = None, /, *, on_eval: Optional[Callable] = None,
@@ -54,6 +55,7 @@ def single(config: Optional[SingleConfig] = None, /, *, on_eval: Optional[Callab
     """``asyncsgd single``: plain SGD in this process, the baseline. Returns the run's
     directory and its summary.json. ``on_eval``, ``callbacks``: as ``hogwild``'s."""
     config, settings, source = task_given(config, settings)
+    from .modes import single as single_mode
     cfg = configure(SingleConfig, config, settings)
     with attached(as_sinks(on_eval, callbacks)):
         return single_mode.train(cfg, task_from(source, cfg))
@@ -65,6 +67,7 @@ def ddp(config: Optional[DDPConfig] = None, /, *, on_eval: Optional[Callable] = 
     its summary.json; None in a rank other than 0 under torchrun (rank 0 writes the run).
     ``on_eval``, ``callbacks``: as ``hogwild``'s (under torchrun, rank 0's are called)."""
     config, settings, source = task_given(config, settings)
+    from .modes import ddp as ddp_mode
     cfg = configure(DDPConfig, config, settings)
     with attached(as_sinks(on_eval, callbacks)):
         return ddp_mode.train(cfg, task_from(source, cfg))
@@ -74,6 +77,7 @@ def compare(config: Optional[CompareConfig] = None, /, **settings: Any) -> Compa
     """``asyncsgd compare``: every mode on the same task, seeds and budget, one after
     another (``clock="virtual"``: in the simulator, as ``simulate``). Returns the
     report's directory, its table and every attempt (``.failed``: those that failed)."""
+    from .comparison.runner import compare as run_compare
     config, settings = task_named(config, settings, "compare's runs")
     return run_compare(configure(CompareConfig, config, settings))
 
@@ -83,6 +87,7 @@ def simulate(config: Optional[SimulateConfig] = None, /, **settings: Any) -> Sim
     real, under a cost model (the task's profile, or the step time, gradient size and
     links given). Returns the report's directory, its table, every attempt (``.failed``:
     those that failed) and the cost model."""
+    from .simulator.simulate import simulate as run_simulate
     config, settings = task_named(config, settings, "simulate's runs")
     return run_simulate(configure(SimulateConfig, config, settings))
 
@@ -92,6 +97,7 @@ def plot(*run_dirs: Union[str, Path], config: Optional[PlotConfig] = None,
     """``asyncsgd plot``: the table, report.md and plots of any run directories (of any
     mode, or of a compare) in ``out``. Returns the table's text, the warnings (settings
     that differ, runs cut short) and the runs not counted as results."""
+    from .analysis.publish import report_runs
     cfg = configure(PlotConfig, config, settings)
     if not run_dirs:
         raise ConfigError("plot: give at least one run directory")
@@ -101,4 +107,5 @@ def plot(*run_dirs: Union[str, Path], config: Optional[PlotConfig] = None,
 def load_run(path: Union[str, Path]) -> Run:
     """Read the run directory ``path`` of any training mode: its settings, its metrics as
     a list of records and its summary; ``.model()`` loads the trained model."""
+    from .run.reader import Run
     return Run.load(path)

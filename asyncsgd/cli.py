@@ -29,6 +29,12 @@ from .run.lifetime import exit_now, start_command_clock
 from .run.signals import defer_sigint, interrupted_exit_code, restore_sigint, sigint_now
 from .version import __version__
 
+
+# The module of Hogwild's workers (modes.hogwild._worker), for the fork server to preload.
+HOGWILD_WORKERS = "asyncsgd.modes.hogwild"
+COMMAND = "command"  # click's obj key: run as the installed command (main), not in-process
+
+
 def _verbose(ctx: click.Context, param: click.Parameter, count: int) -> None:
     """-v/--verbose counts wherever it is given, before the command's name or after it:
     ``asyncsgd -v single -v`` is -vv."""
@@ -141,9 +147,22 @@ def hogwild(ctx: click.Context, **_: object) -> None:
     optimizer; the parent evaluates the shared model every --eval-every seconds
     without pausing them. --lock gives the locked baseline.
     """
-    from . import api
-    sigint_now()
-    _finish(ctx, "hogwild", api.hogwild(**given_settings(ctx)))
+    # The installed command starts the fork server before api imports torch, so that both
+    # import it at once (in this process, a test's, the server would outlive the command)
+    early = (ctx.obj or {}).get(COMMAND) and \
+        ctx.params["start_method"] == "forkserver"  # (--resume may switch it: then unused)
+    if early:
+        from .run.fork_server import start_early
+        start_early([HOGWILD_WORKERS])
+    try:
+        from . import api
+        sigint_now()
+        result = api.hogwild(**given_settings(ctx))
+    finally:
+        if early:  # its workers' group stopped it; not when the run failed before them
+            from .run.fork_server import stop_fork_server
+            stop_fork_server()
+    _finish(ctx, "hogwild", result)
 
 
 @cli.command("ps-server", epilog="Examples:\n\n\b\n"
@@ -544,16 +563,18 @@ def main(argv: Optional[list] = None) -> None:
     start_command_clock()  # --max-seconds counts the start-up a user waits for
     defer_sigint()  # until a command's imports are done (run.signals says why)
     try:
-        code = _run(argv)
+        code = _run(argv, command=True)
     finally:
         restore_sigint()
     exit_now(code)
 
 
-def _run(argv: Optional[list]) -> int:
-    """The command's exit status."""
+def _run(argv: Optional[list], command: bool = False) -> int:
+    """The command's exit status. ``command``: this process is the installed command's, and
+    ends with it (``main``)."""
     try:
-        code = cli.main(args=argv, prog_name="asyncsgd", standalone_mode=False)
+        code = cli.main(args=argv, prog_name="asyncsgd", standalone_mode=False,
+                        obj={COMMAND: command})
         return code if isinstance(code, int) else 0  # click returns ctx.exit(code) here
     except click.exceptions.Exit as exc:
         return exc.exit_code

@@ -337,6 +337,47 @@ def test_an_unpicklable_model_fn_is_one_line_and_leaves_nothing_behind(tmp_path,
     assert (out / "summary.json").exists()
 
 
+def test_the_early_fork_server_preloads_the_module_of_hogwilds_workers():
+    """The command starts the fork server before it imports torch, naming the workers'
+    module itself: it must be the one ``WorkerGroup`` preloads (the target's)."""
+    from asyncsgd import cli
+    from asyncsgd.modes import hogwild
+    assert cli.HOGWILD_WORKERS == hogwild._worker.__module__
+
+
+def _processes_marked(mark: str) -> list:
+    """Pids of the live processes whose environment holds ``mark``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if mark.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:  # gone meanwhile, or not ours to read
+                pass
+    return found
+
+
+def test_a_hogwild_command_that_fails_before_its_workers_leaves_no_fork_server(tmp_path,
+                                                                                cli_env):
+    """The fork server the command started early (before importing torch) ends with a
+    command that failed before any worker, still importing torch or not."""
+    mark = f"ASYNCSGD_TEST_MARK={os.getpid()}-{time.monotonic_ns()}"
+    env = {**cli_env, mark.split("=")[0]: mark.split("=")[1]}
+    res = subprocess.run(asyncsgd_cmd("hogwild", "--task", "tasks_for_tests:not_a_task",
+                                      "--progress", "off", "--out", tmp_path / "x",
+                                      "--start-method", "forkserver"),
+                         env=env, capture_output=True, text=True, timeout=120)
+    one_line_error(res, "returned int")
+    servers = [pid for pid in _processes_marked(mark)
+               if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert servers == []  # not left importing torch (a second or more) after the command
+    deadline = time.monotonic() + 5  # multiprocessing's resource tracker ends at EOF
+    while (left := _processes_marked(mark)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == []
+
+
 def test_a_task_that_fails_to_load_leaves_no_run_directory(run_cli_here, tmp_path):
     res = run_cli_here("single", "--task", "tasks_for_tests:not_a_task", "--progress", "off",
                   "--out", tmp_path / "runs" / "x")

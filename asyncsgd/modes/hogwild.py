@@ -44,6 +44,8 @@ COLUMNS = 8
 # seconds computing and seconds waited on purpose.
 LOSS_SUM, LOSS_STEPS, COMPUTED, WAITED, SPAN = range(5)
 POLL_SECONDS = 0.25
+# Until every worker is training: startup_seconds was up to a whole POLL_SECONDS late
+READY_POLL_SECONDS = 0.01
 TRAIN_EVENT_SECONDS = 1.0
 STOP_GRACE = 10.0  # seconds for training workers to see the stop flag and exit
 
@@ -394,7 +396,7 @@ def _supervise(cfg: HogwildConfig, recorder: StatefulRecorder, group: WorkerGrou
             recorder.evaluate(events.samples())  # the starting point, before any update
             group.start()
             while True:
-                finished = group.wait(POLL_SECONDS)
+                finished = group.wait(POLL_SECONDS if events.ready_at else READY_POLL_SECONDS)
                 group.check()
                 events.note_ready()
                 samples = events.samples()

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 from ..errors import WorkerError
 from .child_reports import ChildReports, send_report, tail
+from .fork_server import set_preload, stop_fork_server
 from .lifetime import command_started_at, exit_now, pid_alive, start_command_clock
 
 log = logging.getLogger(__name__)
@@ -187,20 +188,6 @@ def _fork_server_alive(wait: float = 1.0) -> bool:
     return False
 
 
-def _stop_fork_server() -> None:
-    """End and reap this process's fork server. Stopped during start-up it may still be
-    importing torch, for seconds, and would outlive the command that started it."""
-    from multiprocessing import forkserver
-    server = getattr(forkserver, "_forkserver", None)
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid is None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(OSError):
-        server._stop()  # closes its socket and waits for the pid: a new one starts if needed
-
-
 def context(start_method: str, preload: Sequence[str] = ()):
     """A multiprocessing context that never forks the (threaded) training parent.
 
@@ -213,7 +200,7 @@ def context(start_method: str, preload: Sequence[str] = ()):
         raise ValueError(f"start method {start_method!r} not in {START_METHODS}")
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", *preload])
+        set_preload(preload)
     return ctx
 
 
@@ -366,7 +353,7 @@ class WorkerGroup:
         WorkerGroup._forking.discard(id(self))
         if (self.start_method == "forkserver" and not WorkerGroup._forking
                 and all(p.exitcode is not None for p in self._started())):
-            _stop_fork_server()
+            stop_fork_server()
 
     def wait_all(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
