@@ -79,6 +79,15 @@ class _Group(click.Group):
         _add_verbose(self.params)
 
 
+def _import_torch(ctx: click.Context) -> None:
+    """As the installed command, import torch first, the garbage collector paused, then
+    freeze what it made (``run.lifetime.import_torch``); in this process, a test's or a
+    caller's, the imports that need it import it as usual."""
+    if (ctx.obj or {}).get(COMMAND):
+        from .run.lifetime import import_torch
+        import_torch()
+
+
 def _report(summary: dict) -> None:
     from .core.scoring import Metric
     metric = Metric.described(summary.get("metric"))
@@ -155,6 +164,7 @@ def hogwild(ctx: click.Context, **_: object) -> None:
         from .run.fork_server import start_early
         start_early([HOGWILD_WORKERS])
     try:
+        _import_torch(ctx)
         from . import api
         sigint_now()
         result = api.hogwild(**given_settings(ctx))
@@ -196,6 +206,7 @@ def worker(ctx: click.Context, **_: object) -> None:
     Its partition of the training data follows from --rank and --world (or the
     RANK/WORLD_SIZE that torchrun sets, or SLURM_PROCID/SLURM_NTASKS).
     """
+    _import_torch(ctx)
     from . import ps
     sigint_now()
     _worker_report(ps.work(**given_settings(ctx)))

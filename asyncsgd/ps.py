@@ -20,7 +20,6 @@ from .run.sinks import attached
 from .run.sinks import callbacks as as_sinks
 from .wire.security import ClientKeys
 from .wire.stats import fetch_stats
-from asyncsgd.servers.server import serve as run_server
 from asyncsgd.workers.worker import WorkerResult, run_worker
 
 __all__ = ["serve", "work", "job", "stats", "WorkerResult"]
@@ -39,6 +38,8 @@ def serve(config: Optional[ServerConfig] = None, /, *, on_eval: Optional[Callabl
                           "parameters in CPU memory and evaluates there; leave it at cpu and "
                           "compute gradients on GPUs with 'asyncsgd worker --device cuda'")
     with attached(as_sinks(on_eval, callbacks)):
+        # here, not at the top: a worker never serves (17-24 ms of its start-up's imports)
+        from asyncsgd.servers.server import serve as run_server
         return run_server(cfg)
 
 
