@@ -1,28 +1,43 @@
 """The floor under any parameter server on pyzmq here: raw round trips plus the work no
-server can skip.
+server can skip, waiting as asyncsgd waits.
 
     python experiments/ps_floor.py                 # 20 KB, 1 MB, 10 MB, 40 MiB; ~30 s
     python experiments/ps_floor.py --seconds 0.5
 
 Raw pyzmq round trips (``raw_zmq.py``) move bytes and nothing else. A
-parameter server must also, every step: read the gradient once to refuse NaN
-and Inf, apply it (SGD reads parameters and gradient and writes the
-parameters), put a header on each message and read the one on each reply,
-and on the worker copy the returned parameters out of libzmq's buffers into
-its own (libzmq cannot receive into a caller's memory). This benchmark does
-exactly that and nothing more, in the fastest order there is: the gradient
-goes out as one message per 4 MiB frame, the server checks, applies and
-answers each frame as it arrives (so both directions are on the wire at
-once), and the worker copies each answer as it comes. It keeps no
-bookkeeping, no dedupe, no staleness, no liveness, and it is not
-all-or-nothing (a bad frame late in a push would leave the earlier ones
-applied), so no correct server that sends as it does can beat it: it bounds
-what any speed target can ask of asyncsgd on a machine. It sends with
-pyzmq's ``copy=False``, a new Frame for every uncopied frame; asyncsgd's
-workers send their gradients as Frames made once (``shared_frames`` in
-``asyncsgd/wire/transport.py``), which saves pyzmq's bookkeeping and a
-wake-up of its garbage-collector thread per frame. ``ps_throughput.py`` runs it
-beside raw pyzmq and asyncsgd in the same loop (results: experiments/README.md).
+parameter server must also, every step, and the floor does exactly this:
+
+- the worker puts a header on each message (msgpack: type, seq, part, parts)
+  and the server reads it, and checks what it must before applying anything:
+  the part's index is in range and its frame holds exactly that part's bytes
+  (a malformed message must never be applied);
+- the server reads the gradient once to refuse NaN and Inf (one sum), then
+  applies it (SGD reads parameters and gradient and writes the parameters);
+- the server answers with a header and the parameters, the worker reads the
+  header, checks it answers this push (seq and part), and copies the
+  parameters out of libzmq's buffers into its own (libzmq cannot receive
+  into a caller's memory).
+
+It waits as asyncsgd waits, so that no waiting policy of a server can beat
+it: both its server and its worker poll the socket before each receive with
+asyncsgd's own ``BusyPoll`` at asyncsgd's default budget
+(``wire/busy_poll.py``: up to 400 µs while messages come that fast and are
+no larger than 256 KiB), and its server keeps freed memory as a shard does
+(``keep_freed_memory``). It sends as asyncsgd sends: the worker's gradient
+frames of 64 KiB or more go out as ``zmq.Frame`` objects made once
+(``shared_frames``), smaller ones copied, and the server's reply frames
+uncopied from the parameters.
+
+And it does it in the fastest order there is: the gradient goes out as one
+message per 4 MiB frame, the server checks, applies and answers each frame as
+it arrives (so both directions are on the wire at once), and the worker copies
+each answer as it comes. It keeps no bookkeeping, no dedupe, no staleness, no
+liveness, and it is not all-or-nothing (a bad frame late in a push would leave
+the earlier ones applied: a correct server stages the range, or checks every
+part before applying any, both slower), so no correct server that sends as
+it does can beat it: it bounds what any speed target can ask of asyncsgd on a
+machine. ``ps_throughput.py`` runs it beside raw pyzmq and asyncsgd in the
+same loop and checks it is never the slower (results: experiments/README.md).
 """
 
 from __future__ import annotations
@@ -37,6 +52,9 @@ import msgpack
 import torch
 import zmq
 
+from asyncsgd.wire.busy_poll import BUSY_POLL_US, BusyPoll
+from asyncsgd.wire.memory import keep_freed_memory
+from asyncsgd.wire.transport import COPY_BELOW
 from raw_zmq import SIZES, WARMUP_ROUND_TRIPS, measure_raw, time_against_server
 
 FRAME = 4 * 2 ** 20
@@ -51,10 +69,21 @@ def _socket(ctx: zmq.Context, kind: int, timeout_ms: int) -> zmq.Socket:
     return sock
 
 
+def _received(sock: zmq.Socket, busy: BusyPoll) -> list:
+    """The next message's frames, uncopied, after polling for it as asyncsgd does."""
+    idle = time.perf_counter()
+    busy.wait(sock)
+    frames = sock.recv_multipart(copy=False)
+    busy.waited(time.perf_counter() - idle, sum(len(f.buffer) for f in frames[1:]))
+    return frames
+
+
 def _serve(conn, nbytes: int) -> None:
     torch.set_num_threads(1)
+    keep_freed_memory()  # as a shard does
     ctx = zmq.Context()
     sock = _socket(ctx, zmq.ROUTER, 60_000)
+    busy = BusyPoll(BUSY_POLL_US / 1e6)  # as a shard waits for its next message
     try:
         conn.send(sock.bind_to_random_port("tcp://127.0.0.1"))
         conn.close()
@@ -62,12 +91,15 @@ def _serve(conn, nbytes: int) -> None:
         views = [memoryview(params[i:i + FRAME // 4].numpy()).cast("B")
                  for i in range(0, len(params), FRAME // 4)]
         while True:
-            peer, head, *frames = sock.recv_multipart(copy=False)
+            peer, head, *frames = _received(sock, busy)
             header = msgpack.unpackb(head.buffer)
             if header["t"] == "bye":
                 sock.send_multipart([peer, b""])
                 return
             part = header["part"]
+            if not 0 <= part < len(views) or len(frames) != 1 \
+                    or len(frames[0].buffer) != len(views[part]):
+                raise RuntimeError(f"malformed part {part}")
             grad = torch.frombuffer(frames[0].buffer, dtype=torch.float32)
             if not math.isfinite(float(grad.sum())):
                 raise RuntimeError("non-finite gradient")
@@ -75,7 +107,8 @@ def _serve(conn, nbytes: int) -> None:
             params[lo:lo + len(grad)].sub_(grad, alpha=LR)
             reply = msgpack.packb({"t": "params", "s": header["s"], "part": part,
                                    "version": header["s"]})
-            sock.send_multipart([peer, reply, views[part]], copy=len(views[part]) < 65536)
+            sock.send_multipart([peer, reply, views[part]],
+                                copy=len(views[part]) < COPY_BELOW)
     finally:
         sock.close()
         ctx.term()
@@ -92,8 +125,12 @@ class FloorClient:
         self.sock.connect(f"tcp://127.0.0.1:{port}")
         self.grads = torch.full((nbytes // 4,), 1e-3)
         self.params = torch.zeros(nbytes // 4)
-        self.frames = [memoryview(self.grads[i:i + FRAME // 4].numpy()).cast("B")
-                       for i in range(0, len(self.grads), FRAME // 4)]
+        views = [memoryview(self.grads[i:i + FRAME // 4].numpy()).cast("B")
+                 for i in range(0, len(self.grads), FRAME // 4)]
+        # as asyncsgd's shared_frames: a large frame is made once, then shared at each send
+        self.frames = [zmq.Frame(v, copy=False) if len(v) >= COPY_BELOW else v for v in views]
+        self.sizes = [len(v) for v in views]
+        self.busy = BusyPoll(BUSY_POLL_US / 1e6)  # as asyncsgd's client waits for its reply
         self.seq = 0
 
     def round_trip(self) -> None:
@@ -101,11 +138,15 @@ class FloorClient:
         self.seq += 1
         for part, frame in enumerate(frames):
             head = msgpack.packb({"t": "push", "s": self.seq, "part": part, "parts": len(frames)})
-            sock.send_multipart([head, frame], copy=len(frame) < 65536)
+            sock.send_multipart([head, frame], copy=self.sizes[part] < COPY_BELOW)
         for _ in frames:
-            head, data = sock.recv_multipart(copy=False)
+            head, data = _received(sock, self.busy)
             header = msgpack.unpackb(head.buffer)
-            lo = header["part"] * (FRAME // 4)
+            part = header["part"]
+            if header["s"] != self.seq or not 0 <= part < len(frames) \
+                    or len(data.buffer) != self.sizes[part]:
+                raise RuntimeError(f"a reply to another push, or malformed: {header}")
+            lo = part * (FRAME // 4)
             got = torch.frombuffer(data.buffer, dtype=torch.float32)
             self.params[lo:lo + len(got)].copy_(got)
 
