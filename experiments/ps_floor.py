@@ -4,8 +4,9 @@ server can skip, waiting as asyncsgd waits.
     python experiments/ps_floor.py                 # 20 KB, 1 MB, 10 MB, 40 MiB; ~30 s
     python experiments/ps_floor.py --seconds 0.5
 
-Raw pyzmq round trips (``raw_zmq.py``) move bytes and nothing else. A
-parameter server must also, every step, and the floor does exactly this:
+Raw pyzmq round trips (``raw_zmq.py``) move bytes and nothing else. Every
+step, a parameter server must also do the following, and the floor does this
+and nothing more:
 
 - the worker puts a header on each message (msgpack: type, seq, part, parts)
   and the server reads it, and checks what it must before applying anything:
@@ -23,10 +24,11 @@ it: both its server and its worker poll the socket before each receive with
 asyncsgd's own ``BusyPoll`` at asyncsgd's default budget
 (``wire/busy_poll.py``: up to 400 µs while messages come that fast and are
 no larger than 256 KiB), and its server keeps freed memory as a shard does
-(``keep_freed_memory``). It sends as asyncsgd sends: the worker's gradient
-frames of 64 KiB or more go out as ``zmq.Frame`` objects made once
-(``shared_frames``), smaller ones copied, and the server's reply frames
-uncopied from the parameters.
+(``keep_freed_memory``) and runs the torch threads ps-server gives its one
+shard (half the cores: 1 here, 8 on a 16-core host). It sends as asyncsgd
+sends: the worker's gradient frames of 64 KiB or more go out as ``zmq.Frame``
+objects made once (``shared_frames``), smaller ones copied, and the server's
+reply frames uncopied from the parameters.
 
 And it does it in the fastest order there is: the gradient goes out as one
 message per 4 MiB frame, the server checks, applies and answers each frame as
@@ -52,6 +54,7 @@ import msgpack
 import torch
 import zmq
 
+from asyncsgd.run.process_group import available_cores
 from asyncsgd.wire.busy_poll import BUSY_POLL_US, BusyPoll
 from asyncsgd.wire.memory import keep_freed_memory
 from asyncsgd.wire.transport import COPY_BELOW
@@ -70,16 +73,21 @@ def _socket(ctx: zmq.Context, kind: int, timeout_ms: int) -> zmq.Socket:
 
 
 def _received(sock: zmq.Socket, busy: BusyPoll) -> list:
-    """The next message's frames, uncopied, after polling for it as asyncsgd does."""
+    """The next message's frames, uncopied, after polling for it as asyncsgd does (and read
+    as it reads them: ``Frame.more`` rather than recv_multipart's RCVMORE option)."""
     idle = time.perf_counter()
     busy.wait(sock)
-    frames = sock.recv_multipart(copy=False)
+    frames = [sock.recv(0, copy=False)]
+    while frames[-1].more:
+        frames.append(sock.recv(0, copy=False))
     busy.waited(time.perf_counter() - idle, sum(len(f.buffer) for f in frames[1:]))
     return frames
 
 
 def _serve(conn, nbytes: int) -> None:
-    torch.set_num_threads(1)
+    # the threads ps-server gives its one shard: the cores shared by it and the front
+    # (servers/supervisor.py); with fewer, a 16-core host's shard sums and applies faster
+    torch.set_num_threads(max(1, available_cores() // 2))
     keep_freed_memory()  # as a shard does
     ctx = zmq.Context()
     sock = _socket(ctx, zmq.ROUTER, 60_000)
