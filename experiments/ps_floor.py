@@ -62,6 +62,11 @@ from raw_zmq import SIZES, WARMUP_ROUND_TRIPS, measure_raw, time_against_server
 
 FRAME = 4 * 2 ** 20
 LR = 1e-6
+# Sent as asyncsgd sends (wire/transport.py): frame by frame through the Cython send with
+# plain int flags, not send_multipart (~9 us more a message, experiments/README.md,
+# "Frames and sends")
+_SEND_FRAME = zmq.backend.Socket.send
+_MORE = int(zmq.SNDMORE)
 
 
 def _socket(ctx: zmq.Context, kind: int, timeout_ms: int) -> zmq.Socket:
@@ -70,6 +75,13 @@ def _socket(ctx: zmq.Context, kind: int, timeout_ms: int) -> zmq.Socket:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
     return sock
+
+
+def _send(sock: zmq.Socket, parts: list) -> None:
+    """``parts`` as one message, those of COPY_BELOW bytes or more uncopied."""
+    last = len(parts) - 1
+    for j, part in enumerate(parts):
+        _SEND_FRAME(sock, part, _MORE if j < last else 0, len(part) < COPY_BELOW)
 
 
 def _received(sock: zmq.Socket, busy: BusyPoll) -> list:
@@ -115,8 +127,7 @@ def _serve(conn, nbytes: int) -> None:
             params[lo:lo + len(grad)].sub_(grad, alpha=LR)
             reply = msgpack.packb({"t": "params", "s": header["s"], "part": part,
                                    "version": header["s"]})
-            sock.send_multipart([peer, reply, views[part]],
-                                copy=len(views[part]) < COPY_BELOW)
+            _send(sock, [peer, reply, views[part]])
     finally:
         sock.close()
         ctx.term()
@@ -146,7 +157,7 @@ class FloorClient:
         self.seq += 1
         for part, frame in enumerate(frames):
             head = msgpack.packb({"t": "push", "s": self.seq, "part": part, "parts": len(frames)})
-            sock.send_multipart([head, frame], copy=self.sizes[part] < COPY_BELOW)
+            _send(sock, [head, frame])
         for _ in frames:
             head, data = _received(sock, self.busy)
             header = msgpack.unpackb(head.buffer)
