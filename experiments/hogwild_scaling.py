@@ -15,9 +15,11 @@ the 2-process figure (no collapse from oversubscription).
 Start-up: the table's column comes from runs in this process, which after
 the first reuse one fork server (~0.4 s). The figure to quote is measured
 last, on ``--repeats`` fresh ``asyncsgd hogwild`` commands with the largest
-``--procs`` and the default (or given) ``--start-method``: seconds from
-``train()`` to every worker training, target <= 2.5 s for 8 processes
-(issue 14), and from the command's start, imports included.
+``--procs`` and the default (or given) ``--start-method``: seconds from the
+command's start, imports included, to every worker training, target <= 1.5 s
+for 8 processes (issue 42), and from its ``train()`` (issue 14's <= 2.5 s).
+The 1-minute load average is printed beside it: on this shared 2-core machine
+other work moves it more than anything measured here.
 
 Writes ``experiments/results/hogwild_scaling.md`` (and ``.json``, and the
 figure ``hogwild_scaling.png``: speed-up over one process per task) unless --no-save.
@@ -41,7 +43,7 @@ from asyncsgd.run.process_group import available_cores
 from results import RESULTS, save_results  # this script's folder
 
 FIGURE_DPI = 80
-STARTUP_TARGET = 2.5  # seconds to the last of 8 processes training (issue 14)
+STARTUP_TARGET = 1.5  # seconds from the command to the last of 8 processes training (issue 42)
 
 
 def measure(task: str, procs: int, lock: bool, seconds: float, start_method: str,
@@ -63,6 +65,7 @@ def fresh_startup(task: str, procs: int, start_method: str) -> dict:
     first reuse the fork server and start in ~0.4 s: this is the figure to quote."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
+        load = os.getloadavg()[0]
         started = time.time()
         proc = subprocess.run(
             [sys.executable, "-m", "asyncsgd", "hogwild", "--task", task, "--procs", str(procs),
@@ -81,7 +84,8 @@ def fresh_startup(task: str, procs: int, start_method: str) -> dict:
     # event is written as train() begins, after the interpreter, imports and task load.
     process_started = first["wall"] - first["t"]
     return {"startup": summary["startup_seconds"] - first["t"],
-            "from_command": process_started - started + summary["startup_seconds"]}
+            "from_command": process_started - started + summary["startup_seconds"],
+            "load": load}
 
 
 def label(lock: bool, share: str, procs: int, cores: int) -> str:
@@ -201,11 +205,13 @@ def main() -> int:
               for _ in range(args.repeats)]
     start = statistics.median(s["startup"] for s in starts)
     command = statistics.median(s["from_command"] for s in starts)
-    verdict = "met" if start <= STARTUP_TARGET else "NOT met"
+    loads = [s["load"] for s in starts]
+    verdict = "met" if command <= STARTUP_TARGET else "NOT met"
     note = (f"{max(procs_list)}-process start-up of a fresh `asyncsgd hogwild --task {tasks[0]}` "
-            f"(--start-method {args.start_method}, median of {args.repeats}): {start:.2f} s from "
-            f"train() to every worker training ({command:.2f} s from the command, imports "
-            f"included); target <= {STARTUP_TARGET:g} s: {verdict}")
+            f"(--start-method {args.start_method}, median of {args.repeats}): {command:.2f} s "
+            f"from the command to every worker training, imports included ({start:.2f} s from "
+            f"train()); target <= {STARTUP_TARGET:g} s from the command: {verdict}; 1-min load "
+            f"{min(loads):.2f}-{max(loads):.2f}")
     print(note)
     text += "\n\n" + note
     if not args.no_save:
