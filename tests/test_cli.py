@@ -2,6 +2,7 @@
 before starting anything, and its help, run in this process (conftest.run_cli_here)."""
 
 import dataclasses
+import importlib.util
 import os
 import re
 import signal
@@ -342,7 +343,13 @@ def test_the_early_fork_server_preloads_the_module_of_hogwilds_workers():
     module itself: it must be the one ``WorkerGroup`` preloads (the target's)."""
     from asyncsgd import cli
     from asyncsgd.modes import hogwild
+    from asyncsgd.run.fork_server import FROZEN, preload
     assert cli.HOGWILD_WORKERS == hogwild._worker.__module__
+    # the server skips a preload it cannot import without a word: each must exist, and the
+    # one that freezes (gc.freeze, which must not run in this process) must come last
+    names = preload([cli.HOGWILD_WORKERS])
+    assert names[-1] == FROZEN
+    assert all(importlib.util.find_spec(name) is not None for name in names)
 
 
 def _processes_marked(mark: str) -> list:
