@@ -343,12 +343,13 @@ def test_the_early_fork_server_preloads_the_module_of_hogwilds_workers():
     module itself: it must be the one ``WorkerGroup`` preloads (the target's)."""
     from asyncsgd import cli
     from asyncsgd.modes import hogwild
-    from asyncsgd.run.fork_server import FROZEN, preload
+    from asyncsgd.run.fork_server import FROZEN, PAUSED, preload
     assert cli.HOGWILD_WORKERS == hogwild._worker.__module__
     # the server skips a preload it cannot import without a word: each must exist, and the
-    # one that freezes (gc.freeze, which must not run in this process) must come last
+    # one that pauses the collector must come first, the one that freezes and resumes it
+    # last (neither may be imported in this process)
     names = preload([cli.HOGWILD_WORKERS])
-    assert names[-1] == FROZEN
+    assert names[0] == PAUSED and names[-1] == FROZEN
     assert all(importlib.util.find_spec(name) is not None for name in names)
 
 

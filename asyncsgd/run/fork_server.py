@@ -13,16 +13,20 @@ from multiprocessing import forkserver
 from typing import Sequence
 
 
-# Imported last: freezes what the others made. 8 Hogwild workers forked from an unfrozen
-# server each spent 0.55-0.65 s between their fork and their target (collections walking,
-# and copying, the server's pages), 20-30 ms from a frozen one.
+# Imported first: pauses the garbage collector for the imports after it (as
+# run.lifetime.import_torch does in a command).
+PAUSED = "asyncsgd.run.gc_paused"
+# Imported last: freezes what the others made, and resumes the collector. 8 Hogwild workers
+# forked from an unfrozen server each spent 0.55-0.65 s between their fork and their target
+# (collections walking, and copying, the server's pages), 20-30 ms from a frozen one.
 FROZEN = "asyncsgd.run.frozen"
 
 
 def preload(modules: Sequence[str] = ()) -> list:
     """What the fork server imports before it forks any child: torch, then ``modules`` (the
-    children's target's module, which imports what they unpickle), then ``FROZEN``."""
-    return ["torch", *modules, FROZEN]
+    children's target's module, which imports what they unpickle), between ``PAUSED`` and
+    ``FROZEN``."""
+    return [PAUSED, "torch", *modules, FROZEN]
 
 
 def set_preload(modules: Sequence[str] = ()) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import select
@@ -140,6 +141,7 @@ def _child_main(target: Callable, rank: int, report: Any, parent_pid: int,
                 logging_of_parent: Optional[tuple], command_started: Optional[float],
                 args: tuple, ignore_sigterm: bool = False) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops its children itself
+    gc.enable()  # on even if a fork server's preload could not turn it back on (fork_server)
     if ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (_sigint_blocked)
