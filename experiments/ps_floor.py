@@ -35,8 +35,7 @@ And it does it in the fastest order: the gradient goes out as one message per
 answers it at once (so both directions are on the wire together) or, once the
 last has come, applies and answers each in turn (asyncsgd's order); a push of
 several frames is measured both ways and the faster counts. The worker copies
-each answer as it comes. It keeps no
-bookkeeping, no dedupe, no staleness, no liveness, and applied on arrival it is
+each answer as it comes. It keeps no bookkeeping, no dedupe, no staleness, no liveness, and applied on arrival it is
 not all-or-nothing (a bad frame late in a push would leave the earlier ones
 applied: a correct server stages the range, or checks every part before
 applying any, as the other order does), so no correct server that sends as it
@@ -212,8 +211,8 @@ def _round_trips(port: int, nbytes: int, seconds: float) -> list:
 def measure_floor(nbytes: int, seconds: float = 2.0) -> dict:
     """Median round trip of the minimal parameter server for ``nbytes`` of float32: of a
     push of several parts, the faster of its two orders (each part applied and answered
-    on arrival, or all once the last has come), measured one after the other. On 2
-    a floor must be below a server of either order."""
+    on arrival, or all once the last has come), measured one after the other: a floor
+    must be below a server of either order."""
     best = None
     for batched in ([False, True] if nbytes > FRAME else [False]):
         durations = time_against_server(_serve, (nbytes, batched), "ps-floor server",
