@@ -35,13 +35,14 @@ And it does it in the fastest order: the gradient goes out as one message per
 answers it at once (so both directions are on the wire together) or, once the
 last has come, applies and answers each in turn (asyncsgd's order); a push of
 several frames is measured both ways and the faster counts. The worker copies
-each answer as it comes. It keeps no bookkeeping, no dedupe, no staleness, no liveness, and applied on arrival it is
-not all-or-nothing (a bad frame late in a push would leave the earlier ones
-applied: a correct server stages the range, or checks every part before
-applying any, as the other order does), so no correct server that sends as it
-does can beat it: it bounds what any speed target can ask of asyncsgd on a
-machine. ``ps_throughput.py`` runs it beside raw pyzmq and asyncsgd in the
-same loop and checks it is never the slower (results: experiments/README.md).
+each answer as it comes. It keeps no bookkeeping, no dedupe, no staleness, no
+liveness, and applied on arrival it is not all-or-nothing (a bad frame late in a
+push would leave the earlier ones applied: a correct server stages the range,
+or checks every part before applying any, as the other order does), so no
+correct server that sends as it does can beat it: it bounds what any speed
+target can ask of asyncsgd on a machine. ``ps_throughput.py`` runs it beside
+raw pyzmq and asyncsgd in the same loop and checks it is never the slower
+(results: experiments/README.md).
 """
 
 from __future__ import annotations
