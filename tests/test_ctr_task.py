@@ -313,3 +313,17 @@ def test_building_a_ten_million_row_table_costs_its_size_once(tmp_path):
     got = json.loads(res.stdout)
     assert got["size"] == 10_000_016 * 16 * 4
     assert got["grew"] < 1.5 * got["size"], got
+
+
+def test_the_dense_part_alone_is_the_model_given_its_looked_up_vectors():
+    """What the baselines train beside remote tables (experiments/sparse_ps.py): DLRMDense
+    with the model's MLPs, fed the vectors of ``embedding_inputs``, is the model."""
+    task = load_task("ctr:rows=40,tables=1", samples=200)
+    model = task.build_model(seed=2)
+    head = models.DLRMDense(26, 13)
+    head.load_state_dict({k: v for k, v in model.state_dict().items()
+                          if not k.startswith("tables.")})
+    (dense, categorical), _ = task.train.rows(torch.arange(19))
+    ids, = model.embedding_inputs(dense, categorical)
+    vectors = model.tables[0](ids).view(26, 19, 16).transpose(0, 1)
+    assert torch.equal(head(dense, vectors), model(dense, categorical))

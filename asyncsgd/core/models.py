@@ -127,10 +127,35 @@ def sequence_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     raise ValueError(f"reduction {reduction!r}: use 'mean' or 'sum'")
 
 
-class DLRM(nn.Module):
-    """A DLRM-like click model: embedding tables for the categorical features, a bottom MLP
-    for the dense features, the dot products of every pair of their vectors, a top MLP and
-    one logit.
+class DLRMDense(nn.Module):
+    """DLRM's dense part: a bottom MLP for the dense features, the dot products of every
+    pair of its vector and the features' embedding vectors, a top MLP and one logit.
+
+    What a baseline trains beside tables held elsewhere (an RPC parameter server, TorchRec):
+    ``forward(dense, vectors)`` takes the looked-up vectors, ``[n, features, dim]``."""
+
+    def __init__(self, features: int = 26, dense: int = 13, dim: int = 16,
+                 bottom: tuple = (64,), top: tuple = (64,)):
+        super().__init__()
+        self._dense_part(features, dense, dim, bottom, top)
+
+    def _dense_part(self, features: int, dense: int, dim: int, bottom: tuple, top: tuple):
+        self.bottom = MLP((dense, *bottom, dim))
+        vectors = features + 1
+        self.top = MLP((dim + vectors * (vectors - 1) // 2, *top, 1))
+        pairs = torch.triu_indices(vectors, vectors, offset=1)
+        self.register_buffer("pairs", pairs, persistent=False)
+
+    def forward(self, dense: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bottom(dense))
+        vectors = torch.cat([x.unsqueeze(1), vectors], dim=1)         # [n, features + 1, dim]
+        dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
+        return self.top(torch.cat([x, dots], dim=1)).squeeze(1)
+
+
+class DLRM(DLRMDense):
+    """A DLRM-like click model: embedding tables for the categorical features and
+    ``DLRMDense`` (bottom MLP, pairwise dot products, top MLP, one logit).
 
     ``tables`` (1..``features``, default one per feature): feature ``f`` looks up table
     ``f % tables`` at row ``(f // tables) * rows + id``, so the features sharing a table
@@ -144,7 +169,7 @@ class DLRM(nn.Module):
 
     def __init__(self, rows: int, features: int = 26, dense: int = 13, dim: int = 16,
                  bottom: tuple = (64,), top: tuple = (64,), tables: int = None):
-        super().__init__()
+        nn.Module.__init__(self)   # the tables first: the seed draws them before the MLPs
         tables = features if tables is None else tables
         if not 1 <= tables <= features:
             raise ValueError(f"tables={tables}: give 1 to {features} (one per feature)")
@@ -155,11 +180,7 @@ class DLRM(nn.Module):
                                     for mine in self.features_of)
         for table in self.tables:
             nn.init.normal_(table.weight, std=0.1)
-        self.bottom = MLP((dense, *bottom, dim))
-        vectors = features + 1
-        self.top = MLP((dim + vectors * (vectors - 1) // 2, *top, 1))
-        pairs = torch.triu_indices(vectors, vectors, offset=1)
-        self.register_buffer("pairs", pairs, persistent=False)
+        self._dense_part(features, dense, dim, bottom, top)
         # the feature order of the looked-up vectors, tables' features concatenated
         order = torch.tensor([f for mine in self.features_of for f in mine])
         self.register_buffer("unorder", torch.argsort(order), persistent=False)
@@ -175,14 +196,11 @@ class DLRM(nn.Module):
                 for mine in self.features_of]
 
     def forward(self, dense: torch.Tensor, categorical: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.bottom(dense))
         n = len(categorical)
-        looked_up = [table(ids).view(-1, n, x.shape[1]) for table, ids in
+        looked_up = [table(ids).view(-1, n, table.embedding_dim) for table, ids in
                      zip(self.tables, self.embedding_inputs(dense, categorical))]
-        features = torch.cat(looked_up)[self.unorder]                  # [features, n, dim]
-        vectors = torch.cat([x.unsqueeze(1), features.transpose(0, 1)], dim=1)
-        dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
-        return self.top(torch.cat([x, dots], dim=1)).squeeze(1)
+        vectors = torch.cat(looked_up)[self.unorder].transpose(0, 1)   # [n, features, dim]
+        return super().forward(dense, vectors)
 
 
 def binary_logloss(logits: torch.Tensor, targets: torch.Tensor,
