@@ -1,6 +1,6 @@
 """Sparse embedding tables on ctr: the baselines a sparse parameter server is measured against.
 
-    python experiments/sparse_ps.py                    # every baseline, every size, ~6 min
+    python experiments/sparse_ps.py                    # every baseline and size, 3 repeats, ~15 min
     python experiments/sparse_ps.py --quick            # tiny sizes, < 60 s, --no-save implied
     python experiments/sparse_ps.py --only ddp_rpc --rows 384616   # the 10^7-row table
 
@@ -38,7 +38,9 @@ MLPs and dot interactions, ``models.DLRMDense``) for one epoch of its train spli
 
 Every row: samples/s (both workers together, train time only), bytes per step (one
 worker's step), peak RSS of each process, the test AUC after the epoch, and the train
-seconds and samples until the AUC first reached ``--target`` (default the task's). The
+seconds and samples until the AUC first reached the task's target; medians over
+``--repeats`` runs (seeds 0, 1, ...: data order and dense init; the data are the task's),
+run in turn so that the machine's drift hits every row alike, with the AUC's range. The
 sparse PS's own row comes from ``run_asyncsgd`` with its flags (``mode_args``).
 
 Prints a table; writes ``experiments/results/sparse_ps.md`` and ``.json`` (not with
@@ -51,6 +53,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -218,9 +221,11 @@ def _ps(conn, rpc_port: int) -> None:
     del store
 
 
-def _table_sum(module_rref) -> float:
-    """On the PS: the sum of the table's weights (that training moved them)."""
-    return float(module_rref.local_value().weight.double().sum())
+def _table_updates(module_rref) -> int:
+    """On the PS: the version counter of the table's weight, which every in-place update
+    (one per optimizer step) bumps: the updates applied, counted without a copy (a float64
+    checksum of the 10^7-row table cost 1.2 GB of peak RSS)."""
+    return module_rref.local_value().weight._version
 
 
 def _master(conn, rpc_port: int, setting: Setting) -> None:
@@ -229,12 +234,12 @@ def _master(conn, rpc_port: int, setting: Setting) -> None:
     from torch.distributed.nn import RemoteModule
     _init_rpc("master", 1, TRAINERS + 2, "default", rpc_port)
     table = RemoteModule("ps", CtrTable, args=(FEATURES * setting.rows, DIM))
-    before = rpc.rpc_sync("ps", _table_sum, args=(table.module_rref,))
+    before = rpc.rpc_sync("ps", _table_updates, args=(table.module_rref,))
     futures = [rpc.rpc_async(f"trainer{r}", _run_trainer, args=(table, r, setting),
                              timeout=TRAIN_TIMEOUT_S) for r in range(TRAINERS)]
     trainers = [f.wait() for f in futures]
-    moved = rpc.rpc_sync("ps", _table_sum, args=(table.module_rref,)) != before
-    conn.send(("result", {"trainers": trainers, "master": _memory(), "table_moved": moved}))
+    updates = rpc.rpc_sync("ps", _table_updates, args=(table.module_rref,)) - before
+    conn.send(("result", {"trainers": trainers, "master": _memory(), "table_updates": updates}))
     rpc.shutdown()
 
 
@@ -268,9 +273,11 @@ def run_ddp_rpc(setting: Setting, ctx=None) -> dict:
         result = group.expect("result", ["master"], TRAIN_TIMEOUT_S)["master"]
         done = group.expect("done", ["ps", *trainers], EXIT_TIMEOUT_S)
         group.send("ps", "exit")
-    if not result["table_moved"]:
-        raise RuntimeError("ddp_rpc: the PS's table did not change over the epoch")
     by_rank = result["trainers"]
+    steps = sum(t["steps"] for t in by_rank)
+    if result["table_updates"] != steps:
+        raise RuntimeError(f"ddp_rpc: the PS applied {result['table_updates']} updates to the "
+                           f"table, the trainers made {steps} steps")
     lead = by_rank[0]
     samples = TRAINERS * setting.batch * lead["steps"]
     bytes_ = step_bytes(setting.batch, lead["dense_params"])
@@ -330,9 +337,10 @@ class TreeMemory:
                 up = parents[up]
             if up != self.pid or not chain:
                 continue
+            if not rss[pid] or role[chain[-1]] == "?":
+                continue   # exiting: nothing mapped, or its command line already gone
             # the process under the root that started it names it (a shard: its server's)
-            name = role[chain[-1]] if len(chain) > 1 else role[pid]
-            name = f"{name}/{role[pid]}" if len(chain) > 1 else name
+            name = role[pid] if len(chain) == 1 else f"{role[chain[-1]]}/child"
             self.peak[name] = max(self.peak.get(name, 0), rss[pid])
             total += rss[pid]
         self.peak_total = max(self.peak_total, total)
@@ -465,24 +473,61 @@ def _mb(n) -> str:
     return f"{n / 2 ** 20:,.1f}" if n >= 2 ** 20 else f"{n / 1024:,.1f} K"
 
 
-def table(rows: list) -> str:
-    head = ("| baseline | table rows | samples/s | bytes per step (MiB) | peak RSS, largest "
-            "process (MiB) | AUC after 1 epoch | train s to target | samples to target |\n"
-            "|---|---|---|---|---|---|---|---|")
-    lines = [head]
+def summarize(rows: list) -> list:
+    """One row per (baseline, size) over its repeats: medians of samples/s, bytes per step,
+    AUC and train seconds to target (over the repeats that reached it), the AUC's min and
+    max, each process's peak RSS over every repeat, and every repeat's row in ``runs``."""
+    groups: dict = {}
     for r in rows:
+        groups.setdefault((r["baseline"], r["rows"]), []).append(r)
+    out = []
+    for runs in groups.values():
+        done = [r for r in runs if "skipped" not in r]
+        if not done:
+            out.append({**runs[0], "runs": runs})
+            continue
+        reached = [r["train_seconds_to_target"] for r in done
+                   if r["train_seconds_to_target"] is not None]
+        samples_to = [r["samples_to_target"] for r in done if r["samples_to_target"] is not None]
+        aucs = [r["final_auc"] for r in done]
+        rss: dict = {}
+        for r in done:
+            for name, value in r["rss"].items():
+                rss[name] = max(rss.get(name, 0), value)
+        first = {k: v for k, v in done[0].items() if k not in ("evals", "repeat", "wall_s")}
+        out.append({**first, "repeats": len(done),
+                    "samples_per_second": statistics.median(
+                        r["samples_per_second"] for r in done),
+                    "bytes_per_step": statistics.median(r["bytes_per_step"] for r in done),
+                    "final_auc": statistics.median(aucs), "auc_min": min(aucs),
+                    "auc_max": max(aucs), "reached_target": len(reached),
+                    "train_seconds_to_target": statistics.median(reached) if reached else None,
+                    "samples_to_target": statistics.median(samples_to) if samples_to else None,
+                    "rss": rss, "runs": runs})
+    return out
+
+
+def table(summary: list) -> str:
+    """The markdown table of ``summarize``'s rows."""
+    lines = ["| baseline | table rows | samples/s | bytes per step (MiB) | peak RSS per process "
+             "(MiB) | AUC after 1 epoch | train s to target | samples to target |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in summary:
         if "skipped" in r:
             lines.append(f"| {r['baseline']} | {r['table_rows']:,} | skipped: {r['skipped']} "
                          "| | | | | |")
             continue
-        rss = max(r["rss"].values()) if r["rss"] else None
+        rss = ", ".join(f"{name} {_mb(v)}" for name, v in r["rss"].items())
+        auc_ = f"{r['final_auc']:.4f}"
+        if r["repeats"] > 1:
+            auc_ += f" ({r['auc_min']:.4f}–{r['auc_max']:.4f})"
         to, samples_to = r["train_seconds_to_target"], r["samples_to_target"]
+        reached = f", {r['reached_target']}/{r['repeats']} reached" if r["repeats"] > 1 else ""
         lines.append(
             f"| {r['baseline']} | {r['table_rows']:,} | {r['samples_per_second']:,.0f} | "
             f"{_mb(r['bytes_per_step'])}{'' if r['bytes_measured'] else ' (computed)'} | "
-            f"{_mb(rss)} | {r['final_auc']:.4f} | "
-            f"{'—' if to is None else f'{to:.1f}'} (AUC {r['target']:g}) | "
-            f"{'—' if samples_to is None else f'{samples_to:,}'} |")
+            f"{rss} | {auc_} | {'—' if to is None else f'{to:.1f}'} (AUC "
+            f"{r['target']:g}{reached}) | {'—' if samples_to is None else f'{samples_to:,.0f}'} |")
     return "\n".join(lines)
 
 
@@ -495,6 +540,26 @@ SIZES = {  # rows per feature -> samples generated; the one table has 26 x rows 
 # samples: 0.54 to 0.59 from run to run)
 QUICK = {100: 6_000}
 DENSE_UP_TO = 100_000   # asyncsgd-dense pushes 26 x rows x 16 floats a step: 166 MB here
+
+
+def run_one(baseline: str, setting: Setting, args, runs: Path, tmp: Path, ctx) -> dict:
+    """One baseline's row on one setting (skipped, with the reason, where it cannot run)."""
+    t0 = time.monotonic()
+    if baseline == "ddp_rpc":
+        row = run_ddp_rpc(setting, ctx)
+    elif baseline == "torchrec":
+        row = run_torchrec(setting, args.torchrec_python, tmp)
+    elif setting.rows > DENSE_UP_TO:
+        push = _mb(FEATURES * setting.rows * DIM * 4)
+        row = _skipped(baseline, setting, f"a dense push is {push} MiB: past "
+                       f"{DENSE_UP_TO:,} rows per feature it does not fit")
+    else:
+        row = run_asyncsgd(baseline, setting, runs / f"dense-{setting.rows}-s{setting.seed}")
+    row["wall_s"] = time.monotonic() - t0
+    print(f"{baseline} rows={setting.rows:,} seed {setting.seed}: " + (
+        row["skipped"] if "skipped" in row else
+        f"{row['samples_per_second']:,.0f} samples/s, AUC {row['final_auc']:.4f}"), flush=True)
+    return row
 
 
 def main() -> int:
@@ -514,7 +579,11 @@ def main() -> int:
     ap.add_argument("--torchrec-python", default=TORCHREC_PYTHON,
                     help="the interpreter of a venv with torchrec and fbgemm-gpu-cpu")
     ap.add_argument("--runs", default=None, help="where asyncsgd's run directories go")
-    ap.add_argument("--json", default=None, help="also write every row to this file")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs of every row, seeds 0, 1, ...; medians reported (default 3, "
+                         "--quick 1)")
+    ap.add_argument("--json", default=None,
+                    help="also write the rows (each with its repeats' rows) to this file")
     ap.add_argument("--no-save", action="store_true", help="leave experiments/results alone")
     args = ap.parse_args()
     only = [b.strip() for b in args.only.split(",") if b.strip()]
@@ -527,38 +596,26 @@ def main() -> int:
     if args.samples:
         sizes = {r: args.samples for r in sizes}
     eval_every = args.eval_every or (20 if args.quick else 100)
+    args.repeats = args.repeats or (1 if args.quick else 3)
     runs = Path(args.runs or f"runs/sparse-ps-{time.strftime('%Y%m%d-%H%M%S')}")
     ctx = start_context("forkserver", ["sparse_ps"]) if "ddp_rpc" in only else None
     rows = []
     with tempfile.TemporaryDirectory(prefix="sparse-ps-") as tmp:
-        for n_rows, samples in sizes.items():
-            setting = Setting(n_rows, samples, eval_every=eval_every)
-            for baseline in only:
-                t0 = time.monotonic()
-                if baseline == "ddp_rpc":
-                    row = run_ddp_rpc(setting, ctx)
-                elif baseline == "torchrec":
-                    row = run_torchrec(setting, args.torchrec_python, Path(tmp))
-                elif n_rows > DENSE_UP_TO:
-                    push = _mb(FEATURES * n_rows * DIM * 4)
-                    row = _skipped(baseline, setting, f"a dense push is {push} MiB: past "
-                                   f"{DENSE_UP_TO:,} rows per feature it does not fit")
-                else:
-                    row = run_asyncsgd(baseline, setting, runs / f"dense-{n_rows}")
-                row["wall_s"] = time.monotonic() - t0
-                rows.append(row)
-                print(f"{baseline} rows={n_rows:,}: " + (
-                    row["skipped"] if "skipped" in row else
-                    f"{row['samples_per_second']:,.0f} samples/s, AUC {row['final_auc']:.4f}"),
-                    flush=True)
-    md = table(rows)
+        for repeat in range(args.repeats):   # repeats outermost: drift hits every row alike
+            for n_rows, samples in sizes.items():
+                setting = Setting(n_rows, samples, eval_every=eval_every, seed=repeat)
+                for baseline in only:
+                    rows.append(run_one(baseline, setting, args, runs, Path(tmp), ctx))
+                    rows[-1]["repeat"] = repeat
+    summary = summarize(rows)
+    md = table(summary)
     print(md)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     if not (args.quick or args.no_save):
         command = " ".join(["python experiments/sparse_ps.py", *sys.argv[1:]])
         save_results(NAME, f"# Sparse tables: the baselines\n\nRun by `{command}`, "
-                     f"{time.strftime('%Y-%m-%d %H:%M')}.\n\n{md}", rows)
+                     f"{time.strftime('%Y-%m-%d %H:%M')}.\n\n{md}", summary)
     return 0
 
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.processes
 
 def test_the_ddp_rpc_baseline_trains_and_reports(tmp_path, cli_env):
     out = tmp_path / "rows.json"
-    # 4 processes forked from one fork server: the test took 15 s on the 2-core machine
+    # 4 processes forked from one fork server: 8 to 15 s on the 2-core machine
     res = subprocess.run([sys.executable, str(EXPERIMENTS / "sparse_ps.py"), "--quick",
                           "--only", "ddp_rpc", "--json", str(out)],
                          env=cli_env, capture_output=True, text=True, timeout=120,
