@@ -237,3 +237,38 @@ def test_functional_lookups_are_not_tables_the_worker_can_serve():
     model = Raw()
     with pytest.raises(ConfigError, match="not the weight of an nn.Embedding"):
         BatchTables(model, Layout.of(model, ["table"]))
+
+
+# -- the worker's settings ------------------------------------------------------------
+
+@pytest.mark.parametrize("given,words", [
+    (dict(local_steps="4"), "--local-steps and --push-every"),
+    (dict(push_every=2), "--local-steps and --push-every"),
+    (dict(transport="shared"), "--transport shared"),
+])
+def test_a_worker_refuses_in_one_line_what_tables_served_by_row_cannot_do(given, words):
+    from asyncsgd.config import WorkerConfig, make_config
+    from workers.worker import run_worker
+
+    cfg = make_config(WorkerConfig, None, dict(task="ctr:rows=100", samples=200,
+                                               server_timeout=1, **given))
+    with pytest.raises(ConfigError, match=words) as info:
+        run_worker(cfg)
+    assert "\n" not in str(info.value) and "--embeddings dense" in str(info.value)
+
+
+def test_jobs_hand_the_table_settings_to_their_roles():
+    import dataclasses
+
+    from asyncsgd.config import JobConfig, RayJobConfig, ServerConfig, make_config
+    from asyncsgd.jobs.roles import server_settings, worker_settings
+
+    # the server's table knobs (those it has: --id-space, --evict, --table-optimizer once
+    # they exist) reach a job's server; --embeddings reaches the server and every worker
+    server = {f.name for f in dataclasses.fields(ServerConfig)}
+    knobs = server & {"embeddings", "id_space", "evict", "table_optimizer"}
+    for kind in (JobConfig, RayJobConfig):
+        assert knobs <= {f.name for f in dataclasses.fields(kind)}, kind.__name__
+        job = make_config(kind, None, dict(embeddings="dense"))
+        assert server_settings(job, 2).embeddings == "dense"
+        assert worker_settings(job, "tcp://127.0.0.1:1", 0, 2).embeddings == "dense"
