@@ -14,8 +14,8 @@ import zmq
 
 from asyncsgd.core.sparse_ids import hash_id
 from asyncsgd.wire.layout import Layout, holds
-from asyncsgd.wire.protocol import (BYE, HEARTBEAT, HELLO, PARAMS, PUSH, WELCOME, Key, Message,
-                                    ProtocolError, in_parts, rows_bytes, split)
+from asyncsgd.wire.protocol import (BYE, HEARTBEAT, HELLO, PARAMS, PULL, PUSH, WELCOME, Key,
+                                    Message, ProtocolError, in_parts, rows_bytes, split)
 from asyncsgd.wire.sparse import apart, rows_reply
 from asyncsgd.wire.transport import recv_from, router, send
 from workers.client import PSClient
@@ -54,6 +54,7 @@ class PlayedServer:
         self.stray = []  # (shard, table, id) of ids sent to a shard that does not hold them
         self.parts: dict = {}
         self.refused = []  # what its decoder refused: a client's malformed message
+        self.requests = []  # (shard, type, ids asked per table) of every push and pull
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -98,6 +99,10 @@ class PlayedServer:
             msg.segments = self.parts.pop(msg.seq)
         dense, rows = apart(msg.segments)
         asked = [seg for seg in rows if not seg.data.dim]
+        wanted = {}
+        for seg in asked:
+            wanted.setdefault(seg.data.table, []).extend(seg.data.ids.tolist())
+        self.requests.append((i, msg.type, wanted))
         hashed = hash_id if self.id_space == "hashed" else None
         for seg in rows:
             spec = self.layout.tables[seg.data.table]
@@ -113,9 +118,10 @@ class PlayedServer:
         segments = split(self.params[start:end])
         for seg in asked:
             ids = seg.data.ids.clone()
-            values = row_of(ids)
+            dim = self.layout.tables[seg.data.table].dim
+            values = row_of(ids, dim)
             if self.lie:  # the rows of other ids than asked
-                values, seg = row_of(ids + 1), rows_reply(seg, values)
+                values, seg = row_of(ids + 1, dim), rows_reply(seg, values)
                 seg.data.ids.add_(1)
             else:
                 seg = rows_reply(seg, values)
@@ -260,3 +266,44 @@ def test_a_pull_without_tables_is_as_before(played):
     server, client, layout = played(Model())
     got = client.push_pull(None, torch.zeros(layout.total))
     assert got is None and server.asked == [[], []]
+
+
+def test_the_worker_pulls_each_batchs_rows_with_the_previous_push(tmp_path):
+    """The real worker loop on ctr: one pull for the first batch's rows, then every push
+    carries the next batch's ids; every step trains on exactly its batch's rows."""
+    from asyncsgd.config import WorkerConfig, make_config
+    from asyncsgd.core.signature import PS_PARTITION_SEED
+    from asyncsgd.core.tasks import epoch_order, partition_indices, task_of
+    from workers.worker import run_worker
+
+    given = dict(task="ctr:rows=100", samples=300, epochs=1, batch_size=32, progress="off",
+                 heartbeat=0.5, server_timeout=10)
+    cfg = make_config(WorkerConfig, None, given)
+    task = task_of(cfg)
+    model = task.build_model(0)
+    layout = Layout.of(model, task.served_tables(model))
+    server = PlayedServer(layout, shards=2)
+    try:
+        cfg = make_config(WorkerConfig, None, {**given, "server": server.endpoint})
+        result = run_worker(cfg)
+    finally:
+        server.close()
+    part = partition_indices(len(task.train), 1, 0, PS_PARTITION_SEED)
+    order = epoch_order(part, cfg.seed, 0, 0)
+    batches = [order[k:k + 32] for k in range(0, len(order), 32)]
+    want = [[sorted(set(task.train.rows(b)[0][1][:, t].tolist())) for t in range(26)]
+            for b in batches]
+    for shard in range(2):
+        seen = [(kind, wanted) for i, kind, wanted in server.requests if i == shard]
+        kinds = [kind for kind, _ in seen]
+        # the start's pull, the first batch's rows, then one push a step and no other pull
+        assert kinds == [PULL, PULL] + [PUSH] * len(batches)
+        asked = [wanted for _, wanted in seen[1:]]
+        for step, wanted in enumerate(asked[:len(batches)]):
+            for t in range(26):
+                mine = [x for x in want[step][t] if x % 2 == shard]
+                assert wanted.get(t, []) == mine, (shard, step, t)
+        assert asked[-1] == {}  # the last push asks for nothing
+    assert result.steps == result.pushes == len(batches)
+    total = sum(len(ids) for batch in want for ids in batch)
+    assert result.stats["rows_pulled"] == total == result.stats["rows_pushed"]
