@@ -15,7 +15,7 @@ import zmq
 from asyncsgd.core.sparse_ids import hash_id
 from asyncsgd.wire.layout import Layout, holds
 from asyncsgd.wire.protocol import (BYE, HEARTBEAT, HELLO, PARAMS, PULL, PUSH, WELCOME, Key,
-                                    Message, ProtocolError, in_parts, rows_bytes, split)
+                                    Message, ProtocolError, Rows, in_parts, rows_bytes, split)
 from asyncsgd.wire.sparse import apart, rows_reply
 from asyncsgd.wire.transport import recv_from, router, send
 from workers.client import PSClient
@@ -54,7 +54,8 @@ class PlayedServer:
         self.stray = []  # (shard, table, id) of ids sent to a shard that does not hold them
         self.parts: dict = {}
         self.refused = []  # what its decoder refused: a client's malformed message
-        self.requests = []  # (shard, type, ids asked per table) of every push and pull
+        # (shard, type, ids asked per table, tensor bytes) of every push and pull
+        self.requests = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -102,7 +103,9 @@ class PlayedServer:
         wanted = {}
         for seg in asked:
             wanted.setdefault(seg.data.table, []).extend(seg.data.ids.tolist())
-        self.requests.append((i, msg.type, wanted))
+        payload = sum(seg.data.nbytes if type(seg.data) is Rows else
+                      seg.data.numel() * seg.data.element_size() for seg in msg.segments)
+        self.requests.append((i, msg.type, wanted, payload))
         hashed = hash_id if self.id_space == "hashed" else None
         for seg in rows:
             spec = self.layout.tables[seg.data.table]
@@ -294,7 +297,7 @@ def test_the_worker_pulls_each_batchs_rows_with_the_previous_push(tmp_path):
     want = [[sorted(set(task.train.rows(b)[0][1][:, t].tolist())) for t in range(26)]
             for b in batches]
     for shard in range(2):
-        seen = [(kind, wanted) for i, kind, wanted in server.requests if i == shard]
+        seen = [(kind, wanted) for i, kind, wanted, _ in server.requests if i == shard]
         kinds = [kind for kind, _ in seen]
         # the start's pull, the first batch's rows, then one push a step and no other pull
         assert kinds == [PULL, PULL] + [PUSH] * len(batches)
@@ -304,6 +307,17 @@ def test_the_worker_pulls_each_batchs_rows_with_the_previous_push(tmp_path):
                 mine = [x for x in want[step][t] if x % 2 == shard]
                 assert wanted.get(t, []) == mine, (shard, step, t)
         assert asked[-1] == {}  # the last push asks for nothing
+        # every push's bytes are what its rows imply: the dense slice, then per table the
+        # batch's n unique ids of this shard, 8 bytes each, with 16 float32s each, and 8
+        # bytes for each id of the next batch it asks for
+        start, end = server.ranges[shard]
+        pushes = [payload for i, kind, _, payload in server.requests if i == shard and
+                  kind == PUSH]
+        for step, payload in enumerate(pushes):
+            rows = sum(len([x for x in ids if x % 2 == shard]) for ids in want[step])
+            ahead = sum(len([x for x in ids if x % 2 == shard])
+                        for ids in (want[step + 1] if step + 1 < len(want) else []))
+            assert payload == 4 * (end - start) + rows * (8 + 16 * 4) + 8 * ahead, step
     assert result.steps == result.pushes == len(batches)
     total = sum(len(ids) for batch in want for ids in batch)
     assert result.stats["rows_pulled"] == total == result.stats["rows_pushed"]
