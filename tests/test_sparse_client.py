@@ -42,8 +42,9 @@ class PlayedServer:
     (table, ids, values, dtype) of every rows segment it took, ``asked`` its ids segments."""
 
     def __init__(self, layout: Layout, shards: int = 2, id_space=None, lie: bool = False,
-                 whole: bool = False):
+                 whole: bool = False, drop_first: bool = False):
         self.layout, self.lie, self.id_space, self.whole = layout, lie, id_space, whole
+        self.drop_first = drop_first  # leave the first push unanswered: the client re-sends
         self.ctx = zmq.Context()
         self.front, self.endpoint = router(self.ctx, "tcp://127.0.0.1:0")
         self.ranges = layout.shard_ranges(shards)
@@ -54,6 +55,7 @@ class PlayedServer:
         self.stray = []  # (shard, table, id) of ids sent to a shard that does not hold them
         self.parts: dict = {}
         self.refused = []  # what its decoder refused: a client's malformed message
+        self.taken = []  # (shard, type, seq, [(table, ids, values)]) of each, as it came
         # (shard, type, ids asked per table, tensor bytes) of every push and pull
         self.requests = []
         self.stop = threading.Event()
@@ -106,6 +108,11 @@ class PlayedServer:
         payload = sum(seg.data.nbytes if type(seg.data) is Rows else
                       seg.data.numel() * seg.data.element_size() for seg in msg.segments)
         self.requests.append((i, msg.type, wanted, payload))
+        self.taken.append((i, msg.type, msg.seq, [(s.data.table, s.data.ids.clone(),
+                                                   s.data.values.clone()) for s in rows]))
+        if self.drop_first and msg.type == PUSH:
+            self.drop_first = False
+            return
         hashed = hash_id if self.id_space == "hashed" else None
         for seg in rows:
             spec = self.layout.tables[seg.data.table]
@@ -321,3 +328,15 @@ def test_the_worker_pulls_each_batchs_rows_with_the_previous_push(tmp_path):
     assert result.steps == result.pushes == len(batches)
     total = sum(len(ids) for batch in want for ids in batch)
     assert result.stats["rows_pulled"] == total == result.stats["rows_pushed"]
+
+
+def test_a_push_left_unanswered_is_sent_again_with_the_same_rows(played):
+    server, client, layout = played(Model(), shards=1, drop_first=True)
+    push = [(ids(1, 2, 7), torch.randn(3, DIM)), (ids(5), torch.randn(1, DIM))]
+    got = client.push_pull(torch.ones(layout.total), torch.zeros(layout.total), rows=push,
+                           want=[ids(3), ids(4, 9)])
+    assert torch.equal(got[1], row_of(ids(4, 9)))
+    first, again = [entry for entry in server.taken if entry[1] == PUSH]
+    assert first[2] == again[2] and client.stats["retries"] == 1  # the same seq: one push
+    for (t1, ids1, v1), (t2, ids2, v2) in zip(first[3], again[3], strict=True):
+        assert t1 == t2 and torch.equal(ids1, ids2) and torch.equal(v1, v2)
