@@ -18,7 +18,7 @@ from asyncsgd.wire.protocol import (BYE, HEARTBEAT, HELLO, PARAMS, PULL, PUSH, W
                                     Message, ProtocolError, Rows, in_parts, rows_bytes, split)
 from asyncsgd.wire.sparse import apart, rows_reply
 from asyncsgd.wire.transport import recv_from, router, send
-from workers.client import PSClient
+from asyncsgd.workers.client import PSClient
 
 pytestmark = pytest.mark.processes  # sockets, on 127.0.0.1
 
@@ -229,13 +229,14 @@ def test_a_hashed_id_space_routes_by_the_hash_of_each_id(played):
 
 
 def test_many_rows_travel_in_several_segments_and_parts(played):
-    rows = 70_000  # above the 65,536 rows one segment may hold
+    rows = 200_000  # above the 65,536 rows one segment may hold; 6.4 MB: a push in parts
     server, client, layout = played(Model(rows), shards=1)
     every = torch.arange(rows)
     got = client.push_pull(torch.ones(layout.total), torch.zeros(layout.total),
                            rows=[(every, torch.ones(rows, DIM)), (ids(3), torch.ones(1, DIM))],
                            want=[every, ids(5)])
-    assert len(server.pushed[0]) == 3 and len(server.asked[0]) == 3
+    assert len(server.pushed[0]) == 5 and len(server.asked[0]) == 5
+    assert [kind for _, kind, _, _ in server.requests] == [PUSH]  # one push, gathered
     assert torch.equal(got[0], row_of(every))
 
 
@@ -284,7 +285,7 @@ def test_the_worker_pulls_each_batchs_rows_with_the_previous_push(tmp_path):
     from asyncsgd.config import WorkerConfig, make_config
     from asyncsgd.core.signature import PS_PARTITION_SEED
     from asyncsgd.core.tasks import epoch_order, partition_indices, task_of
-    from workers.worker import run_worker
+    from asyncsgd.workers.worker import run_worker
 
     given = dict(task="ctr:rows=100", samples=300, epochs=1, batch_size=32, progress="off",
                  heartbeat=0.5, server_timeout=10)

@@ -16,7 +16,7 @@ from asyncsgd.core.models import DLRM, binary_logloss, embedding_tables
 from asyncsgd.core.sparse_ids import hash_id
 from asyncsgd.errors import ConfigError
 from asyncsgd.wire.layout import Layout
-from workers.tables import BatchTables, check_ids, route
+from asyncsgd.workers.tables import BatchTables, check_ids, route
 
 ROWS = 60
 
@@ -248,7 +248,7 @@ def test_functional_lookups_are_not_tables_the_worker_can_serve():
 ])
 def test_a_worker_refuses_in_one_line_what_tables_served_by_row_cannot_do(given, words):
     from asyncsgd.config import WorkerConfig, make_config
-    from workers.worker import run_worker
+    from asyncsgd.workers.worker import run_worker
 
     cfg = make_config(WorkerConfig, None, dict(task="ctr:rows=100", samples=200,
                                                server_timeout=1, **given))

@@ -26,9 +26,10 @@ from asyncsgd.wire.busy_poll import BUSY_POLL_US, BusyPoll
 from asyncsgd.wire.compression import WIRE_DTYPES, Compressor
 from asyncsgd.wire.layout import TableSpec
 from asyncsgd.wire.protocol import (ACK, ATTACH, BYE, DTYPE_NAMES, ERROR, HEARTBEAT, HELLO,
-                                    MAX_HEADER_BYTES, MAX_SEGMENT_ROWS, MAX_SEGMENT_VALUES,
-                                    PARAMS, PULL, PUSH, WELCOME, Code, Key, Message,
-                                    ParamsIntake, ProtocolError, Rows, in_parts, split)
+                                    FRAME_BYTES, MAX_HEADER_BYTES, MAX_SEGMENT_ROWS,
+                                    MAX_SEGMENT_VALUES, PARAMS, PULL, PUSH, WELCOME, Code, Key,
+                                    Message, Packed, ParamsIntake, ProtocolError, Rows,
+                                    in_parts, split)
 from asyncsgd.wire.security import ClientKeys, await_handshake
 from asyncsgd.wire.sparse import MAX_MESSAGE_VALUES, apart, reply_mismatch, split_rows, widened
 from asyncsgd.wire.transport import (dealer, frame_limit, is_local, parse_endpoint, recv, send,
@@ -467,13 +468,24 @@ class PSClient:
         area = self.areas[i]
         if msg.type == PUSH and area is not None:
             self._out(self.shards[i], msg, local=(area.link, area.grads))
-        elif msg.type == PUSH and len(msg.segments) > 1:
+        elif msg.type == PUSH and len(msg.segments) > 1 and not self._small_with_rows(msg):
             for j, part in enumerate(in_parts(msg)):
                 if j:
                     kill_at.reached(kill_at.BETWEEN_PARTS)
                 self._out(self.shards[i], part, copy=copy)
         else:
             self._out(self.shards[i], msg, copy=copy)
+
+    def _small_with_rows(self, msg: Message) -> bool:
+        """A push of rows within one frame's bytes goes whole: its many small segments (one
+        per table, rows and ids) cost a shard more as parts (a ctr push of 53 segments:
+        5.4-12 ms against 4.2-6.6 ms whole; experiments/README.md, "Sparse tables: the
+        worker")."""
+        if not self.tables:
+            return False
+        size = sum(seg.data.nbytes if isinstance(seg.data, (Rows, Packed)) else
+                   seg.data.numel() * seg.data.element_size() for seg in msg.segments)
+        return size <= FRAME_BYTES
 
     def _segments_of(self, grads: torch.Tensor) -> list:
         """Each shard's frames of ``grads``; made once for the buffer a worker pushes every
