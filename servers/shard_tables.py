@@ -12,6 +12,7 @@ from asyncsgd.errors import ConfigError
 from asyncsgd.wire.protocol import Code
 from asyncsgd.wire.sparse import check_rows, rows_reply
 
+from .sparse_rules import make_sparse_rule
 from .sparse_table import SparseTable
 
 
@@ -139,3 +140,35 @@ class ShardTables:
             table.load_state_dict(table_state, now)
         self.pulled, self.pushed = int(state["rows_pulled"]), int(state["rows_pushed"])
 
+
+
+# --table-optimizer auto: the sparse counterpart of each --optimizer
+AUTO_RULES = {"sgd": "sgd", "momentum": "sgd", "nesterov": "sgd", "delayed-nesterov": "sgd",
+              "adagrad": "adagrad", "adam": "lazy_adam"}
+
+
+def table_rule(optimizer: str, table_optimizer: str) -> str:
+    """The sparse rule (sparse_rules.SPARSE_RULES) of --table-optimizer, auto resolved."""
+    if table_optimizer == "auto":
+        return AUTO_RULES[optimizer]
+    return table_optimizer.replace("-", "_")
+
+
+def build_tables(specs: Sequence, shard: int, shards: int, id_space: str, evict: tuple,
+                 rule: str, lr: float, seed: int, scales: Sequence,
+                 initial: Optional[Sequence] = None) -> list:
+    """Shard ``shard``'s ``SparseTable`` of each table in ``specs``: in a fixed id space
+    holding ``initial`` (its rows ``weight[shard::shards]`` of the model's tables, so a
+    server starts from the weights the other modes start from); in a hashed one empty,
+    rows made on first touch, seeded per table, uniform within ``scales[t]``."""
+    tables = []
+    for t, spec in enumerate(specs):
+        sparse = make_sparse_rule(rule, spec.dim, lr)
+        if id_space == "fixed":
+            tables.append(SparseTable(spec.dim, sparse, shard=shard, shards=shards,
+                                      rows=spec.rows, evict=evict, init=initial[t]))
+        else:
+            tables.append(SparseTable(spec.dim, sparse, shard=shard, shards=shards,
+                                      id_space="hashed", evict=evict, seed=(seed << 16) + t,
+                                      init_scale=scales[t]))
+    return tables

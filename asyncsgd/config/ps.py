@@ -92,8 +92,31 @@ EMBEDDINGS = knob(
     "must agree: the handshake refuses a worker that lays the tables out otherwise.",
     type=click.Choice(["sparse", "dense"]))
 
+# Row-sparse tables on the shards (--embeddings sparse): ids, memory and their update rule
+ID_SPACE = knob(
+    "id_space", str, "fixed",
+    "The ids of the tables served by row: fixed, ids 0 to rows - 1 of the model's tables, "
+    "which start from the model's own rows; hashed, any int64 id (a user feeds raw ids), a "
+    "row created on first touch from a seed, held by shard hash(id) % shards.",
+    type=click.Choice(["fixed", "hashed"]))
+EVICT = knob(
+    "evict", str, "none",
+    "Bound the memory of hashed tables (needs --id-space hashed): ttl:SECONDS drops rows "
+    "untouched for that long, lfu:ROWS keeps at most ROWS rows per table and shard, evicting "
+    "the least used; evictions are counted, an evicted row comes back fresh. E.g. ttl:600.",
+    metavar="none|ttl:SECONDS|lfu:ROWS")
+TABLE_OPTIMIZER = knob(
+    "table_optimizer", str, "auto",
+    "Update rule of the tables served by row, on the rows a push names: auto is the "
+    "counterpart of --optimizer (sgd, momentum, nesterov and delayed-nesterov: sgd, whose "
+    "rows keep no momentum; adagrad: adagrad; adam: lazy-adam, whose moments decay only in "
+    "the rows pushed); rowwise-adagrad is the embedding standard (TorchRec's: one "
+    "accumulator per row).",
+    type=click.Choice(["auto", "sgd", "adagrad", "rowwise-adagrad", "lazy-adam"]))
+
 ServerConfig = settings(
     "ServerConfig", "ps", "Settings of ``asyncsgd ps-server``.", BIND, SHARDS, EMBEDDINGS,
+    ID_SPACE, EVICT, TABLE_OPTIMIZER,
     knob("optimizer", str, "sgd",
          "Update rule each shard applies to its slice. For workers' --local-steps "
          "pseudo-gradients: nesterov (DiLoCo's outer optimizer with --consistency sync: --lr "
