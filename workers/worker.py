@@ -456,7 +456,9 @@ class _Loop:
             return ids, rows
         ids = self._ids_of(index)
         rows = self.client.push_pull(None, self.flat_params, want=ids)
-        self._pulled()
+        # the dense parameters into the model; not _pulled: under sync this pull is no new
+        # round, and _follow_rounds would send the worker back to the batch it is on
+        self._load()
         return ids, rows
 
     def _loss(self, index: torch.Tensor) -> torch.Tensor:
