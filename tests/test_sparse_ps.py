@@ -8,6 +8,7 @@ same data (``asyncsgd single --task ctr:rows=1000 --samples 3000 --epochs 3``: 0
 """
 
 import re
+import uuid
 
 import pytest
 
@@ -96,3 +97,21 @@ def test_a_worker_that_lays_the_tables_out_otherwise_is_refused(server, cli_env)
     (code, out, err), = finish([worker(cli_env, srv.address, 0, 1, *TASK,
                                        "--embeddings", "dense")], timeout=120)
     assert code == 2 and "tables" in err, err
+
+
+def test_a_ps_job_under_torchrun_hands_the_table_settings_to_both_roles(cli_env, tmp_path):
+    """torchrun --standalone, 3 processes: rank 0 serves 2 shards, 2 workers. With --id-space
+    hashed a worker that routed rows by id % shards would be refused by the shards."""
+    from conftest import BIN
+    from test_ps_job import finish_job, job_env, start
+
+    mark, out = uuid.uuid4().hex, tmp_path / "job"
+    argv = [BIN / "torchrun", "--standalone", "--nnodes", 1, "--nproc-per-node", 3, "-m",
+            "asyncsgd", "ps-job", "--servers", 1, *TASK, "--epochs", 1, "--shards", 2,
+            "--id-space", "hashed", "--out", out, "--progress", "off"]
+    [(code, output)] = finish_job([start([str(a) for a in argv], job_env(cli_env, mark))], mark)
+    assert code == 0, output
+    assert output.count("rows per step") == 2, output
+    summary = read_json(out / "summary.json")
+    assert summary["stopped_by"] == "workers_done" and summary["rows_pushed"] > 0, summary
+    assert read_json(out / "config.json")["config"]["id_space"] == "hashed"
