@@ -42,6 +42,7 @@ class Key:
     CONSISTENCY, HEARTBEAT_TIMEOUT, TOTAL, TASK, INSTANCE, TOKEN = (
         "consistency", "heartbeat_timeout", "total", "task", "instance", "token")
     EPOCHS = "epochs"  # the server's --epochs: a worker not given its own takes them
+    ID_SPACE = "id_space"  # tables served by row: fixed or hashed, how a worker routes ids
     # pull (and a push that pulls): PULL_DTYPE, the dtype the parameters travel in
     OBSERVER, PULL_DTYPE = "observer", "pull_dtype"
     # params (and PART, PARTS of a message sent in parts)
