@@ -54,8 +54,8 @@ def test_two_workers_train_ctr_pulling_and_pushing_only_their_batches_rows(
         server, cli_env, cache_dir, consistency, id_space, target):
     srv = server(*TASK, "--shards", 2, "--workers", WORLD, "--epochs", EPOCHS,
                  "--consistency", consistency, "--id-space", id_space)
-    results = finish([worker(cli_env, srv.address, r, WORLD, *TASK, "--id-space", id_space)
-                      for r in range(WORLD)])
+    # the workers learn the id space from the server's welcome
+    results = finish([worker(cli_env, srv.address, r, WORLD, *TASK) for r in range(WORLD)])
     for code, out, err in results:
         assert code == 0, err
         assert "rows per step" in out

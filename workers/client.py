@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "shared", "tcp")
 ID_SPACES = ("fixed", "hashed")
-ID_SPACE = "id_space"  # the welcome's key: how rows are routed to shards (PROTOCOL.md)
 # The largest frame a reply of rows may hold (PROTOCOL.md, Row-sparse tables: 65536 ids and
 # 2^20 float32 values, 4.5 MiB), with a header's bound twice as frame_limit allows
 ROWS_FRAME = 2 * MAX_HEADER_BYTES + 8 * MAX_SEGMENT_ROWS + 4 * MAX_SEGMENT_VALUES
@@ -108,7 +107,7 @@ def _plan(meta: dict) -> tuple:
 
 def _id_space(welcome: dict) -> str:
     """The welcome's ``id_space``, checked."""
-    value = welcome[ID_SPACE]
+    value = welcome[Key.ID_SPACE]
     if value not in ID_SPACES:
         raise ProtocolError(Code.BAD_FIELD, f"the server's welcome names id space {value!r:.40}, "
                                             f"not one of {', '.join(ID_SPACES)}")
@@ -123,9 +122,7 @@ def new_incarnation() -> int:
 
 
 class PSClient:
-    """``id_space``: how rows go to shards (``fixed``: id % shards; ``hashed``: hash_id(id) %
-    shards), the server's ``--id-space``; a welcome that names one overrides it.
-    ``transport``: ``auto`` moves tensors through shared memory when the server runs
+    """``transport``: ``auto`` moves tensors through shared memory when the server runs
     on this host (``asyncsgd.wire.shared``) and over TCP otherwise; ``shared`` insists
     on shared memory (an error when it cannot be had); ``tcp`` always sends frames.
     ``data``: the worker's data signature (``asyncsgd.core.signature``), sent in the
@@ -139,7 +136,7 @@ class PSClient:
                  heartbeat: float = 1.0, server_timeout: float = 60.0,
                  curve: Optional[ClientKeys] = None, transport: str = "auto",
                  data: Optional[dict] = None, compressor: Optional[Compressor] = None,
-                 pull_dtype: str = "float32", id_space: str = "fixed",
+                 pull_dtype: str = "float32",
                  busy_poll_us: float = BUSY_POLL_US, audit_dir: Optional[str] = None):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r} is not one of {TRANSPORTS}")
@@ -162,8 +159,7 @@ class PSClient:
             transport = "tcp"
         # rows are pushed as the dense part would be cast (int8 and top-k pack that alone)
         self.rows_dtype = DTYPE_NAMES[compressor.dtype] if compressor is not None else "float32"
-        # the server's id space: as given (--id-space), unless its welcome names it
-        self.hashed = id_space == "hashed"
+        self.hashed = False  # the server's id space, as its welcome names it
         self._asked: dict = {}  # shard -> [(table, positions in the ids asked)], per ids segment
         self._rows_in: dict = {}  # (shard, seq) -> rows segments of a reply still in parts
         self._rows_got: dict = {}  # shard -> its reply's checked rows segments
@@ -212,7 +208,8 @@ class PSClient:
             welcome = self._request_front(Message(type=HELLO, meta=self.hello))
             self.info = welcome.meta
             self.shard_addrs, self.ranges = self._layout(welcome.meta)
-            if ID_SPACE in welcome.meta:
+            # how rows go to shards: id % shards, or hash_id(id) % shards when hashed
+            if Key.ID_SPACE in welcome.meta:
                 self.hashed = _id_space(welcome.meta) == "hashed"
             self.audit = worker_audit(audit_dir, worker, self.incarnation)
         except BaseException:  # refused, no answer, no audit: nothing of this client stays open
@@ -749,11 +746,7 @@ class PSClient:
             self.areas.drop(i, _said(reply.meta))
             self._send(i, request)  # as frames now; never applied, so not a duplicate
             return
-        hint = ""
-        if code == Code.OUT_OF_RANGE and self.tables:  # rows sent by another id space's rule
-            hint = (f" (this worker routes rows by --id-space "
-                    f"{'hashed' if self.hashed else 'fixed'}: give it the server's)")
-        raise ServerRefused(f"shard {i} refused {request.type}: {_said(reply.meta)}{hint}")
+        raise ServerRefused(f"shard {i} refused {request.type}: {_said(reply.meta)}")
 
     def bye(self, interrupted: bool = False) -> None:
         """Tell the shards and the front this worker is leaving (best effort, bounded), so

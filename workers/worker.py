@@ -170,8 +170,7 @@ def run_worker(cfg: WorkerConfig, seen: Optional[list] = None,
                       server_timeout=cfg.server_timeout, curve=keys, transport=cfg.transport,
                       data=data_signature(task, cfg.task, cfg.seed, PS_PARTITION_SEED),
                       compressor=Compressor(cfg.compress.kind, cfg.compress.ratio, cfg.push_dtype),
-                      pull_dtype=cfg.pull_dtype, id_space=cfg.id_space,
-                      busy_poll_us=cfg.busy_poll_us,
+                      pull_dtype=cfg.pull_dtype, busy_poll_us=cfg.busy_poll_us,
                       audit_dir=cfg.audit_dir)
     if seen and len(seen) == len(client.versions):
         client.versions = [int(v) for v in seen]

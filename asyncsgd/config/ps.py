@@ -98,10 +98,7 @@ ID_SPACE = knob(
     "The ids of the tables served by row: fixed, ids 0 to rows - 1 of the model's tables, "
     "which start from the model's own rows; hashed, any int64 id (a user feeds raw ids), a "
     "row created on first touch from a seed, held by shard hash(id) % shards.",
-    type=click.Choice(["fixed", "hashed"]), per_command={
-        "worker": "The server's --id-space, by which this worker sends each row to its shard: "
-                  "fixed, ids 0 to rows - 1, shard id % shards; hashed, any int64 id, shard "
-                  "hash(id) % shards. A server whose welcome names its id space overrides it."})
+    type=click.Choice(["fixed", "hashed"]))
 EVICT = knob(
     "evict", str, "none",
     "Bound the memory of hashed tables (needs --id-space hashed): ttl:SECONDS drops rows "
@@ -183,7 +180,7 @@ WorkerConfig = settings(
     "WorkerConfig", "worker", "Settings of ``asyncsgd worker``.",
     knob("server", str, "tcp://127.0.0.1:5555", "The server's address.",
          metavar="tcp://HOST:PORT"),
-    TASK, DATA, EMBEDDINGS, ID_SPACE,
+    TASK, DATA, EMBEDDINGS,
     knob("rank", Optional[int], None,
          "This worker's index; its data partition follows from rank and world.",
          type=click.IntRange(min=0), show="$RANK or $SLURM_PROCID or 0"),
