@@ -83,7 +83,19 @@ from rpc_ps import (EXIT_TIMEOUT_S, Owned, _init_rpc, free_port,  # noqa: E402
 
 NAME = "sparse_ps"
 FEATURES, DIM = ctr_data.CATEGORICAL, 16
-BASELINES = ("ddp_rpc", "asyncsgd-dense", "torchrec")
+BASELINES = ("asyncsgd-sparse", "asyncsgd-hybrid", "single", "ddp_rpc", "asyncsgd-dense",
+             "torchrec")
+# compare's extra flags of each asyncsgd row: the server's then every worker's. The ctr task
+# declares its tables, which a parameter server serves by row unless told --embeddings dense.
+# (mode, --mode-args): the hybrid is ps-sync (--dense sync), whose round sums the 2 workers'
+# dense gradients at the task's lr, as one process takes 2 steps; rows apply on arrival.
+ASYNCSGD_RUNS = {
+    "asyncsgd-sparse": ("ps-async", ()),
+    "asyncsgd-hybrid": ("ps-sync", ("ps-sync=--sync-reduce sum",)),
+    "asyncsgd-dense": ("ps-async", ("ps-async=--embeddings dense",
+                                    "worker=--embeddings dense")),
+    "single": ("single", ()),   # the AUC reference: one process, the same data and samples
+}
 TRAINERS = 2
 START_TIMEOUT_S = 180.0   # fork + import + load_task + two rendezvous, on a loaded 2-core box
 TRAIN_TIMEOUT_S = 1800.0
@@ -389,18 +401,33 @@ def run_asyncsgd(label: str, setting: Setting, out: Path, mode: str = "ps-async"
     start = first_progress(events)["t"]
     evals = [{"train_s": e["t"] - start, "samples": e["samples"], "auc": e["auc"],
               "loss": e["loss"]} for e in events if e.get("event") == "eval"]
-    moved = summary["bytes"] + summary.get("shared_bytes", 0)
-    # compare's figure, after start-up; an epoch done within one report (--quick) has none
-    steady = steady_throughput(events)
+    moved = (summary.get("bytes") or 0) + (summary.get("shared_bytes") or 0)  # single: None
+    # From the first to the last training report: start-up, the final evaluation and the
+    # shutdown left out, as ddp_rpc's train time leaves them out (the final evaluation pulls
+    # every row for the run's checkpoint: 3.4 s of a 14 s run at 10^7 rows). The server's
+    # periodic evaluations run beside the workers and stay in (ddp_rpc's are taken out).
+    # An epoch done within one report (--quick) has one: compare's figure, after start-up.
+    between = train_throughput(events)
+    steady = between or steady_throughput(events)
     samples_per_s = steady or summary["samples_per_second"]
     return _row(label, setting, samples=summary["samples"],
                 train_seconds=summary["samples"] / samples_per_s, evals=evals,
-                bytes_per_step=moved / max(summary["updates"], 1),
+                bytes_per_step=moved / max(summary.get("updates") or 1, 1),
                 bytes_detail={"wire": summary["bytes"], "shared": summary.get("shared_bytes", 0),
-                              "updates": summary["updates"]},
+                              "updates": summary.get("updates")},
                 bytes_measured=True, startup_s=start, default_target=target,
                 rss=memory.peak, rss_all_processes=memory.peak_total, run_dir=str(run_dir),
-                samples_per_second_from="after start-up" if steady else "the whole run")
+                samples_per_second_from="between training reports" if between else
+                "after start-up" if steady else "the whole run")
+
+
+def train_throughput(events: list):
+    """Samples/s between the first and the last ``train`` report of a run's events (None
+    with fewer than two at distinct times)."""
+    train = [e for e in events if e.get("event") == "train"]
+    if len(train) < 2 or train[-1]["t"] <= train[0]["t"]:
+        return None
+    return (train[-1]["samples"] - train[0]["samples"]) / (train[-1]["t"] - train[0]["t"])
 
 
 # ---------------------------------------------------------------------------- TorchRec
@@ -549,12 +576,14 @@ def run_one(baseline: str, setting: Setting, args, runs: Path, tmp: Path, ctx) -
         row = run_ddp_rpc(setting, ctx)
     elif baseline == "torchrec":
         row = run_torchrec(setting, args.torchrec_python, tmp)
-    elif setting.rows > DENSE_UP_TO:
+    elif baseline == "asyncsgd-dense" and setting.rows > DENSE_UP_TO:
         push = _mb(FEATURES * setting.rows * DIM * 4)
         row = _skipped(baseline, setting, f"a dense push is {push} MiB: past "
                        f"{DENSE_UP_TO:,} rows per feature it does not fit")
     else:
-        row = run_asyncsgd(baseline, setting, runs / f"dense-{setting.rows}-s{setting.seed}")
+        mode, mode_args = ASYNCSGD_RUNS[baseline]
+        row = run_asyncsgd(baseline, setting, runs / f"{baseline}-{setting.rows}-s{setting.seed}",
+                           mode=mode, mode_args=mode_args)
     row["wall_s"] = time.monotonic() - t0
     print(f"{baseline} rows={setting.rows:,} seed {setting.seed}: " + (
         row["skipped"] if "skipped" in row else
@@ -574,6 +603,8 @@ def main() -> int:
                     help="comma-separated ids per feature (default: "
                          f"{', '.join(map(str, SIZES))}; --quick: 100)")
     ap.add_argument("--samples", type=int, default=None, help="generated samples per size")
+    ap.add_argument("--batch", type=int, default=32,
+                    help="samples per step of each worker/trainer (the task's: 32)")
     ap.add_argument("--eval-every", type=int, default=None,
                     help="steps of one worker between evaluations (default 100, --quick 20)")
     ap.add_argument("--torchrec-python", default=TORCHREC_PYTHON,
@@ -603,7 +634,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="sparse-ps-") as tmp:
         for repeat in range(args.repeats):   # repeats outermost: drift hits every row alike
             for n_rows, samples in sizes.items():
-                setting = Setting(n_rows, samples, eval_every=eval_every, seed=repeat)
+                setting = Setting(n_rows, samples, batch=args.batch, eval_every=eval_every,
+                                  seed=repeat)
                 for baseline in only:
                     rows.append(run_one(baseline, setting, args, runs, Path(tmp), ctx))
                     rows[-1]["repeat"] = repeat
