@@ -100,6 +100,8 @@ class ShardConfig:
     # --lr-schedule and --warmup: the lr of update k (the version before it), core.schedule's
     lr_schedule: str = "constant"
     warmup: str = "0"
+    # --table-lr: the lr of the tables' rule, scheduled as ``lr`` is; None: ``lr``
+    table_lr: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.consistency, Consistency):
@@ -153,7 +155,8 @@ class ShardState:
             self.balancer = Balancer(cfg.batch_size, cfg.expected_workers, cfg.balance_every,
                                      cfg.min_batch)
         self.size = len(params)
-        self.tables = ShardTables(tables, table_specs, cfg.index, shards, hash_ids)
+        self.tables = ShardTables(tables, table_specs, cfg.index, shards, hash_ids,
+                                  lr_ratio=cfg.table_lr / cfg.lr if cfg.table_lr else 1.0)
         self.now = 0.0  # the clock of the message handled (or tick): rows' ages use it
         self.max_workers = cfg.max_workers or max(256, 4 * cfg.expected_workers)
         self.max_dc_copies = cfg.max_dc_copies or max(8, 2 * cfg.expected_workers)

@@ -32,7 +32,7 @@ class ShardTables:
     (core.sparse_ids.hash_id), None for a fixed one."""
 
     def __init__(self, tables: Sequence[SparseTable], specs: Sequence, shard: int,
-                 shards: int, hash_ids: Optional[Callable] = None):
+                 shards: int, hash_ids: Optional[Callable] = None, lr_ratio: float = 1.0):
         if len(tables) != len(specs):
             raise ConfigError(f"{len(tables)} sparse tables for {len(specs)} table specs")
         for i, (table, spec) in enumerate(zip(tables, specs)):
@@ -44,6 +44,7 @@ class ShardTables:
                                   f"hashed={hash_ids is not None}")
         self.tables, self.specs = list(tables), list(specs)
         self.shard, self.shards, self.hash_ids = shard, shards, hash_ids
+        self.lr_ratio = lr_ratio  # --table-lr / --lr: the tables' lr follows the schedule
         self.pulled = self.pushed = 0  # rows gathered for replies, rows applied
 
     def __len__(self) -> int:
@@ -93,11 +94,11 @@ class ShardTables:
         return sum(float(seg.data.values.double().pow(2).sum()) for seg in rows_of(segments))
 
     def apply(self, segments: Sequence, now: float, lr: float, lr_scale: float = 1.0) -> None:
-        """One step of each table's rule, at ``lr`` (the shard's schedule) times ``lr_scale``,
-        on the rows of a push's checked ``segments``."""
+        """One step of each table's rule, at ``lr`` (the shard's schedule) times ``lr_ratio``
+        and ``lr_scale``, on the rows of a push's checked ``segments``."""
         for t, ids, grads in self.values(segments):
             table = self.tables[t]
-            table.rule.lr = lr
+            table.rule.lr = lr * self.lr_ratio
             table.apply(ids, grads, now, lr_scale)
             self.pushed += ids.numel()
 

@@ -75,6 +75,7 @@ class ShardSupervisor:
         settings = [ShardProcessSettings(
             config=ShardConfig(
                 index=i, start=start, end=end, rule=cfg.optimizer, lr=lr, hyper=hyper,
+                table_lr=cfg.table_lr,
                 consistency=cfg.consistency, expected_workers=cfg.workers,
                 heartbeat_timeout=cfg.heartbeat_timeout, staleness_lr=cfg.staleness_lr,
                 dc_lambda=cfg.dc_asgd, sync_reduce=cfg.sync_reduce,

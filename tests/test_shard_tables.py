@@ -134,6 +134,18 @@ def test_row_sparse_pushes_equal_the_dense_oracle_on_the_touched_rows(rule):
     assert shard.version == 15 and shard.rule.steps == 10  # rows alone: no dense step
 
 
+def test_table_lr_moves_the_rows_at_its_own_rate_and_the_dense_slice_at_lr():
+    """--table-lr 0.05 beside --lr 0.5: a row moves by 0.05 g, the dense slice by 0.5 g."""
+    shard = state(table_lr=0.05)
+    ids, g_rows, g_dense = mine(0)[:2], torch.ones(2, SPECS[0].dim), torch.ones(DENSE)
+    before = shard.tables.tables[0].weight[ids // SHARDS].clone()
+    (ack,) = handle(shard, push(1, [(0, ids, g_rows)], g_dense))
+    assert ack.meta["applied"], ack.meta
+    assert torch.equal(shard.tables.tables[0].weight[ids // SHARDS],
+                       before - torch.tensor(0.05, dtype=torch.float32) * g_rows)
+    assert torch.equal(shard.params, torch.arange(DENSE, dtype=torch.float32) - LR * g_dense)
+
+
 def test_a_sparse_pull_returns_exactly_the_rows_asked_and_the_dense_slice():
     shard = state()
     asked = [(1, [7, 1, 4]), (0, [19, 10]), (0, [1])]

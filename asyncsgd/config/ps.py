@@ -114,9 +114,17 @@ TABLE_OPTIMIZER = knob(
     "accumulator per row).",
     type=click.Choice(["auto", "sgd", "adagrad", "rowwise-adagrad", "lazy-adam"]))
 
+TABLE_LR = knob(
+    "table_lr", Optional[float], None,
+    "Learning rate of the tables' rule (--table-optimizer), scheduled as --lr is: "
+    "adagrad-like rules take steps near lr per coordinate from the first push, so they want "
+    "one far below SGD's (ctr: SGD 0.5 on the dense part, rowwise-adagrad 0.02 on the "
+    "tables, TorchRec's best of 0.02-0.2 in experiments/README.md).",
+    type=click.FloatRange(min=0, min_open=True), show="--lr")
+
 ServerConfig = settings(
     "ServerConfig", "ps", "Settings of ``asyncsgd ps-server``.", BIND, SHARDS, EMBEDDINGS,
-    ID_SPACE, EVICT, TABLE_OPTIMIZER,
+    ID_SPACE, EVICT, TABLE_OPTIMIZER, TABLE_LR,
     knob("optimizer", str, "sgd",
          "Update rule each shard applies to its slice. For workers' --local-steps "
          "pseudo-gradients: nesterov (DiLoCo's outer optimizer with --consistency sync: --lr "
