@@ -1,18 +1,21 @@
 """Row-sparse tables on a live ps-server (ctr, its 26 tables served by row): sparse pulls, and
 exactly once across a shard SIGKILL under sync, where rows apply at once and the dense part at
-its round. Hand-made peers written from PROTOCOL.md (test_exactly_once.Peer); SGD with lr 1,
-so every row must equal its start minus exactly the rows pushed and acknowledged, once each.
+its round, and under async, the shard killed between a push's apply and its ack. Hand-made
+peers written from PROTOCOL.md (test_exactly_once.Peer); SGD with lr 1, so every row must
+equal its start minus exactly the rows pushed and acknowledged, once each.
 """
 
 import os
 import signal
 import time
 
+import pytest
 import torch
 
-from asyncsgd.wire.protocol import PARAMS, PULL, PUSH, Message, Rows, Segment, encode
+from asyncsgd.run.kill_at import APPLIED_UNACKED, VARIABLE
+from asyncsgd.wire.protocol import PARAMS, PULL, PUSH, Key, Message, Rows, Segment, encode
 from asyncsgd.wire.sparse import ids_segment, rows_segment
-from conftest import shard_stats, wait_for
+from conftest import Server, shard_stats, wait_for
 from test_exactly_once import Peer, applied
 
 CTR = ("--task", "ctr:rows=1000", "--samples", 2000, "--lr", 1, "--shards", 1)
@@ -89,3 +92,86 @@ def test_sparse_pulls_and_rows_survive_a_shard_sigkill_in_a_sync_round(server):
     stats = shard_stats(srv, port)
     assert stats["updates"] == 1 and stats["lost_updates"] == 0
     assert stats["rows_pushed"] == 5 and stats["tables"]["tables.0.weight"]["rows"] == 1000
+
+
+def restarted(srv, port, pid):
+    """True once the shard on ``port`` answers from a process other than ``pid``."""
+    try:
+        return shard_stats(srv, port)["pid"] != pid
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.parametrize("id_space", ["fixed", "hashed"])
+def test_async_sparse_pushes_are_applied_once_across_a_shard_killed_before_its_ack(
+        cli_env, tmp_path, id_space):
+    """Pushes 1-2 acknowledged and checkpointed, 3-4 acknowledged after it, 5 applied and
+    the shard SIGKILLed before its ack (the test-only kill_at hook, at the shard's 5th
+    applied push). The restored shard holds 1-2; the worker re-sends 5, which it never heard
+    acknowledged: 1, 2 and 5 are applied once each, rows and dense slice alike, and 3-4 are
+    the lost updates the worker's clock (4) proves. Should a periodic checkpoint slip in
+    after 3 or 4, the oracle follows the version the shard restored."""
+    marker = tmp_path / "killed"
+    env = {**cli_env, VARIABLE: f"{APPLIED_UNACKED}:5:{marker}"}
+    srv = Server(env, tmp_path / "run", *CTR, "--no-exit-when-done", "--consistency", "async",
+                 "--id-space", id_space, "--checkpoint-every", 0.5, "--heartbeat-timeout", 120)
+    try:
+        port = srv.stats()["shard_ports"][0]
+        big = 10**15 + 7 if id_space == "hashed" else 998  # raw int64 ids when hashed
+        asked = [(0, [3, 500, 999]), (7, [1, big]), (25, [0, 3])]
+        dense0, rows0 = observe(srv, port, asked)
+        gen = torch.Generator().manual_seed(1)
+        dense = [torch.randn(len(dense0), generator=gen) for _ in range(5)]
+        # (table, ids, value of every row's gradient): small integers, exact in float32
+        rows = [[(0, [3, 500], 1.0), (7, [big], 2.0)], [(0, [500, 999], 4.0)],
+                [(25, [0], 8.0), (0, [3], 16.0)], [(7, [1, big], 32.0)],
+                [(0, [999], 64.0), (25, [3, 0], 128.0)]]
+
+        def push(peer, i):
+            send_push(peer, i + 1, dense[i], [(t, ids, torch.full((len(ids), 16), v))
+                                              for t, ids, v in rows[i]], clock=i)
+
+        a = Peer(srv, port, worker="a")
+        for i in (0, 1):
+            push(a, i)
+            assert applied(a.reply())
+        acked = time.time()
+        checkpoint = srv.out / "shard-0.pt"
+        wait_for(lambda: checkpoint.exists() and checkpoint.stat().st_mtime > acked + 0.05,
+                 60, "a checkpoint holding pushes 1 and 2")
+        pid = shard_stats(srv, port)["pid"]
+        for i in (2, 3):
+            push(a, i)
+            assert applied(a.reply())
+        push(a, 4)
+        assert a.reply(2.0) is None  # applied, then killed before its ack went out
+        wait_for(lambda: restarted(srv, port, pid), 60, "the restarted shard", 0.2)
+        assert int(marker.read_text()) == pid
+        version = shard_stats(srv, port)["version"]  # what the restored checkpoint held
+        assert 2 <= version <= 4
+        a.close()
+        a = Peer(srv, port, worker="a")  # the worker reconnects and re-sends push 5
+        push(a, 4)
+        ack = a.reply()
+        assert applied(ack) and ack.meta[Key.STALENESS] == 0  # ahead of the restored version
+        push(a, 4)  # its retry: a duplicate now
+        again = a.reply()
+        assert not applied(again) and again.meta[Key.DUPLICATE] is True
+
+        kept = list(range(version)) + [4]
+        dense_now, rows_now = observe(srv, port, asked)
+        assert torch.allclose(dense_now, dense0 - sum(dense[i] for i in kept), atol=1e-5)
+        expect = [r.clone() for r in rows0]
+        place = {(t, i): (k, j) for k, (t, ids) in enumerate(asked) for j, i in enumerate(ids)}
+        for i in kept:
+            for t, ids, v in rows[i]:
+                for one in ids:
+                    k, j = place[(t, one)]
+                    expect[k][j] -= v
+        assert all(torch.equal(got, want) for got, want in zip(rows_now, expect))
+        stats = shard_stats(srv, port)
+        assert stats["updates"] == version + 1 and stats["lost_updates"] == 4 - version
+        assert stats["rows_pushed"] == sum(len(ids) for i in kept for _, ids, _ in rows[i])
+        a.close()
+    finally:
+        srv.close()
