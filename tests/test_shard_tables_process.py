@@ -27,7 +27,8 @@ def observe(srv, port, asked):
     reply = srv.request(encode(Message(type=PULL, seq=1, meta={"observer": True},
                                        segments=segments)), port=port)
     assert reply.type == PARAMS, reply
-    dense = torch.cat([s.data for s in reply.segments if type(s.data) is not Rows])
+    dense = torch.cat([torch.zeros(0)] + [s.data for s in reply.segments
+                                          if type(s.data) is not Rows])
     rows = [s.data for s in reply.segments if type(s.data) is Rows]
     assert [(r.table, r.ids.tolist()) for r in rows] == [(t, ids) for t, ids in asked]
     return dense.clone(), [r.values.clone() for r in rows]
@@ -175,3 +176,30 @@ def test_async_sparse_pushes_are_applied_once_across_a_shard_killed_before_its_a
         a.close()
     finally:
         srv.close()
+
+
+def test_a_ps_server_with_more_shards_than_dense_values_serves_tables_on_each(server):
+    """tasks_for_tests:table_counter (a 48-row table and one dense scalar) on 3 shards:
+    shards 0 and 1 hold rows alone (dense slices [0, 0)), shard 2 the scalar and its rows.
+    The server starts, and each shard pulls and applies its rows; the scalar only on 2."""
+    srv = server("--task", "tasks_for_tests:table_counter", "--samples", 48, "--lr", 1,
+                 "--shards", 3, "--no-exit-when-done")
+    ports = srv.stats()["shard_ports"]
+    assert len(ports) == 3
+    for shard, port in enumerate(ports):
+        ids = [shard, shard + 3, shard + 45]
+        dense0, (rows0,) = observe(srv, port, [(0, ids)])
+        assert len(dense0) == (1 if shard == 2 else 0)
+        peer = Peer(srv, port, worker="a", shard=shard)
+        grads = torch.tensor([[1.0], [2.0], [4.0]])
+        segments = [rows_segment(0, torch.tensor(ids), grads)]
+        if shard == 2:
+            segments.insert(0, Segment(0, torch.tensor([8.0])))
+        peer.sock.send_multipart(encode(Message(
+            type=PUSH, worker="a", seq=1, shard=shard, incarnation=1, segments=segments,
+            token=peer.token(1))))
+        assert applied(peer.reply())
+        dense, (rows,) = observe(srv, port, [(0, ids)])
+        assert torch.equal(rows, rows0 - grads)
+        assert torch.equal(dense, dense0 - 8.0 if shard == 2 else dense0)
+        peer.close()
