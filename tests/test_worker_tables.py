@@ -272,3 +272,25 @@ def test_jobs_hand_the_table_settings_to_their_roles():
         job = make_config(kind, None, dict(embeddings="dense"))
         assert server_settings(job, 2).embeddings == "dense"
         assert worker_settings(job, "tcp://127.0.0.1:1", 0, 2).embeddings == "dense"
+
+
+def test_a_table_a_batch_does_not_touch_pushes_nothing():
+    class Sometimes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Embedding(10, 3), nn.Embedding(10, 3, sparse=True)
+
+        def forward(self, ids):
+            return self.a(ids).sum() + self.b(ids[:0]).sum()
+
+    model = Sometimes()
+    layout = Layout.of(model, embedding_tables(model))
+    tables = BatchTables(model, layout)
+    ids = tables.ids_of((torch.tensor([3, 1, 3]),))
+    assert ids[0].tolist() == [1, 3] and ids[1].tolist() == []
+    tables.begin(ids, [torch.ones(2, 3), torch.ones(0, 3)], torch.device("cpu"))
+    model(torch.tensor([3, 1, 3])).backward()
+    tables.settle()
+    (ids_a, grad_a), (ids_b, grad_b) = tables.gradients()
+    assert ids_a.tolist() == [1, 3] and grad_a.tolist() == [[1.0] * 3, [2.0] * 3]
+    assert ids_b.numel() == 0 and grad_b.shape == (0, 3)

@@ -135,7 +135,8 @@ class BatchTables:
             at = torch.searchsorted(unique, ids.contiguous())
             # a row the forward looks up that was not pulled: a model whose
             # embedding_inputs misses ids would else train on its neighbour's row
-            if len(unique) == 0 or not bool((unique[at.clamp(max=len(unique) - 1)] == ids).all()):
+            if ids.numel() and (len(unique) == 0 or not bool(
+                    (unique[at.clamp(max=len(unique) - 1)] == ids).all())):
                 raise RuntimeError(f"table {self.specs[t].name!r} looked up ids outside the "
                                    "batch's rows: its model's embedding_inputs must return "
                                    "every id the forward looks up")

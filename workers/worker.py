@@ -440,8 +440,11 @@ class _Loop:
         self._push()
 
     def _ids_of(self, index: torch.Tensor) -> list:
-        """Per table, the unique ids the rows ``index`` look up."""
-        inputs = tuple(t.to(self.device) for t in self.task.train.rows(index)[0])
+        """Per table, the unique ids the rows ``index`` look up (from the inputs on the CPU
+        when the model says which, else on its device for the probe's forward)."""
+        inputs = self.task.train.rows(index)[0]
+        if not callable(getattr(self.model, "embedding_inputs", None)):
+            inputs = tuple(t.to(self.device) for t in inputs)
         ids = self.tables.ids_of(inputs)
         check_ids(ids, self.layout, self.client.hashed)
         return ids

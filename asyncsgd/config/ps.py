@@ -131,8 +131,12 @@ ServerConfig = settings(
     WEIGHT_DECAY,
     knob("consistency", Consistency, Consistency("async"),
          "async (apply every push on arrival), ssp:K (no worker more than K clocks ahead of "
-         "the slowest live one) or sync (mean of one push per live worker).",
-         type=ValueType(Consistency, "async|ssp:K|sync"), metavar="async|ssp:K|sync"),
+         "the slowest live one) or sync (mean of one push per live worker). With tables "
+         "served by row (--embeddings sparse) it governs the dense part only, hence its "
+         "other name --dense: rows apply on arrival whatever it says, so --dense sync is "
+         "Persia's hybrid (sparse asynchronous, dense synchronous).",
+         type=ValueType(Consistency, "async|ssp:K|sync"), metavar="async|ssp:K|sync",
+         aliases=("--dense",)),
     WORKERS,
     knob("sync_reduce", str, "mean", "How sync combines a round's pushes.",
          type=click.Choice(["mean", "sum"])),

@@ -152,12 +152,6 @@ class DLRMDense(nn.Module):
         dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
         return self.top(torch.cat([x, dots], dim=1)).squeeze(1)
 
-    def embedding_inputs(self, dense: torch.Tensor, categorical: torch.Tensor) -> list:
-        """Per table, the ids ``forward`` looks up: a parameter server's worker pulls those
-        rows before the forward (workers/tables.py)."""
-        return [categorical[:, i] for i in range(len(self.tables))]
-
-
 class DLRM(DLRMDense):
     """A DLRM-like click model: embedding tables for the categorical features and
     ``DLRMDense`` (bottom MLP, pairwise dot products, top MLP, one logit).
