@@ -197,12 +197,13 @@ def test_routing_follows_the_shards_rule_and_keeps_the_order():
 
 
 def test_ids_outside_a_fixed_table_are_named():
-    model = DLRM(ROWS, tables=2)
+    model = DLRM(ROWS, tables=2)  # 13 features a table: 13 x ROWS rows each
+    rows = 13 * ROWS
     layout = Layout.of(model, embedding_tables(model))
-    check_ids([torch.tensor([0, ROWS - 1]), torch.tensor([5])], layout, hashed=False)
-    check_ids([torch.tensor([ROWS]), torch.tensor([5])], layout, hashed=True)
-    with pytest.raises(ConfigError, match=f"id {ROWS} of table 'tables.0.weight'"):
-        check_ids([torch.tensor([0, ROWS]), torch.tensor([5])], layout, hashed=False)
+    check_ids([torch.tensor([0, rows - 1]), torch.tensor([5])], layout, hashed=False)
+    check_ids([torch.tensor([rows]), torch.tensor([5])], layout, hashed=True)
+    with pytest.raises(ConfigError, match=f"id {rows} of table 'tables.0.weight'"):
+        check_ids([torch.tensor([0, rows]), torch.tensor([5])], layout, hashed=False)
 
 
 def test_accumulated_micro_batches_share_one_local_weight():

@@ -152,6 +152,7 @@ class DLRMDense(nn.Module):
         dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
         return self.top(torch.cat([x, dots], dim=1)).squeeze(1)
 
+
 class DLRM(DLRMDense):
     """A DLRM-like click model: embedding tables for the categorical features and
     ``DLRMDense`` (bottom MLP, pairwise dot products, top MLP, one logit).
