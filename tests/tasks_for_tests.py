@@ -118,6 +118,22 @@ def table_counter(samples=None):
     return task
 
 
+RAW_BASE, RAW_STEP = 10 ** 12, 7919
+
+
+def raw_table_counter(samples=None):
+    """table_counter fed raw int64 ids (10^12 + 7919 x row, beyond the table's rows), as
+    in a hashed id space (``--id-space hashed``): the worker and the server's evaluator
+    remap them; row ``i``'s raw id ends at minus the times it was trained on."""
+    n = samples or 1000
+    task = table_counter(n)
+    task.name = "raw-table-counter"
+    raw = RAW_BASE + RAW_STEP * torch.arange(n).view(-1, 1)
+    task.train, task.test = Split((raw,), task.train.targets), Split((raw[-10:],),
+                                                                       task.test.targets)
+    return task
+
+
 def dense_counter(samples=None):
     return _rows_task("dense-counter", Scalars, samples or 2000)
 

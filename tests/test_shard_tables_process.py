@@ -15,7 +15,7 @@ import torch
 from asyncsgd.run.kill_at import APPLIED_UNACKED, VARIABLE
 from asyncsgd.wire.protocol import PARAMS, PULL, PUSH, Key, Message, Rows, Segment, encode
 from asyncsgd.wire.sparse import ids_segment, rows_segment
-from conftest import Server, shard_stats, wait_for
+from conftest import Server, finish, read_json, shard_stats, wait_for, worker
 from test_exactly_once import Peer, applied
 
 CTR = ("--task", "ctr:rows=1000", "--samples", 2000, "--lr", 1, "--shards", 1)
@@ -203,3 +203,23 @@ def test_a_ps_server_with_more_shards_than_dense_values_serves_tables_on_each(se
         assert torch.equal(rows, rows0 - grads)
         assert torch.equal(dense, dense0 - 8.0 if shard == 2 else dense0)
         peer.close()
+
+
+def test_the_evaluator_reads_raw_ids_beyond_the_tables_rows_in_a_hashed_id_space(
+        server, cli_env):
+    """tasks_for_tests:raw_table_counter looks its 48-row table up at raw ids 10^12 + 7919 x
+    row: with --id-space hashed a worker trains on them, and the server's evaluator pulls
+    the test split's rows by those ids and evaluates through a local table (it refused
+    them at start before). lr 1, 2 epochs: each test row at -2, the dense scalar at -96, so
+    every test sample's output, and the final loss, is exactly -98."""
+    args = ("--task", "tasks_for_tests:raw_table_counter", "--samples", 48)
+    srv = server(*args, "--lr", 1, "--id-space", "hashed", "--workers", 1)
+    (code, _, err), = finish([worker(cli_env, srv.address, 0, 1, *args, "--epochs", 2)])
+    assert code == 0, err
+    assert srv.wait()[0] == 0
+    summary = read_json(srv.out / "summary.json")
+    assert summary["final_loss"] == -98.0
+    # the 48 raw ids trained; the evaluator's observer pulls (raw ids, then rows 0-47 for
+    # the saved model) created none
+    table = summary["tables"]["weight.weight"]
+    assert (table["rows"], table["created"]) == (48, 48), table
