@@ -195,6 +195,8 @@ class Evaluator:
         Tables served by row: the rows the test split reads, or ``every_row``."""
         rows = self.rows
         if rows is not None and every_row:
+            if rows.remapped:  # the test split's raw ids, apart: for the final evaluation
+                self.reader.pull(rows=rows)
             rows = self._rows([torch.arange(t.rows, dtype=torch.int64)
                                for t in self.layout.tables])
         self.reader.pull(rows=rows)

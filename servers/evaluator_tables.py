@@ -5,6 +5,11 @@ The server's model holds its tables whole (the task builds it so), and only the 
 reads are refreshed at an evaluation: for ctr's sizes (up to 10^6 rows a table) a full-size
 table filled at those ids costs less than remapping ids into a table of the touched rows. The
 final observation asks every row, so the model the run saves holds the whole trained tables.
+
+In a hashed id space the test split may look up raw ids beyond the model's rows (any int64):
+then the rows of those ids are held apart, and during each forward a table module looks up
+that local table at the ids' positions (as a worker's step does, workers/tables.py), its own
+weight put back after; the model's whole tables stay for the saved model.
 """
 
 from __future__ import annotations
@@ -41,8 +46,10 @@ def touched_ids(model: nn.Module, layout: Layout, split, batch_size: int = 2048)
 
     def catch(t: int) -> Callable:
         def hook(module, args, kwargs):
-            ids = args[0] if args else kwargs["input"]
+            ids = _input_of(args, kwargs)
             seen[t].append(torch.unique(ids.detach().reshape(-1).to("cpu", torch.int64)))
+            # row 0 instead: raw ids of a hashed id space may lie beyond the model's rows
+            return _with_input(args, kwargs, torch.zeros_like(ids))
         return hook
 
     hooks = [m.register_forward_pre_hook(catch(t), with_kwargs=True)
@@ -61,21 +68,45 @@ def touched_ids(model: nn.Module, layout: Layout, split, batch_size: int = 2048)
             for parts in seen]
 
 
+def _input_of(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["input"]
+
+
+def _with_input(args: tuple, kwargs: dict, ids: torch.Tensor) -> tuple:
+    if args:
+        return (ids, *args[1:]), kwargs
+    return args, {**kwargs, "input": ids}
+
+
 class TableRows:
     """The ids of each table the evaluator asks of each shard, as observer pulls within the
     per-segment and per-message bounds, and the rows that come back written into the
-    model's tables."""
+    model's tables; or, when a hashed id space's ``ids`` lie beyond a table's rows, into
+    a local table of those ids that the model's forward looks up (``remapped``)."""
 
     def __init__(self, model: nn.Module, layout: Layout, ids: Sequence, shards: int,
                  hash_ids: Optional[Callable] = None):
         self.layout = layout
-        self.weights = [m.weight for m in table_modules(model, layout)]
-        for spec, table_ids in zip(layout.tables, ids):
-            if table_ids.numel() and (int(table_ids.min()) < 0 or
-                                      int(table_ids.max()) >= spec.rows):
-                raise ConfigError(f"table {spec.name!r} is looked up at ids outside its "
-                                  f"{spec.rows} rows: the server's evaluator fills the model's "
-                                  "table at the ids its test split reads")
+        self.modules = table_modules(model, layout)
+        self.weights = [m.weight for m in self.modules]
+        outside = [t for t, (spec, table_ids) in enumerate(zip(layout.tables, ids))
+                   if table_ids.numel() and (int(table_ids.min()) < 0 or
+                                             int(table_ids.max()) >= spec.rows)]
+        if outside and hash_ids is None:
+            spec = layout.tables[outside[0]]
+            raise ConfigError(f"table {spec.name!r} is looked up at ids outside its "
+                              f"{spec.rows} rows: in a fixed id space the model's rows are the "
+                              "ids; use --id-space hashed for raw ids")
+        self.remapped = bool(outside)
+        self._hooks: list = []
+        if self.remapped:
+            self.unique = [torch.unique(table_ids) for table_ids in ids]
+            self.local = [torch.zeros(len(u), spec.dim)
+                          for u, spec in zip(self.unique, layout.tables)]
+            for t, module in enumerate(self.modules):
+                self._hooks += [module.register_forward_pre_hook(self._look_up(t),
+                                                                 with_kwargs=True),
+                                module.register_forward_hook(self._put_back(t))]
         self.pulls: list = []  # per shard: the ids segments of each pull
         for shard in range(shards):
             segments = []
@@ -106,5 +137,35 @@ class TableRows:
             return problem
         for seg in got:
             data = seg.data
-            self.weights[data.table][data.ids] = data.values.to(torch.float32)
+            if self.remapped:
+                at = torch.searchsorted(self.unique[data.table], data.ids)
+                self.local[data.table][at] = data.values.to(torch.float32)
+            else:
+                self.weights[data.table][data.ids] = data.values.to(torch.float32)
         return ""
+
+    def _look_up(self, t: int) -> Callable:
+        """A forward of table ``t``'s module: its weight the local rows, its ids their
+        positions among the ids held."""
+        def hook(module, args, kwargs):
+            ids, unique = _input_of(args, kwargs), self.unique[t]
+            at = torch.searchsorted(unique, ids.contiguous())
+            inside = at < len(unique)
+            held = inside.clone()
+            held[inside] = unique[at[inside]] == ids[inside]
+            if not bool(held.all()):
+                raise RuntimeError(f"table {self.layout.tables[t].name!r} looked up id "
+                                   f"{int(ids[~held][0])}, which the test split's rows do not "
+                                   "hold: the evaluator remaps only the ids it pulled")
+            module.weight = nn.Parameter(self.local[t], requires_grad=False)
+            return _with_input(args, kwargs, at)
+        return hook
+
+    def _put_back(self, t: int) -> Callable:
+        def hook(module, args, output):
+            module.weight = self.weights[t]
+        return hook
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()

@@ -310,11 +310,14 @@ def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
     elif msg.type == ATTACH:
         replies = [(peer, _attach(state, areas, peer, msg))]
     else:
+        version = state.version
         try:
             replies = state.handle(peer, msg, time.monotonic())
         except Exception as exc:  # a bug must not take the shard down with every worker's work
             log.exception("shard %d: unexpected error handling %s", state.cfg.index, msg.type)
             replies = state.refuse(peer, Code.UNEXPECTED, f"{type(exc).__name__}: {exc}", msg)
+        if state.version != version:  # a test's fault: the push applied, its ack unsent
+            kill_at.reached(kill_at.APPLIED_UNACKED)
         if msg.type == BYE:
             areas.drop_worker(msg.worker)
     for to, reply in replies:

@@ -95,11 +95,13 @@ class ShardTables:
 
     def apply(self, segments: Sequence, now: float, lr: float, lr_scale: float = 1.0) -> None:
         """One step of each table's rule, at ``lr`` (the shard's schedule) times ``lr_ratio``
-        and ``lr_scale``, on the rows of a push's checked ``segments``."""
+        and ``lr_scale``, on the rows of a push's ``segments``, which ``check`` passed: the
+        tables trust them, as checking again cost 0.30 of 1.11 ms a push of 4,096 rows x 16
+        (fixed, sgd; 0.36 of 3.21 ms hashed, rowwise adagrad: experiments/sparse_apply.py)."""
         for t, ids, grads in self.values(segments):
             table = self.tables[t]
             table.rule.lr = lr * self.lr_ratio
-            table.apply(ids, grads, now, lr_scale)
+            table.apply(ids, grads, now, lr_scale, checked=True)
             self.pushed += ids.numel()
 
     def gather(self, segments: Sequence, now: float, dtype: Optional[torch.dtype] = None,
@@ -111,7 +113,7 @@ class ShardTables:
         for seg in ids_of(segments):
             table = self.tables[seg.data.table]
             ids = seg.data.ids
-            values = table.peek(ids) if observer else table.gather(ids, now)
+            values = table.peek(ids) if observer else table.gather(ids, now, checked=True)
             if not observer:
                 self.pulled += ids.numel()
             out.append(rows_reply(seg, values, dtype))

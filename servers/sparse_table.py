@@ -80,9 +80,12 @@ class SparseTable:
         self.created = local
 
     # -- pulls and pushes -------------------------------------------------
-    def gather(self, ids: torch.Tensor, now: float = 0.0) -> torch.Tensor:
-        """float32 [len(ids), dim]: the rows of ``ids`` (unique), in their order, a copy."""
-        self._check(ids)
+    def gather(self, ids: torch.Tensor, now: float = 0.0, checked: bool = False
+               ) -> torch.Tensor:
+        """float32 [len(ids), dim]: the rows of ``ids`` (unique), in their order, a copy;
+        ``checked`` as for ``apply``."""
+        if not checked:
+            self._check(ids)
         slots = self._slots(ids, now)  # first: creating rows may grow ``weight``
         return self.weight[slots]
 
@@ -99,9 +102,13 @@ class SparseTable:
         return out
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, now: float = 0.0,
-              lr_scale: float = 1.0) -> None:
-        """One step of the rule on the rows ``ids`` (unique) with ``grads`` [len(ids), dim]."""
-        self._check(ids, grads)
+              lr_scale: float = 1.0, checked: bool = False) -> None:
+        """One step of the rule on the rows ``ids`` (unique) with ``grads`` [len(ids), dim].
+        ``checked``: the caller already made this table's checks (``ShardTables.check``: ids
+        in range, this shard's, unique; rows finite, float32 [len(ids), dim]; lfu's bound),
+        so they are not made twice."""
+        if not checked:
+            self._check(ids, grads)
         slots = self._slots(ids, now)  # first: creating rows may grow ``weight``
         self.rule.apply(self.weight, slots, grads, lr_scale)
 
