@@ -205,6 +205,20 @@ def test_a_ps_server_with_more_shards_than_dense_values_serves_tables_on_each(se
         peer.close()
 
 
+def test_a_worker_trains_through_shards_that_hold_rows_alone(server, cli_env):
+    """table_counter on 3 shards (two with an empty dense slice) and a real worker: the
+    welcome's empty slices are accepted (a model without tables still refuses them), and
+    lr 1 over 2 epochs leaves each row at -2 and the scalar at -96: the final loss is
+    exactly -98 on every test sample."""
+    args = ("--task", "tasks_for_tests:table_counter", "--samples", 48)
+    srv = server(*args, "--lr", 1, "--shards", 3, "--workers", 1)
+    (code, _, err), = finish([worker(cli_env, srv.address, 0, 1, *args, "--epochs", 2)])
+    assert code == 0, err
+    assert srv.wait()[0] == 0
+    summary = read_json(srv.out / "summary.json")
+    assert summary["shards"] == 3 and summary["final_loss"] == -98.0, summary
+
+
 def test_the_evaluator_reads_raw_ids_beyond_the_tables_rows_in_a_hashed_id_space(
         server, cli_env):
     """tasks_for_tests:raw_table_counter looks its 48-row table up at raw ids 10^12 + 7919 x

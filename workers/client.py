@@ -291,14 +291,17 @@ class PSClient:
 
     def _layout(self, welcome: dict) -> tuple:
         """(shard addresses, shard ranges) a WELCOME announces: ports, and contiguous
-        slices that cover this worker's model from 0; a ProtocolError otherwise."""
+        slices that cover this worker's model from 0; a ProtocolError otherwise. With tables
+        served by row a slice may be empty: a shard may hold rows alone."""
         shards, total = welcome.get(Key.SHARDS), self.hello[Key.SIGNATURE].get("total")
+        empty_ok = bool(self.hello[Key.SIGNATURE].get("tables"))
         ranges, end = [], 0
         valid = type(shards) is list and len(shards) > 0
         for s in shards if valid else ():
             valid = (type(s) is dict and type(s.get(Key.PORT)) is int
                      and 0 < s[Key.PORT] < 65536 and s.get(Key.START) == end
-                     and type(s.get(Key.END)) is int and s[Key.END] > end)
+                     and type(s.get(Key.END)) is int
+                     and (s[Key.END] > end or empty_ok and s[Key.END] == end))
             if not valid:
                 break
             ranges.append((end, s[Key.END]))
