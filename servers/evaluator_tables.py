@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from asyncsgd.errors import ConfigError
+from asyncsgd.core.models import lookup_ids, with_lookup_ids
 from asyncsgd.wire.layout import Layout
 from asyncsgd.wire.sparse import MAX_MESSAGE_VALUES, reply_mismatch, split_rows
 
@@ -46,10 +47,10 @@ def touched_ids(model: nn.Module, layout: Layout, split, batch_size: int = 2048)
 
     def catch(t: int) -> Callable:
         def hook(module, args, kwargs):
-            ids = _input_of(args, kwargs)
+            ids = lookup_ids(args, kwargs)
             seen[t].append(torch.unique(ids.detach().reshape(-1).to("cpu", torch.int64)))
             # row 0 instead: raw ids of a hashed id space may lie beyond the model's rows
-            return _with_input(args, kwargs, torch.zeros_like(ids))
+            return with_lookup_ids(args, kwargs, torch.zeros_like(ids))
         return hook
 
     hooks = [m.register_forward_pre_hook(catch(t), with_kwargs=True)
@@ -66,16 +67,6 @@ def touched_ids(model: nn.Module, layout: Layout, split, batch_size: int = 2048)
             hook.remove()
     return [torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.int64)
             for parts in seen]
-
-
-def _input_of(args: tuple, kwargs: dict) -> torch.Tensor:
-    return args[0] if args else kwargs["input"]
-
-
-def _with_input(args: tuple, kwargs: dict, ids: torch.Tensor) -> tuple:
-    if args:
-        return (ids, *args[1:]), kwargs
-    return args, {**kwargs, "input": ids}
 
 
 class TableRows:
@@ -148,7 +139,7 @@ class TableRows:
         """A forward of table ``t``'s module: its weight the local rows, its ids their
         positions among the ids held."""
         def hook(module, args, kwargs):
-            ids, unique = _input_of(args, kwargs), self.unique[t]
+            ids, unique = lookup_ids(args, kwargs), self.unique[t]
             at = torch.searchsorted(unique, ids.contiguous())
             inside = at < len(unique)
             held = inside.clone()
@@ -158,7 +149,7 @@ class TableRows:
                                    f"{int(ids[~held][0])}, which the test split's rows do not "
                                    "hold: the evaluator remaps only the ids it pulled")
             module.weight = nn.Parameter(self.local[t], requires_grad=False)
-            return _with_input(args, kwargs, at)
+            return with_lookup_ids(args, kwargs, at)
         return hook
 
     def _put_back(self, t: int) -> Callable:

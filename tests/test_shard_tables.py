@@ -21,6 +21,7 @@ from asyncsgd.wire.layout import TableSpec
 from asyncsgd.wire.protocol import (ACK, ERROR, PARAMS, PULL, PUSH, Message, ProtocolError,
                                     Rows, Segment, decode, encode, in_parts)
 from asyncsgd.wire.sparse import ids_segment, rows_segment
+from test_sparse_tables import RowwiseAdagradReference
 
 SHARD, SHARDS, LR, DENSE = 1, 3, 0.5, 6
 SPECS = [TableSpec("emb.0.weight", 20, 4), TableSpec("emb.1.weight", 9, 2)]
@@ -82,19 +83,6 @@ def everything(shard):
 def mine(t):
     """The ids of table ``t`` shard SHARD holds."""
     return torch.arange(SHARD, SPECS[t].rows, SHARDS, dtype=torch.int64)
-
-
-class RowwiseAdagradReference:
-    """TorchRec's rowwise adagrad on the whole table: one accumulator per row."""
-
-    def __init__(self, p, lr, eps=1e-10):
-        self.p, self.lr, self.eps = p, lr, eps
-        self.sum = torch.zeros(p.shape[0])
-
-    def step(self):
-        g = self.p.grad
-        self.sum.add_(g.pow(2).mean(dim=1))
-        self.p.data.addcdiv_(g, self.sum.sqrt().add_(self.eps).unsqueeze(1), value=-self.lr)
 
 
 def oracle(rule, p):

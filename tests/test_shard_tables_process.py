@@ -5,8 +5,6 @@ peers written from PROTOCOL.md (test_exactly_once.Peer); SGD with lr 1, so every
 equal its start minus exactly the rows pushed and acknowledged, once each.
 """
 
-import os
-import signal
 import time
 
 import pytest
@@ -16,7 +14,7 @@ from asyncsgd.run.kill_at import APPLIED_UNACKED, VARIABLE
 from asyncsgd.wire.protocol import PARAMS, PULL, PUSH, Key, Message, Rows, Segment, encode
 from asyncsgd.wire.sparse import ids_segment, rows_segment
 from conftest import Server, finish, read_json, shard_stats, wait_for, worker
-from test_exactly_once import Peer, applied
+from test_exactly_once import Peer, applied, kill_shard, restarted
 
 CTR = ("--task", "ctr:rows=1000", "--samples", 2000, "--lr", 1, "--shards", 1)
 
@@ -62,19 +60,7 @@ def test_sparse_pulls_and_rows_survive_a_shard_sigkill_in_a_sync_round(server):
     assert torch.equal(rows[0][0], rows0[0][0] - 2.0)  # ... its rows do not
     send_push(a, 2, ga, ra)  # a retry of the waiting push: its rows are not applied again
     assert a.reply(1.0) is None
-    pushed = time.time()
-    checkpoint = srv.out / "shard-0.pt"
-    wait_for(lambda: checkpoint.exists() and checkpoint.stat().st_mtime > pushed + 0.1, 60,
-             "a checkpoint taken while a's push waits")
-    pid = shard_stats(srv, port)["pid"]
-    os.kill(pid, signal.SIGKILL)
-
-    def restarted():
-        try:
-            return shard_stats(srv, port)["pid"] != pid
-        except TimeoutError:
-            return False
-    wait_for(restarted, 60, "the restarted shard", 0.2)
+    kill_shard(srv, port, checkpointed_after=time.time())  # a's push waits in the checkpoint
     a.close()
     a = Peer(srv, port, worker="a")  # the worker reconnects and re-sends what is outstanding
     send_push(a, 2, ga, ra)
@@ -93,14 +79,6 @@ def test_sparse_pulls_and_rows_survive_a_shard_sigkill_in_a_sync_round(server):
     stats = shard_stats(srv, port)
     assert stats["updates"] == 1 and stats["lost_updates"] == 0
     assert stats["rows_pushed"] == 5 and stats["tables"]["tables.0.weight"]["rows"] == 1000
-
-
-def restarted(srv, port, pid):
-    """True once the shard on ``port`` answers from a process other than ``pid``."""
-    try:
-        return shard_stats(srv, port)["pid"] != pid
-    except TimeoutError:
-        return False
 
 
 @pytest.mark.parametrize("id_space", ["fixed", "hashed"])

@@ -16,22 +16,13 @@ import torch
 import torch.nn as nn
 
 from asyncsgd.core.sparse_ids import shard_of
+from asyncsgd.core.models import lookup_ids, with_lookup_ids
 from asyncsgd.errors import ConfigError
 from asyncsgd.wire.layout import Layout
 
 # EmbeddingBag modes whose result a remap of the ids keeps: each bag reduces the rows its
 # ids name, and the local weight holds exactly those rows (tested for all three)
 BAG_MODES = ("sum", "mean", "max")
-
-
-def _input_of(args: tuple, kwargs: dict) -> torch.Tensor:
-    return args[0] if args else kwargs["input"]
-
-
-def _with_input(args: tuple, kwargs: dict, ids: torch.Tensor) -> tuple:
-    if args:
-        return (ids, *args[1:]), kwargs
-    return args, {**kwargs, "input": ids}
 
 
 class BatchTables:
@@ -124,10 +115,10 @@ class BatchTables:
 
     def _remap_hook(self, t: int):
         def hook(module, args, kwargs):
-            ids = _input_of(args, kwargs)
+            ids = lookup_ids(args, kwargs)
             if self._probing is not None:
                 self._probing[t].append(ids.detach())
-                return _with_input(args, kwargs, torch.zeros_like(ids))
+                return with_lookup_ids(args, kwargs, torch.zeros_like(ids))
             unique = self.unique[t]
             if unique is None:
                 raise RuntimeError(f"table {self.specs[t].name!r} was used outside a step: "
@@ -140,7 +131,7 @@ class BatchTables:
                 raise RuntimeError(f"table {self.specs[t].name!r} looked up ids outside the "
                                    "batch's rows: its model's embedding_inputs must return "
                                    "every id the forward looks up")
-            return _with_input(args, kwargs, at)
+            return with_lookup_ids(args, kwargs, at)
         return hook
 
     def settle(self) -> None:

@@ -203,6 +203,19 @@ class DLRM(DLRMDense):
         return super().forward(dense, vectors)
 
 
+def lookup_ids(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The ids an ``nn.Embedding``/``nn.EmbeddingBag`` forward (pre-hook ``args``,
+    ``kwargs``) looks up."""
+    return args[0] if args else kwargs["input"]
+
+
+def with_lookup_ids(args: tuple, kwargs: dict, ids: torch.Tensor) -> tuple:
+    """A forward pre-hook's ``(args, kwargs)`` with the ids looked up replaced by ``ids``."""
+    if args:
+        return (ids, *args[1:]), kwargs
+    return args, {**kwargs, "input": ids}
+
+
 def embedding_tables(model: nn.Module) -> list:
     """The parameter names of ``model``'s ``nn.Embedding`` and ``nn.EmbeddingBag`` weights,
     in ``named_parameters()`` order: the tables a task serves row by row unless it names
