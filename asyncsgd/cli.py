@@ -220,6 +220,10 @@ def _worker_report(result) -> None:
                f"(retries {result.stats['retries']}, duplicate acks "
                f"{result.stats['duplicate_acks']}; {result.stats['bytes_sent']:,} bytes sent, "
                f"{result.stats['bytes_received']:,} received)")
+    if "rows_pulled" in result.stats and result.steps:  # embedding tables served by row
+        pulled, pushed = (result.stats[k] / result.steps for k in ("rows_pulled", "rows_pushed"))
+        click.echo(f"worker {result.worker}: rows per step {pulled:.1f} pulled, {pushed:.1f} "
+                   "pushed (the batches' unique ids, all tables)")
     if result.stats["waited_seconds"]:
         click.echo(f"worker {result.worker}: {result.stats['compute_seconds']:.1f} s computing "
                    f"gradients, {result.stats['waited_seconds']:.1f} s waited on purpose "

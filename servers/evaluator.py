@@ -12,12 +12,17 @@ from typing import Optional
 import torch
 import zmq
 
+from asyncsgd.core.sparse_ids import hash_id
 from asyncsgd.run.recorder import Recorder
 from asyncsgd.wire.layout import Layout
-from asyncsgd.wire.protocol import PARAMS, PULL, STATS, Key, Message, ParamsIntake, ProtocolError
+from asyncsgd.wire.protocol import (PARAMS, PULL, STATS, Key, Message, ParamsIntake,
+                                    ProtocolError, Rows)
 from asyncsgd.wire.security import ClientKeys
 from asyncsgd.wire.stats import percentile
-from asyncsgd.wire.transport import dealer, frame_limit, recv, send
+from asyncsgd.wire.transport import dealer, recv, send
+
+from .evaluator_tables import TableRows, touched_ids
+from .shard_process import max_frame
 
 log = logging.getLogger(__name__)
 
@@ -32,28 +37,49 @@ class ShardReader:
     flat vector."""
 
     def __init__(self, ctx: zmq.Context, host: str, shards: list, total: int,
-                 curve: Optional[ClientKeys] = None):
+                 curve: Optional[ClientKeys] = None, tables: bool = False):
         connect_host = "127.0.0.1" if host in ("0.0.0.0", "*") else host
         self.socks = [dealer(ctx, f"tcp://{connect_host}:{s[Key.PORT]}", curve=curve,
-                             max_frame=frame_limit(s[Key.END] - s[Key.START])) for s in shards]
+                             max_frame=max_frame(s[Key.END] - s[Key.START], tables))
+                      for s in shards]
         self.shards = shards
         self.flat = torch.zeros(total)
         self.intake = ParamsIntake()
         self.seq = 0
 
-    def pull(self, timeout: float = 10.0) -> dict:
-        """Fill ``flat`` from every shard; returns {shard: version}."""
+    def pull(self, timeout: float = 10.0, rows: Optional[TableRows] = None) -> dict:
+        """Fill ``flat`` from every shard, and with ``rows`` the model's tables at the ids
+        it asks; returns {shard: version}."""
+        if rows is not None:  # a pull per message of ids, one shard after another
+            return {i: self._pull_rows(i, asked, rows, timeout)
+                    for i in range(len(self.shards)) for asked in rows.pulls[i]}
         self.seq += 1
         for sock in self.socks:
             send(sock, Message(type=PULL, seq=self.seq, meta={Key.OBSERVER: True}))
-        versions = {}
-        for i, shard in enumerate(self.shards):
+        return {i: self._params(i, timeout)[0] for i in range(len(self.shards))}
+
+    def _params(self, i: int, timeout: float) -> tuple:
+        """Shard ``i``'s reply to the current pull, its dense slice copied into ``flat``:
+        (its version, its rows segments)."""
+        shard, got = self.shards[i], []
+        while True:  # a large reply comes as several parts
             msg = self._reply(i, PARAMS, timeout)
-            while not self.intake.take((i, self.seq), msg, self.flat, shard[Key.START],
-                                       shard[Key.END] - shard[Key.START]):
-                msg = self._reply(i, PARAMS, timeout)  # a large reply comes as several parts
-            versions[i] = msg.meta.get(Key.VERSION, 0)
-        return versions
+            got += [s for s in msg.segments if type(s.data) is Rows]
+            msg.segments = [s for s in msg.segments if type(s.data) is not Rows]
+            if self.intake.take((i, self.seq), msg, self.flat, shard[Key.START],
+                                shard[Key.END] - shard[Key.START]):
+                return msg.meta.get(Key.VERSION, 0), got
+
+    def _pull_rows(self, i: int, asked: list, rows: TableRows, timeout: float) -> int:
+        self.seq += 1
+        send(self.socks[i], Message(type=PULL, seq=self.seq, meta={Key.OBSERVER: True},
+                                    segments=asked))
+        version, got = self._params(i, timeout)
+        problem = rows.take(asked, got)
+        if problem:
+            log.warning("shard %d's rows for the evaluator were not those asked (%s); the "
+                        "model keeps its former rows there", i, problem)
+        return version
 
     def stats(self, timeout: float = 5.0) -> list:
         self.seq += 1
@@ -132,8 +158,14 @@ class _TrainFeed:
 class Evaluator:
     """Reads the shards into ``model`` and records evaluations, rates and staleness."""
 
-    def __init__(self, model: torch.nn.Module, layout: Layout, recorder: Recorder):
+    def __init__(self, model: torch.nn.Module, layout: Layout, recorder: Recorder,
+                 test_split=None, id_space: str = "fixed"):
+        """``test_split``: with tables served by row, the split whose ids are pulled at each
+        evaluation (every row at the last); ``id_space``: theirs."""
         self.model, self.layout, self.recorder = model, layout, recorder
+        self.test_split, self.id_space = test_split, id_space
+        self.rows: Optional[TableRows] = None  # the test split's rows, once connected
+        self.shard_count = 0
         self.reader: Optional[ShardReader] = None
         self.feed = _TrainFeed(recorder)
         self.latest: list = []  # every shard's counters at the last observation
@@ -143,17 +175,34 @@ class Evaluator:
     def connect(self, ctx: zmq.Context, host: str, shards: list,
                 curve: Optional[ClientKeys] = None) -> None:
         """Connect to the shards (``shards`` as a welcome lists them) once they listen."""
-        self.reader = ShardReader(ctx, host, shards, self.layout.total, curve)
+        self.reader = ShardReader(ctx, host, shards, self.layout.total, curve,
+                                  tables=bool(self.layout.tables))
+        self.shard_count = len(shards)
+        if self.layout.tables:
+            self.rows = self._rows(touched_ids(self.model, self.layout, self.test_split))
+
+    def _rows(self, ids: list) -> TableRows:
+        return TableRows(self.model, self.layout, ids, self.shard_count,
+                         hash_id if self.id_space == "hashed" else None)
 
     @property
     def samples(self) -> int:
         """Training samples the workers reported, across resumes."""
         return self.feed.samples
 
-    def observe(self) -> dict:
-        """Pull the parameters into the model and every shard's counters; what they say."""
-        self.reader.pull()
-        self.model.load_state_dict(self.layout.state_dict(self.reader.flat))
+    def observe(self, every_row: bool = False) -> dict:
+        """Pull the parameters into the model and every shard's counters; what they say.
+        Tables served by row: the rows the test split reads, or ``every_row``."""
+        rows = self.rows
+        if rows is not None and every_row:
+            if rows.remapped:  # the test split's raw ids, apart: for the final evaluation
+                self.reader.pull(rows=rows)
+            rows = self._rows([torch.arange(t.rows, dtype=torch.int64)
+                               for t in self.layout.tables])
+        self.reader.pull(rows=rows)
+        dense = self.layout.state_dict(self.reader.flat)
+        # the tables were written in place, row by row: the rest is the dense slice
+        self.model.load_state_dict(dense, strict=not self.layout.tables)
         self.latest = self.reader.stats()
         self.feed.update(self.latest[0])
         self.feed.shared(self.latest)

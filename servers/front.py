@@ -121,7 +121,8 @@ class Front:
                 Key.SHARDS: self.shards, Key.CONSISTENCY: self.cfg.consistency,
                 Key.HEARTBEAT_TIMEOUT: self.cfg.heartbeat_timeout, Key.TOTAL: self.layout.total,
                 Key.TASK: self.cfg.task, Key.INSTANCE: self.instance,
-                Key.TOKEN: token, Key.EPOCHS: self.cfg.epochs})
+                Key.TOKEN: token, Key.EPOCHS: self.cfg.epochs,
+                **({Key.ID_SPACE: self.cfg.id_space} if self.layout.tables else {})})
         if msg.type == HEARTBEAT:
             if msg.worker in self.joined:
                 self.joined[msg.worker] = now

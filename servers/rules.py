@@ -65,9 +65,11 @@ class UpdateRule(abc.ABC):
     STATE: Tuple[str, ...] = ()
 
     def __init__(self, size: int, lr: float, **hyper):
-        size = _as_int(size, f"size must be a positive int, got {size!r}")
-        if size <= 0:
-            raise ValueError(f"size must be a positive int, got {size!r}")
+        # 0: the dense slice of a shard that serves tables alone (more shards than dense
+        # values); it takes no dense segment, so it never steps
+        size = _as_int(size, f"size must be an int >= 0, got {size!r}")
+        if size < 0:
+            raise ValueError(f"size must be an int >= 0, got {size!r}")
         lr = _finite_float("lr", lr)
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr!r}")

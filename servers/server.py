@@ -17,6 +17,7 @@ import torch
 import zmq
 
 from asyncsgd.config import ServerConfig
+from asyncsgd.config.values import parse_evict
 from asyncsgd.core.balance import global_counts
 from asyncsgd.core.coverage import of_partitions, of_samples
 from asyncsgd.core.schedule import schedule
@@ -85,7 +86,8 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
         check_target(cfg, task)
         model = task.build_model(cfg.seed)
     recorder = Recorder(cfg, task, model, run, argv=argv)
-    layout = Layout.of(model)
+    layout = Layout.of(model, task.served_tables(model, cfg.embeddings))
+    _check_tables(cfg, layout)
     data = data_signature(task, cfg.task, cfg.seed)  # what a worker's data must match
     ranges = layout.shard_ranges(shard_count(cfg.shards, layout.total, cfg.workers,
                                              available_cores(),
@@ -105,10 +107,13 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
         raise
     # --balance batch: the global batch is the per-worker batch (the task's by default) x workers
     sized = dataclasses.replace(cfg, batch_size=cfg.batch_size or task.batch_size)
+    weights = tuple(model.get_parameter(t.name).detach() for t in layout.tables)
     supervisor = ShardSupervisor.for_server(sized, layout.flatten(model), ranges, lr, host,
                                             str(run.path), keys, sessions.key, beside,
-                                            train_rows=len(task.train))
-    evaluator = Evaluator(model, layout, recorder)
+                                            train_rows=len(task.train), tables=layout.tables,
+                                            weights=weights)
+    del weights
+    evaluator = Evaluator(model, layout, recorder, task.test, cfg.id_space)
     outcome = Outcome("workers_done")
     summary: dict = {}
     try:
@@ -138,6 +143,17 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
         front.close()
         ctx.term()
     return recorder.conclude(evaluator.samples, 0, outcome, **summary)
+
+
+def _check_tables(cfg: ServerConfig, layout: Layout) -> None:
+    """Settings of tables served by row that cannot work, refused before anything starts."""
+    evict = parse_evict(cfg.evict)
+    if evict[0] != "none" and cfg.id_space != "hashed":
+        raise ConfigError(f"--evict {cfg.evict} bounds the rows of a hashed table: it needs "
+                          "--id-space hashed (a fixed id space holds every row from the start)")
+    if not layout.tables and (cfg.id_space != "fixed" or evict[0] != "none"):
+        raise ConfigError(f"--id-space {cfg.id_space} --evict {cfg.evict}: task {cfg.task} "
+                          f"serves no table by row (--embeddings {cfg.embeddings}); drop them")
 
 
 def _serve_until_stopped(cfg: ServerConfig, front: Front, supervisor: ShardSupervisor,
@@ -170,7 +186,7 @@ def _final_observation(evaluator: Evaluator, supervisor: ShardSupervisor) -> Opt
     why = "a shard is down"
     if supervisor.all_running():
         try:
-            return evaluator.observe()
+            return evaluator.observe(every_row=True)  # the saved model: its whole tables
         except TimeoutError as exc:
             why = str(exc)
     log.warning("%s: the run is saved as the last evaluation saw it", why)
@@ -189,7 +205,8 @@ def _summary(cfg: ServerConfig, lr: float, obs: dict, front: Front, supervisor: 
     # --local-steps auto: each worker's H as shard 0 last set it (DyLU)
     dylu = {"local_steps": evaluator.latest[0]["local_steps"]} \
         if evaluator.latest and evaluator.latest[0].get("local_steps") else {}
-    return {**dc, **stale, **dylu, "updates": obs["updates"], "staleness_p50": obs["staleness_p50"],
+    return {**dc, **stale, **dylu, **_tables(evaluator.latest),
+            "updates": obs["updates"], "staleness_p50": obs["staleness_p50"],
             "staleness_p99": obs["staleness_p99"], "staleness_hist": obs["staleness_hist"],
             "shards": len(supervisor.settings), "consistency": cfg.consistency,
             "optimizer": cfg.optimizer, "lr": lr, "workers_joined": sorted(front.joined),
@@ -203,6 +220,21 @@ def _summary(cfg: ServerConfig, lr: float, obs: dict, front: Front, supervisor: 
             "worker_bytes": {name: {"sent": sent, "received": received} for name, (sent, received)
                              in sorted(evaluator.latest[0].get("traffic", {}).items())}
             if evaluator.latest else {}}
+
+
+def _tables(shards: list) -> dict:
+    """Tables served by row, over every shard: per table rows held, created, evicted and
+    bytes, and the rows pulled and pushed; nothing for a model without them."""
+    tables: dict = {}
+    for stats in shards:
+        for name, counts in stats.get("tables", {}).items():
+            into = tables.setdefault(name, dict.fromkeys(counts, 0))
+            for key, value in counts.items():
+                into[key] = into.get(key, 0) + value
+    if not tables:
+        return {}
+    return {"tables": tables, **{key: sum(s.get(key, 0) for s in shards)
+                                 for key in ("rows_pulled", "rows_pushed")}}
 
 
 def _coverage(cfg: ServerConfig, shards: list, rows: int) -> dict:

@@ -12,7 +12,7 @@ import hashlib
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -25,6 +25,7 @@ from asyncsgd.wire.compression import expand, segment_values, wire_dtype
 from asyncsgd.wire.protocol import (ACK, BYE, DTYPE_NAMES, ERROR, HEARTBEAT, PARAMS, PULL, PUSH,
                                     STATS, Code, Key, Message, ProtocolError,
                                     Segment, error_message)
+from asyncsgd.wire.sparse import apart
 from asyncsgd.wire.stats import STALENESS_BUCKETS
 
 from .balance import Balancer
@@ -32,6 +33,7 @@ from .consistency import APPLY, STALE, live_workers, make_policy, min_live_clock
 from .dedupe import DUPLICATE, OUT_OF_WINDOW, STALE_AGAIN, Forgotten, SeqWindow
 from .dylu import DyLU, read as read_dylu
 from .rules import dc_asgd, make_rule, staleness_scale
+from .shard_tables import ShardTables, ids_of
 from .store import ParamStore
 from .streams import PushStreams
 
@@ -98,6 +100,8 @@ class ShardConfig:
     # --lr-schedule and --warmup: the lr of update k (the version before it), core.schedule's
     lr_schedule: str = "constant"
     warmup: str = "0"
+    # --table-lr: the lr of the tables' rule, scheduled as ``lr`` is; None: ``lr``
+    table_lr: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.consistency, Consistency):
@@ -120,15 +124,22 @@ class WorkerRecord:
     backup: Optional[torch.Tensor] = None
     backup_at: int = 0  # the shard's pull count when ``backup`` was taken
     wire: tuple = ("float32", "float32")  # how its latest push and pulls travelled
+    # sync: the seqs of pushes waiting in the open round whose rows were applied on arrival
+    # (rows are asynchronous): a re-sent one, to a shard restored meanwhile, applies no rows
+    rows_applied: set = field(default_factory=set)
 
 
 class ShardState:
     def __init__(self, cfg: ShardConfig, params: torch.Tensor, store: type = ParamStore,
-                 settle_later: bool = False):
+                 settle_later: bool = False, tables: Sequence = (), table_specs: Sequence = (),
+                 shards: int = 1, hash_ids: Optional[Callable] = None):
         """``store``: the ``ParamStore`` class holding the parameters (the shard process
         passes one that sends replies without copying). ``settle_later``: an async push
         is accounted by ``settle()``, which the caller calls once the reply is sent
-        (the shard process does); by default at once."""
+        (the shard process does); by default at once. ``tables``: this shard's part
+        (``SparseTable``) of each of the layout's row-sparse tables (``table_specs``),
+        of ``shards`` shards in all; ``hash_ids``: core.sparse_ids.hash_id in a hashed
+        id space."""
         if params.dim() != 1 or len(params) != cfg.end - cfg.start:
             raise ConfigError(f"shard {cfg.index}: {len(params)} initial values for range "
                               f"[{cfg.start}, {cfg.end})")
@@ -144,6 +155,9 @@ class ShardState:
             self.balancer = Balancer(cfg.batch_size, cfg.expected_workers, cfg.balance_every,
                                      cfg.min_batch)
         self.size = len(params)
+        self.tables = ShardTables(tables, table_specs, cfg.index, shards, hash_ids,
+                                  lr_ratio=cfg.table_lr / cfg.lr if cfg.table_lr else 1.0)
+        self.now = 0.0  # the clock of the message handled (or tick): rows' ages use it
         self.max_workers = cfg.max_workers or max(256, 4 * cfg.expected_workers)
         self.max_dc_copies = cfg.max_dc_copies or max(8, 2 * cfg.expected_workers)
         self.store = store(params.detach().clone().float(),
@@ -164,9 +178,10 @@ class ShardState:
         self.train_forgotten = [0.0, 0, 0]  # the same, summed over forgotten workers
         self.traffic = {}  # worker -> [bytes sent, bytes received] it reported with pushes
         self.traffic_forgotten = [0, 0]
-        # Pushes in parts: each part is checked (ranges, NaN/Inf, not the norm) on arrival.
+        # Pushes in parts: each part is checked (ranges, ids, NaN/Inf, not the norm) on arrival.
         self.streams = PushStreams(lambda part: self._check(part, norm=False), self.size,
-                                   max_open=max(16, 2 * cfg.expected_workers))
+                                   max_open=max(16, 2 * cfg.expected_workers),
+                                   row_width=self._row_width)
         # (record, seq, meta, staleness) of the latest async push, applied and answered but
         # not yet accounted: see ``settle``.
         self.settle_later = settle_later
@@ -194,7 +209,7 @@ class ShardState:
         """The replies to ``msg`` from ``peer`` at ``now`` (monotonic seconds): [(peer, reply)]."""
         if self._unsettled is not None:
             self.settle()
-        self.policy.now = now  # a sync round's deadline times its pushes on this clock
+        self.policy.now = self.now = now  # a sync round's deadline times its pushes on it
         if msg.type == STATS:  # anyone may ask: no worker, no checks
             return [(peer, Message(type=STATS, shard=self.cfg.index, seq=msg.seq,
                                    meta=self.stats(now)))]
@@ -208,6 +223,9 @@ class ShardState:
                                f"shard {self.cfg.index}; a push names the shard it is for", msg)
         if msg.type == PULL and msg.meta.get(Key.OBSERVER) is True:
             # The server's evaluator reads parameters; it is no worker and joins no barrier.
+            problem = self.tables.check(apart(msg.segments)[1], creates=False)
+            if problem:
+                return self.refuse(peer, *problem, msg)
             return [(peer, self._params_reply(None, msg))]
         record = self._sender(peer, msg, now)
         if isinstance(record, list):  # refused
@@ -226,6 +244,9 @@ class ShardState:
 
     def _on_pull(self, record: WorkerRecord, msg: Message, now: float) -> list:
         self._wire(record, msg)
+        problem = self._check_ids(msg)
+        if problem:
+            return self.refuse(record.peer, *problem, msg)
         return self._pull(record, msg)
 
     def _on_push(self, record: WorkerRecord, msg: Message, now: float) -> list:
@@ -254,9 +275,12 @@ class ShardState:
         format (its values are checked and widened by ``_check``), and the ``pull_dtype``
         of a pull or of a push that pulls (one that does not says nothing of its pulls)."""
         push, pull = record.wire
-        if msg.type == PUSH and msg.segments:
-            first = msg.segments[0].data
+        dense, rows = apart(msg.segments) if msg.type == PUSH else ((), ())
+        if dense:
+            first = dense[0].data
             push = getattr(first, "format", None) or DTYPE_NAMES.get(first.dtype, "?")
+        elif rows:  # a push of rows alone: how its rows travel
+            push = rows[0].data.dtype
         if msg.type == PULL or msg.meta.get(Key.PULL) is True:
             pull = msg.meta.get(Key.PULL_DTYPE) or "float32"
         record.wire = (push, pull)
@@ -383,6 +407,18 @@ class ShardState:
 
     # ---- pulls ----------------------------------------------------------------------
 
+    def _check_ids(self, msg: Message) -> Optional[tuple]:
+        """(code, detail) when the ids a pull (or a push that pulls) asks back must be
+        refused; checked before the pull is answered or held."""
+        asked = ids_of(apart(msg.segments)[1])
+        return self.tables.check(asked) if asked else None
+
+    def _row_width(self, table: int) -> int:
+        """The dim of table ``table``, 0 when there is no such table (a part's check refuses
+        it): what one row of it holds, for the bound on a push's parts."""
+        specs = self.tables.specs
+        return specs[table].dim if 0 <= table < len(specs) else 0
+
     def _pull(self, record: WorkerRecord, msg: Message) -> list:
         if self.policy.may_answer(record, self.workers, self.version):
             return [(record.peer, self._params_reply(record, msg))] + self._release()
@@ -402,6 +438,10 @@ class ShardState:
         if dtype is not None:  # cast copies: what is pending on the views is applied first
             self.store.apply_pending()
             segments = [Segment(s.offset, s.data.to(dtype), transient=True) for s in segments]
+        asked = ids_of(apart(msg.segments)[1])
+        if asked:  # after the dense slice, one rows segment per ids segment, in order
+            segments = list(segments) + self.tables.gather(asked, self.now, dtype,
+                                                           observer=record is None)
         meta = {Key.VERSION: self.version, Key.UPDATES: self.counters["updates"]}
         if self.balancer is not None and record is not None:
             meta[Key.BATCH] = self.balancer.batch_of(
@@ -447,9 +487,11 @@ class ShardState:
         """
         # Checked here, before anything is applied: the rule's apply() trusts these. The
         # spans first, from the descriptors: a packed segment is expanded (allocated) only
-        # once every one of them is known to fit, apart, in this slice.
+        # once every one of them is known to fit, apart, in this slice. Rows (and the ids
+        # of a push that pulls) are the tables' to check, before any value is read.
+        dense, rows = apart(msg.segments)
         spans = []
-        for seg in msg.segments:
+        for seg in dense:
             numel = segment_values(seg)
             if numel is None and seg.data.dtype not in (torch.float32, torch.bfloat16,
                                                         torch.float16):
@@ -466,18 +508,26 @@ class ShardState:
             spans.sort()
             if any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:])):
                 return Code.BAD_DESCRIPTOR, "segments must not overlap"
+        # Row values are always scanned: a table applies no NaN, whatever --reject-nonfinite
+        problem = self.tables.check(rows, finite=finite)
+        if problem:
+            if problem[0] == Code.NON_FINITE:
+                self.counters["nonfinite"] += 1
+            return problem
         try:
-            msg.segments = [expand(seg, self.size) for seg in msg.segments]
+            dense = [expand(seg, self.size) for seg in dense]
         except ProtocolError as exc:
             return exc.code, str(exc)
+        msg.segments = dense + rows
         if finite and self.cfg.reject_nonfinite:
-            for seg in msg.segments:
+            for seg in dense:
                 if not _finite(seg.data):
                     self.counters["nonfinite"] += 1
                     return Code.NON_FINITE, ("the gradient holds NaN or Inf values; nothing was "
                                              "applied")
-        if norm and self.cfg.max_grad_norm is not None:
-            norm = math.sqrt(sum(float(s.data.double().pow(2).sum()) for s in msg.segments))
+        if norm and self.cfg.max_grad_norm is not None:  # rows count: one gradient
+            norm = math.sqrt(sum(float(s.data.double().pow(2).sum()) for s in dense) +
+                             self.tables.squares(rows))
             if norm > self.cfg.max_grad_norm:
                 self.counters["too_large"] += 1
                 return Code.TOO_LARGE, (f"gradient norm {norm:.4g} on shard {self.cfg.index} "
@@ -515,7 +565,8 @@ class ShardState:
             if self.balancer is not None:
                 self.balancer.observe(record.worker, weight, msg.meta.get(Key.COMPUTE))
         staleness = self.version - msg.clock
-        verdict = self.policy.push(record, msg.segments, msg.seq, staleness, self.version,
+        dense, rows = apart(msg.segments)
+        verdict = self.policy.push(record, dense, msg.seq, staleness, self.version,
                                    weight=weight)
         if self.dispatcher is not None and verdict != STALE:  # a stale push's rows: again
             self.dispatcher.done(record.worker, msg.meta.get(Key.SAMPLES, 0))
@@ -531,18 +582,27 @@ class ShardState:
         # Concluded only when its round is applied: a round cut short by a crash is not in
         # the checkpoint, so its pushes must count as fresh when re-sent to the restored shard.
         record.waiting.add(msg.seq)
+        # Its rows are applied now, not with the round: tables stay asynchronous under sync
+        # (Persia's hybrid), and are in a checkpoint taken before the round closes.
+        if rows and msg.seq not in record.rows_applied:
+            self.tables.apply(rows, self.now, self.schedule(self.version))
+            record.rows_applied.add(msg.seq)
         return self._finish_round()
 
     def _apply(self, record: WorkerRecord, msg: Message, staleness: int) -> list:
-        segments = self._compensated(record, msg)
+        dense, rows = apart(msg.segments)
+        segments = self._compensated(record, dense)
         scale = staleness_scale(staleness) if self.cfg.staleness_lr else 1.0
         # The reply to this push is the next reader of the parameters only when nothing is
         # held and without DC-ASGD: DC-ASGD copies what is pulled, and a held pull may be
         # answered at once.
         at_once = self.policy.answers_at_once
         self.rule.lr = self.schedule(self.version)
-        self.store.update(segments, scale, deferrable=(
-            at_once and self.cfg.dc_lambda is None and msg.meta.get(Key.PULL) is True))
+        if rows:  # same lr, same staleness scale; DC-ASGD compensates the dense slice only
+            self.tables.apply(rows, self.now, self.rule.lr, scale)
+        if segments:  # a push of rows alone is no step of the dense rule (Adam's count)
+            self.store.update(segments, scale, deferrable=(
+                at_once and self.cfg.dc_lambda is None and msg.meta.get(Key.PULL) is True))
         self.version += 1
         self.counters["updates"] += 1
         if self.audit is not None:
@@ -586,6 +646,10 @@ class ShardState:
         fields ride in the PARAMS reply (``meta["ack"]``), halving the messages of
         a step. Under sync both wait for the round, and go out as two replies.
         """
+        # The rows it asks back first: even a duplicate's reply gathers them.
+        problem = self._check_ids(msg)
+        if problem:
+            return self.refuse(record.peer, *problem, msg)
         replies = self._push(record, msg, checked)
         if self.policy.answers_at_once and len(replies) == 1 and replies[0][1].type == ACK:
             # The common case, without the general matching below: nothing is held, so
@@ -605,14 +669,16 @@ class ShardState:
             del replies[own[0][0]]
         return replies + pulled
 
-    def _compensated(self, record: WorkerRecord, msg: Message) -> list:
+    def _compensated(self, record: WorkerRecord, dense: list) -> list:
+        """A push's dense segments as (offset, gradient), DC-ASGD-compensated when on. Rows
+        are not: that would keep a copy of every row a worker pulled, per worker."""
         if self.cfg.dc_lambda is None or record.backup is None:
             if self.cfg.dc_lambda is not None:
                 self.counters["dc_uncompensated"] += 1  # it never pulled, or its copy was given up
-            return [(s.offset, s.data) for s in msg.segments]
+            return [(s.offset, s.data) for s in dense]
         return [(s.offset, dc_asgd(s.data, self.params[s.offset:s.offset + len(s.data)],
                                    record.backup[s.offset:s.offset + len(s.data)],
-                                   self.cfg.dc_lambda)) for s in msg.segments]
+                                   self.cfg.dc_lambda)) for s in dense]
 
     # ---- sync rounds ------------------------------------------------------------------
 
@@ -634,6 +700,7 @@ class ShardState:
                 self.audit(record.worker, record.incarnation, seq, self.version)
             record.window.add(seq)
             record.waiting.discard(seq)
+            record.rows_applied.discard(seq)
             # To the peer it spoke from last: a retry may have come on a new connection.
             acks.append((record.peer, Message(type=ACK, shard=self.cfg.index, seq=seq,
                                               clock=self.version,
@@ -687,8 +754,9 @@ class ShardState:
         """Drop workers silent for longer than the heartbeat timeout, close a sync round
         whose deadline passed; release what that frees."""
         self.settle()
-        self.policy.now = now
+        self.policy.now = self.now = now
         self.streams.expire(now, self.cfg.heartbeat_timeout)
+        self.tables.expire(now)  # --evict ttl: rows aged out
         dropped = False
         for record in live_workers(self.workers):
             if now - record.last_seen > self.cfg.heartbeat_timeout:
@@ -742,6 +810,7 @@ class ShardState:
             "local_steps": {w.worker: self.dylu.assigned[w.worker] for w in recent
                             if w.worker in self.dylu.assigned},
             **({"dispatch": self.dispatch_stats()} if self.dispatcher else {}),
+            **(self.tables.stats() if len(self.tables) else {}),
         }
 
     def dispatch_stats(self) -> dict:
@@ -763,6 +832,10 @@ class ShardState:
                            for w in self.workers.values()},
                 # What forgotten records left behind: their old pushes stay refused.
                 "forgotten": self.forgotten.state(),
+                # sync: pushes waiting in the open round whose rows are in this checkpoint
+                "rows_applied": {w.worker: sorted(w.rows_applied)
+                                 for w in self.workers.values() if w.rows_applied},
+                **({"sparse": self.tables.state_dict()} if len(self.tables) else {}),
                 # --balance batch: shard 0's allocation, which a resumed run continues
                 **({"balance": self.balancer.state_dict()} if self.balancer is not None else {}),
                 **({"dispatch": self.dispatcher.state_dict()} if self.dispatcher else {})}
@@ -776,6 +849,13 @@ class ShardState:
             raise ConfigError(f"checkpoint of shard range [{state.get('start')}, "
                               f"{state.get('end')}) does not fit "
                               f"[{self.cfg.start}, {self.cfg.end})")
+        if ("sparse" in state) != bool(len(self.tables)):
+            saved, mine = ("with" if has else "without" for has in ("sparse" in state,
+                                                                    len(self.tables)))
+            raise ConfigError(f"a checkpoint {saved} row-sparse tables for a shard {mine} "
+                              "them: resume with the --embeddings it was saved with")
+        if len(self.tables):
+            self.tables.load_state_dict(state["sparse"], now)
         self.store.load(state["params"])
         self.version = int(state["version"])
         self.rule.load_state_dict(state["rule"])
@@ -786,6 +866,9 @@ class ShardState:
                 worker, incarnation, peer=b"", last_seen=now or 0.0, pushes=pushes,
                 alive=now is not None,
                 window=SeqWindow.from_state(self.cfg.dedupe_window, window))
+        for worker, seqs in state.get("rows_applied", {}).items():
+            if worker in self.workers:
+                self.workers[worker].rows_applied = set(seqs)
         self.forgotten = Forgotten.from_state(self.forgotten.size, state.get("forgotten"))
         self.lost_before = self.counters["lost_updates"]
         if self.balancer is not None:

@@ -20,16 +20,19 @@ from asyncsgd.run import kill_at
 from asyncsgd.run.audit import shard_audit
 from asyncsgd.run.checkpoint import load_checkpoint, save_checkpoint
 from asyncsgd.run.digests import DigestLog, digests_name
+from asyncsgd.core.sparse_ids import hash_id
 from asyncsgd.wire.busy_poll import BUSY_POLL_US, BusyPoll
 from asyncsgd.wire.memory import keep_freed_memory
-from asyncsgd.wire.protocol import (ATTACH, BYE, PARAMS, STATS, Code, Key, Message,
-                                    ProtocolError, error_message, in_parts)
+from asyncsgd.wire.protocol import (ATTACH, BYE, MAX_HEADER_BYTES, MAX_SEGMENT_ROWS,
+                                    MAX_SEGMENT_VALUES, PARAMS, STATS, Code, Key, Message,
+                                    ProtocolError, Rows, error_message, in_parts)
 from asyncsgd.wire.security import Gatekeeper, ServerKeys
 from asyncsgd.wire.shared import AreaUnavailable, Areas
 from asyncsgd.wire.transport import frame_limit, recv_from, router, send, send_tracked
 
 from .sessions import Sessions
 from .shard import ShardConfig, ShardState
+from .shard_tables import build_tables
 from .zero_copy import ZeroCopyStore
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,15 @@ DRAIN_MAX_SECONDS = 8.0
 # still to come, 0.34 s once every worker had left (tests/test_worker_liveness.py).
 STOP, STOP_ALL_LEFT = 1, 2
 MIN_AREAS = 8  # same-host areas a shard keeps at least (else 2 per expected worker)
+# The largest rows frame (PROTOCOL.md, Row-sparse tables): 65536 ids and 2^20 float32s, 4.5 MiB
+ROWS_FRAME = 8 * MAX_SEGMENT_ROWS + 4 * MAX_SEGMENT_VALUES
+
+
+def max_frame(elements: int, tables: bool) -> int:
+    """The largest frame a shard of ``elements`` dense values takes, or a peer takes from
+    it: rows frames too when it serves tables by row."""
+    dense = frame_limit(elements)
+    return max(dense, 2 * MAX_HEADER_BYTES + ROWS_FRAME) if tables else dense
 
 
 @dataclass
@@ -64,15 +76,24 @@ class ShardProcessSettings:
     busy_poll_us: float = BUSY_POLL_US  # polls for the next message this long (wire.busy_poll)
     record_digests: bool = False  # --record-digests: digests-shard-<i>.jsonl in checkpoint_dir
     audit_dir: Optional[str] = None  # --audit-dir: every push applied, a line each
+    # Row-sparse tables (--embeddings sparse): the layout's TableSpecs, of ``shards`` shards
+    tables: tuple = ()
+    shards: int = 1
+    id_space: str = "fixed"
+    evict: tuple = ("none", 0)
+    table_rule: str = "sgd"
+    table_seed: int = 0
+    table_scales: tuple = ()  # hashed: each table's initial rows are uniform within these
 
 
 def checkpoint_path(directory: str, index: int) -> Path:
     return Path(directory) / f"shard-{index}.pt"
 
 
-def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor, ready,
+def shard_main(rank: int, settings: ShardProcessSettings, initial: tuple, ready,
                stop: torch.Tensor) -> None:
-    """Process target: serve shard ``rank`` until ``stop[0]`` is set.
+    """Process target: serve shard ``rank`` until ``stop[0]`` is set. ``initial``: its
+    dense slice, and its rows of each table in a fixed id space (else None).
 
     Input never crashes it: a message that breaks the protocol, or anything the state
     raises, is answered as an error and changes nothing. It checkpoints its slice and
@@ -81,7 +102,15 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
     shard listens there again when the port is free, so workers find it where it was."""
     torch.set_num_threads(settings.threads)
     keep_freed_memory()
-    state = ShardState(settings.config, initial, store=ZeroCopyStore, settle_later=True)
+    dense, rows = initial
+    cfg = settings.config
+    tables = build_tables(settings.tables, cfg.index, settings.shards, settings.id_space,
+                          settings.evict, settings.table_rule, cfg.lr, settings.table_seed,
+                          settings.table_scales, rows)
+    del initial, rows  # the tables hold their copies
+    state = ShardState(cfg, dense, store=ZeroCopyStore, settle_later=True, tables=tables,
+                       table_specs=settings.tables, shards=settings.shards,
+                       hash_ids=hash_id if settings.id_space == "hashed" else None)
     path = checkpoint_path(settings.checkpoint_dir, rank) if settings.checkpoint_dir else None
     saved: dict = {}
     if settings.resume and path is not None and path.exists():
@@ -94,7 +123,8 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
     state.audit = audit.applied if audit is not None else None
     ctx = zmq.Context()
     gate = Gatekeeper(ctx, settings.curve)
-    sock, endpoint = _listen(ctx, settings, state.size, saved.get("port"))
+    sock, endpoint = _listen(ctx, settings, max_frame(state.size, bool(settings.tables)),
+                             saved.get("port"))
     gate.watch(sock)
     port = int(endpoint.rsplit(":", 1)[1])
 
@@ -184,14 +214,14 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: torch.Tensor,
             ctx.term()
 
 
-def _listen(ctx: zmq.Context, settings: ShardProcessSettings, size: int,
+def _listen(ctx: zmq.Context, settings: ShardProcessSettings, frame: int,
             former: Optional[int]) -> tuple:
     """The shard's ROUTER and endpoint: on ``settings.port`` when set (a restart by the
     supervisor, whose workers know that port), else on the ``former`` port its checkpoint
     recorded when that is free, else on any free port."""
     def listen(port: int) -> tuple:
         return router(ctx, f"tcp://{settings.bind_host}:{port}", curve=settings.curve,
-                      max_frame=frame_limit(size))
+                      max_frame=frame)
 
     if not settings.port and former:
         try:
@@ -241,7 +271,9 @@ def _reply(sock: zmq.Socket, state: ShardState, peer: bytes, reply: Message,
     if reply.shard < 0:  # errors too name the shard: a worker can tell another shard's answer
         reply.shard = state.cfg.index
     store: ZeroCopyStore = state.store
-    area = areas.for_peer(peer) if areas is not None and reply.segments else None
+    # rows travel as frames only (an area holds the dense slice): such a reply goes in frames
+    area = areas.for_peer(peer) if areas is not None and reply.segments and not any(
+        type(s.data) is Rows for s in reply.segments) else None
     if area is not None:
         store.apply_pending()
         send(sock, reply, peer, local=(area.link, area.params))
@@ -278,11 +310,14 @@ def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
     elif msg.type == ATTACH:
         replies = [(peer, _attach(state, areas, peer, msg))]
     else:
+        version = state.version
         try:
             replies = state.handle(peer, msg, time.monotonic())
         except Exception as exc:  # a bug must not take the shard down with every worker's work
             log.exception("shard %d: unexpected error handling %s", state.cfg.index, msg.type)
             replies = state.refuse(peer, Code.UNEXPECTED, f"{type(exc).__name__}: {exc}", msg)
+        if state.version != version:  # a test's fault: the push applied, its ack unsent
+            kill_at.reached(kill_at.APPLIED_UNACKED)
         if msg.type == BYE:
             areas.drop_worker(msg.worker)
     for to, reply in replies:

@@ -80,16 +80,35 @@ class SparseTable:
         self.created = local
 
     # -- pulls and pushes -------------------------------------------------
-    def gather(self, ids: torch.Tensor, now: float = 0.0) -> torch.Tensor:
-        """float32 [len(ids), dim]: the rows of ``ids`` (unique), in their order, a copy."""
-        self._check(ids)
+    def gather(self, ids: torch.Tensor, now: float = 0.0, checked: bool = False
+               ) -> torch.Tensor:
+        """float32 [len(ids), dim]: the rows of ``ids`` (unique), in their order, a copy;
+        ``checked`` as for ``apply``."""
+        if not checked:
+            self._check(ids)
         slots = self._slots(ids, now)  # first: creating rows may grow ``weight``
         return self.weight[slots]
 
+    def peek(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), dim]: the rows of ``ids`` (unique) as they are, a row not held
+        as it would start; nothing is created, touched or evicted (an observer's read)."""
+        self._check(ids, creates=False)
+        if not self.hashed:
+            return self.weight[ids // self.shards]
+        slots = self.map.find(ids)
+        out = seeded_rows(ids, self.dim, self.seed, self.init_scale)
+        held = slots >= 0
+        out[held] = self.weight[slots[held]]
+        return out
+
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, now: float = 0.0,
-              lr_scale: float = 1.0) -> None:
-        """One step of the rule on the rows ``ids`` (unique) with ``grads`` [len(ids), dim]."""
-        self._check(ids, grads)
+              lr_scale: float = 1.0, checked: bool = False) -> None:
+        """One step of the rule on the rows ``ids`` (unique) with ``grads`` [len(ids), dim].
+        ``checked``: the caller already made this table's checks (``ShardTables.check``: ids
+        in range, this shard's, unique; rows finite, float32 [len(ids), dim]; lfu's bound),
+        so they are not made twice."""
+        if not checked:
+            self._check(ids, grads)
         slots = self._slots(ids, now)  # first: creating rows may grow ``weight``
         self.rule.apply(self.weight, slots, grads, lr_scale)
 
@@ -106,7 +125,7 @@ class SparseTable:
         return stale.numel()
 
     # -- checks -----------------------------------------------------------
-    def _check(self, ids, grads=None) -> None:
+    def _check(self, ids, grads=None, creates: bool = True) -> None:
         if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
             raise RowsRefused(Code.BAD_DTYPE, "ids must be a 1-D int64 tensor")
         n = ids.numel()
@@ -138,7 +157,7 @@ class SparseTable:
             uniq, counts = torch.unique(ids, return_counts=True)
             raise RowsRefused(Code.BAD_FIELD, f"id {int(uniq[counts > 1][0])} appears twice; "
                                               "ids in one request must be unique")
-        if self.hashed and self.evict[0] == "lfu" and n > self.evict[1]:
+        if creates and self.hashed and self.evict[0] == "lfu" and n > self.evict[1]:
             raise RowsRefused(Code.TOO_LARGE, f"{n} rows asked at once, above lfu's "
                                               f"{self.evict[1]} rows")
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from asyncsgd.wire.compression import segment_values
-from asyncsgd.wire.protocol import Code, Key, Message, parts_of
+from asyncsgd.wire.protocol import Code, Key, Message, Rows, parts_of
+from asyncsgd.wire.sparse import MAX_MESSAGE_VALUES
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,8 @@ class _Open:
     segments: list = field(default_factory=list)
     received: int = 0  # parts taken so far: the next must be this one
     values: int = 0  # values the parts taken so far hold (packed ones: once expanded)
+    rows: int = 0  # row values (n x the table's dim) of the rows parts taken so far
+    ids: int = 0  # the same of the ids parts (rows asked back by a push that pulls)
     failed: bool = False
 
 
@@ -36,13 +39,18 @@ class PushStreams:
     before it is expanded), one open push per worker (a new part 0 replaces it, as a
     worker re-sending after a reconnect does), at most ``max_open`` in all (the oldest
     goes first), and ``expire`` drops those older than a timeout. After a part fails, the
-    rest of that push is dropped unanswered, so its worker gets one error for it."""
+    rest of that push is dropped unanswered, so its worker gets one error for it.
+
+    Row-sparse parts (rows, and the ids of a push that pulls) are bounded as a whole
+    message's are: at most ``MAX_MESSAGE_VALUES`` rows x dim each, ``row_width`` giving a
+    table's dim (0 for no such table: the part's check refuses it)."""
 
     def __init__(self, check_part: Callable[[Message], Optional[tuple]], max_values: int,
-                 max_open: int = 64):
+                 max_open: int = 64, row_width: Callable[[int], int] = lambda table: 0):
         self.check_part = check_part  # (code, detail) when a part must be refused
         self.max_values = max_values  # the shard's slice: what one push's parts may hold
         self.max_open = max_open
+        self.row_width = row_width
         self.open: dict = {}  # worker -> _Open, oldest first
 
     def add(self, msg: Message, now: float) -> tuple:
@@ -70,12 +78,10 @@ class PushStreams:
         elif len(msg.segments) != 1:
             part_problem = (Code.BAD_FIELD, f"part {part} of a push holds {len(msg.segments)} "
                                             "tensor frames; a part holds one")
-        elif stream.values + (segment_values(msg.segments[0]) or 0) > self.max_values:
-            part_problem = (Code.OUT_OF_RANGE, f"the parts of push {msg.seq} hold more than the "
-                                               f"shard's {self.max_values} values")
         else:
-            stream.values += segment_values(msg.segments[0]) or 0
-            part_problem = self.check_part(msg)
+            part_problem = self._count(stream, msg)
+            if part_problem is None:
+                part_problem = self.check_part(msg)
         stream.received += 1
         last = stream.received == parts
         if stream.failed or part_problem:
@@ -93,6 +99,24 @@ class PushStreams:
         return Message(type=first.type, worker=first.worker, incarnation=first.incarnation,
                        seq=first.seq, clock=first.clock, shard=first.shard, meta=meta,
                        segments=stream.segments), None
+
+    def _count(self, stream: _Open, msg: Message) -> Optional[tuple]:
+        """Add a part's values to its push's, or (code, detail) when they pass the bound."""
+        data = msg.segments[0].data
+        if type(data) is Rows:
+            kind = "rows" if data.dim else "ids"
+            total = getattr(stream, kind) + data.n * self.row_width(data.table)
+            if total > MAX_MESSAGE_VALUES:
+                return Code.TOO_LARGE, (f"the {kind} parts of push {msg.seq} hold more than "
+                                        f"{MAX_MESSAGE_VALUES} row values")
+            setattr(stream, kind, total)
+            return None
+        values = segment_values(msg.segments[0]) or 0
+        if stream.values + values > self.max_values:
+            return Code.OUT_OF_RANGE, (f"the parts of push {msg.seq} hold more than the "
+                                       f"shard's {self.max_values} values")
+        stream.values += values
+        return None
 
     def expire(self, now: float, timeout: float) -> int:
         """Drop open pushes started more than ``timeout`` seconds ago; how many went."""

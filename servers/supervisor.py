@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Optional
 
 import torch
 
 from asyncsgd.config import ServerConfig
+from asyncsgd.config.values import parse_evict
 from asyncsgd.core.dispatch import CHUNK
 from asyncsgd.errors import WorkerError
 from asyncsgd.run.process_group import WorkerGroup, available_cores, context
@@ -18,6 +20,7 @@ from asyncsgd.wire.protocol import Key
 from asyncsgd.wire.security import ServerKeys
 
 from .shard import ShardConfig
+from .shard_tables import table_rule
 from .shard_process import STOP, STOP_ALL_LEFT, ShardProcessSettings, shard_main
 
 log = logging.getLogger(__name__)
@@ -52,12 +55,15 @@ class ShardSupervisor:
     def for_server(cls, cfg: ServerConfig, flat: torch.Tensor, ranges: list, lr: float,
                    host: str, checkpoint_dir: str,
                    keys: Optional[ServerKeys], session_key: bytes,
-                   beside: int = 0, train_rows: int = 0) -> "ShardSupervisor":
+                   beside: int = 0, train_rows: int = 0, tables: tuple = (),
+                   weights: tuple = ()) -> "ShardSupervisor":
         """The shards of ``ps-server``: shard i owns ``flat[ranges[i]]`` and applies the
         configured rule to it, listening on ``host``, checkpointing into ``checkpoint_dir``;
         by default the host's cores are shared among the shards, the front and ``beside``
         other processes (workers a launcher placed here). --data-dispatch dynamic: shard 0
-        hands out the ``train_rows`` training rows."""
+        hands out the ``train_rows`` training rows. ``tables``: the layout's tables served by
+        row, whose ``weights`` (the model's) shard i starts from at ids i, i + shards, ...
+        in a fixed id space; in a hashed one their std sets the scale of the seeded rows."""
         hyper = {"weight_decay": cfg.weight_decay}
         if cfg.optimizer in ("momentum", "nesterov", "delayed-nesterov"):
             hyper["momentum"] = cfg.momentum
@@ -69,6 +75,7 @@ class ShardSupervisor:
         settings = [ShardProcessSettings(
             config=ShardConfig(
                 index=i, start=start, end=end, rule=cfg.optimizer, lr=lr, hyper=hyper,
+                table_lr=cfg.table_lr,
                 consistency=cfg.consistency, expected_workers=cfg.workers,
                 heartbeat_timeout=cfg.heartbeat_timeout, staleness_lr=cfg.staleness_lr,
                 dc_lambda=cfg.dc_asgd, sync_reduce=cfg.sync_reduce,
@@ -81,10 +88,20 @@ class ShardSupervisor:
             bind_host=host, port=0, checkpoint_dir=checkpoint_dir,
             checkpoint_every=cfg.checkpoint_every, resume=bool(cfg.resume), threads=threads,
             curve=keys, session_key=session_key, busy_poll_us=cfg.busy_poll_us,
-            record_digests=cfg.record_digests, audit_dir=cfg.audit_dir)
+            record_digests=cfg.record_digests, audit_dir=cfg.audit_dir,
+            tables=tuple(tables), shards=len(ranges), id_space=cfg.id_space,
+            evict=parse_evict(cfg.evict), table_rule=table_rule(cfg.optimizer,
+                                                                cfg.table_optimizer),
+            table_seed=cfg.seed,
+            # uniform in [-s, s) has std s / sqrt(3): the hashed rows spread as the model's
+            table_scales=tuple(float(w.std()) * math.sqrt(3) if w.numel() > 1 else 0.01
+                               for w in weights))
             for i, (start, end) in enumerate(ranges)]
-        return cls(settings, [flat[start:end].clone() for start, end in ranges],
-                   cfg.shard_restarts)
+        fixed = cfg.id_space == "fixed"
+        initial = [(flat[start:end].clone(),
+                    [w[i::len(ranges)].clone() for w in weights] if fixed else None)
+                   for i, (start, end) in enumerate(ranges)]
+        return cls(settings, initial, cfg.shard_restarts)
 
     def start(self) -> list:
         """Start every shard; once each listens, [{port, start, end}] as a welcome lists them."""

@@ -306,7 +306,9 @@ class Server:
         samples = arg("--samples")
         task = load_task(arg("--task", ServerConfig().task),
                          samples=int(samples) if samples else None)
-        self._signature = Layout.of(task.build_model(0)).signature()
+        model = task.build_model(0)
+        self._signature = Layout.of(model, task.served_tables(
+            model, arg("--embeddings", "sparse"))).signature()
         return self._signature
 
     def admit(self, worker: str, incarnation: int = 1) -> str:

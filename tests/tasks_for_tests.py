@@ -96,6 +96,44 @@ def killed_at_row7(samples=None):
     return _rows_task("killed-at-row7", functools.partial(KilledAtRow, n, row), n)
 
 
+class TableCounter(RowWeights):
+    """RowWeights served by row (its EmbeddingBag a table), plus ``width`` dense scalars
+    added to every output: a model that is mostly table, whose few dense values leave
+    shards with an empty dense slice under --shards > width."""
+
+    def __init__(self, rows: int, width: int = 1):
+        super().__init__(rows)
+        self.bias = nn.Parameter(torch.zeros(width))
+
+    def forward(self, index):
+        return super().forward(index) + self.bias.sum()
+
+
+def table_counter(samples=None):
+    """index_counter's rows as a table and one dense scalar: with lr 1 row i ends at minus
+    the times it was trained on, the scalar at minus the samples."""
+    n = samples or 1000
+    task = _rows_task("table-counter", functools.partial(TableCounter, n), n)
+    task.tables = "auto"
+    return task
+
+
+RAW_BASE, RAW_STEP = 10 ** 12, 7919
+
+
+def raw_table_counter(samples=None):
+    """table_counter fed raw int64 ids (10^12 + 7919 x row, beyond the table's rows), as
+    in a hashed id space (``--id-space hashed``): the worker and the server's evaluator
+    remap them; row ``i``'s raw id ends at minus the times it was trained on."""
+    n = samples or 1000
+    task = table_counter(n)
+    task.name = "raw-table-counter"
+    raw = RAW_BASE + RAW_STEP * torch.arange(n).view(-1, 1)
+    task.train, task.test = Split((raw,), task.train.targets), Split((raw[-10:],),
+                                                                       task.test.targets)
+    return task
+
+
 def dense_counter(samples=None):
     return _rows_task("dense-counter", Scalars, samples or 2000)
 

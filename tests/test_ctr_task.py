@@ -5,14 +5,17 @@ single trains the DLRM-like model past AUC 0.7."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 from asyncsgd import TaskError, load_task
-from asyncsgd.core import ctr_data
+from asyncsgd.core import ctr_data, models
 from asyncsgd.core.scoring import AUC, Metric, auc
 from asyncsgd.core.tasks import task_identity
 from conftest import read_json
@@ -156,3 +159,171 @@ def test_an_auc_target_out_of_range_is_refused(run_cli_here, tmp_path):
     res = run_cli_here("single", "--task", "ctr:rows=10", "--samples", "100", "--target", "75",
                        "--progress", "off", "--out", tmp_path / "run")
     assert res.returncode != 0 and "auc lies between 0 and 1" in res.stderr
+
+
+class _DLRMBefore(torch.nn.Module):
+    """The DLRM of before ``tables=K`` (commit 7d8b50a), verbatim: the oracle the default
+    layout must match byte for byte."""
+
+    def __init__(self, rows, tables=26, dense=13, dim=16, bottom=(64,), top=(64,)):
+        super().__init__()
+        self.tables = torch.nn.ModuleList(torch.nn.Embedding(rows, dim, sparse=True)
+                                          for _ in range(tables))
+        for table in self.tables:
+            torch.nn.init.normal_(table.weight, std=0.1)
+        self.bottom = models.MLP((dense, *bottom, dim))
+        vectors = tables + 1
+        self.top = models.MLP((dim + vectors * (vectors - 1) // 2, *top, 1))
+        pairs = torch.triu_indices(vectors, vectors, offset=1)
+        self.register_buffer("pairs", pairs, persistent=False)
+
+    def forward(self, dense, categorical):
+        x = torch.nn.functional.relu(self.bottom(dense))
+        vectors = torch.stack([x, *(t(categorical[:, i]) for i, t in enumerate(self.tables))],
+                              dim=1)
+        dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
+        return self.top(torch.cat([x, dots], dim=1)).squeeze(1)
+
+
+def _step(model, task, rows=64):
+    """The outputs of one batch and the gradients of its log loss, by parameter name."""
+    model.zero_grad(set_to_none=True)
+    inputs, targets = task.train.rows(torch.arange(rows))
+    out = model(*inputs)
+    task.loss_fn(out, targets).backward()
+    return out.detach(), {k: p.grad.coalesce() if p.grad.is_sparse else p.grad
+                          for k, p in model.named_parameters()}
+
+
+def test_the_default_26_tables_are_byte_identical_to_the_model_before_tables():
+    task = load_task("ctr:rows=300", samples=400)
+    assert task_identity("ctr", 0)[0] == "ctr:rows=10000,tables=26"
+    model = task.build_model(seed=7)
+    torch.manual_seed(7)
+    before = _DLRMBefore(300, 26, 13)
+    mine, theirs = model.state_dict(), before.state_dict()
+    assert list(mine) == list(theirs)
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    out, grads = _step(model, task)
+    out_before, grads_before = _step(before, task)
+    assert torch.equal(out, out_before)
+    for name, grad in grads.items():
+        if grad.is_sparse:
+            assert torch.equal(grad.indices(), grads_before[name].indices()), name
+            grad, theirs = grad.values(), grads_before[name].values()
+        else:
+            theirs = grads_before[name]
+        assert torch.equal(grad, theirs), name
+
+
+def _shared(model26, tables: int):
+    """A ``tables``-table DLRM holding ``model26``'s weights: feature f's table in the block of
+    rows ``ctr:tables`` gives it (table f % tables, rows from (f // tables) * rows on)."""
+    rows = model26.tables[0].num_embeddings
+    shared = models.DLRM(rows, 26, 13, tables=tables)
+    with torch.no_grad():
+        for f, table in enumerate(model26.tables):
+            slot = f // tables
+            shared.tables[f % tables].weight[slot * rows:(slot + 1) * rows] = table.weight
+        for name in ("bottom", "top"):
+            getattr(shared, name).load_state_dict(getattr(model26, name).state_dict())
+    return shared
+
+
+@pytest.mark.parametrize("tables", [1, 2, 5, 13, 25])
+def test_features_sharing_a_table_own_their_rows(tables):
+    """The 26-table model's weights laid out in K tables give the same outputs, bit for bit,
+    and the same gradient on every row: no two features' ids meet in a shared table."""
+    rows = 97
+    task = load_task(f"ctr:rows={rows},tables={tables}", samples=400)
+    model26 = load_task(f"ctr:rows={rows}", samples=400).build_model(seed=3)
+    shared = _shared(model26, tables)
+    assert len(shared.tables) == tables and all(t.sparse for t in shared.tables)
+    assert sum(t.num_embeddings for t in shared.tables) == 26 * rows
+    out26, grads26 = _step(model26, task)
+    out, grads = _step(shared, task)
+    assert torch.equal(out, out26)
+    for f in range(26):
+        slot, table = f // tables, f % tables
+        dense26 = grads26[f"tables.{f}.weight"].to_dense()
+        dense = grads[f"tables.{table}.weight"].to_dense()[slot * rows:(slot + 1) * rows]
+        # coalesce sums a row's repeats in an order of its own: equal up to rounding
+        assert torch.allclose(dense, dense26, rtol=0, atol=1e-7), f
+    for name in grads26:
+        if not name.startswith("tables."):
+            assert torch.equal(grads[name], grads26[name]), name
+
+
+@pytest.mark.parametrize("tables", [1, 4, 26])
+def test_embedding_inputs_are_the_ids_each_table_looks_up(tables):
+    task = load_task(f"ctr:rows=50,tables={tables}", samples=300)
+    model = task.build_model()
+    seen = {}
+
+    def record(table, args, out):   # returns None: the output stays the module's
+        seen[len(seen)] = args[0]
+
+    hooks = [t.register_forward_hook(record) for t in model.tables]
+    inputs, _ = task.train.rows(torch.arange(37))
+    model(*inputs)
+    for hook in hooks:
+        hook.remove()
+    ids = model.embedding_inputs(*inputs)
+    assert len(ids) == len(seen) == tables
+    for t, table in enumerate(model.tables):
+        assert ids[t].dtype == torch.int64 and torch.equal(ids[t], seen[t]), t
+        assert 0 <= ids[t].min() and ids[t].max() < table.num_embeddings
+        mine = list(range(t, 26, tables))
+        expected = torch.cat([inputs[1][:, f] + (f // tables) * 50 for f in mine])
+        assert torch.equal(ids[t], expected)
+
+
+def test_one_table_of_ten_million_rows():
+    task = load_task("ctr:rows=384616,tables=1", samples=100)
+    assert task.info["tables"] == 1 and "1 embedding table," in task.description
+    assert task.info["parameters"] == 384616 * 26 * 16 + sum(
+        p.numel() for n, p in load_task("ctr:rows=1", samples=100).build_model()
+        .named_parameters() if not n.startswith("tables."))
+
+
+@pytest.mark.parametrize("bad", ["0", "27", "2.5", "one"])
+def test_a_bad_number_of_tables_is_refused(bad):
+    with pytest.raises(TaskError, match=r"ctr:tables=.*: give a whole number of embedding "
+                                        r"tables between 1 .* and 26"):
+        load_task(f"ctr:tables={bad}", samples=100)
+
+
+@pytest.mark.processes
+def test_building_a_ten_million_row_table_costs_its_size_once(tmp_path):
+    """Peak RSS while building ``ctr:rows=384616,tables=1`` (10,000,016 x 16 float32s, 610
+    MiB) grows by its size, not twice it: measured 597 MiB of growth, 0.98x (the table is
+    filled in place; the bound leaves room for the allocator)."""
+    script = (
+        "import resource, json, sys\n"
+        "from asyncsgd import load_task\n"
+        "task = load_task('ctr:rows=384616,tables=1', samples=100)\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "model = task.build_model()\n"
+        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "size = sum(t.weight.numel() * 4 for t in model.tables)\n"
+        "print(json.dumps({'grew': (after - before) * 1024, 'size': size}))\n")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    assert got["size"] == 10_000_016 * 16 * 4
+    assert got["grew"] < 1.5 * got["size"], got
+
+
+def test_the_dense_part_alone_is_the_model_given_its_looked_up_vectors():
+    """What the baselines train beside remote tables (experiments/sparse_ps.py): DLRMDense
+    with the model's MLPs, fed the vectors of ``embedding_inputs``, is the model."""
+    task = load_task("ctr:rows=40,tables=1", samples=200)
+    model = task.build_model(seed=2)
+    head = models.DLRMDense(26, 13)
+    head.load_state_dict({k: v for k, v in model.state_dict().items()
+                          if not k.startswith("tables.")})
+    (dense, categorical), _ = task.train.rows(torch.arange(19))
+    ids, = model.embedding_inputs(dense, categorical)
+    vectors = model.tables[0](ids).view(26, 19, 16).transpose(0, 1)
+    assert torch.equal(head(dense, vectors), model(dense, categorical))

@@ -24,6 +24,27 @@ TASK = "tasks_for_tests:index_counter"
 SIZE = 16
 
 
+def restarted(srv, port, pid) -> bool:
+    """True once the shard on ``port`` answers from a process other than ``pid``."""
+    try:
+        return shard_stats(srv, port)["pid"] != pid
+    except TimeoutError:
+        return False
+
+
+def kill_shard(srv, port, checkpointed_after: float = None) -> None:
+    """SIGKILL the shard on ``port`` (once shard 0 has checkpointed after the time
+    ``checkpointed_after``, when given) and wait until its restart answers there."""
+    if checkpointed_after is not None:
+        checkpoint = srv.out / "shard-0.pt"
+        wait_for(lambda: checkpoint.exists() and
+                 checkpoint.stat().st_mtime > checkpointed_after + 0.1, 60,
+                 "a checkpoint of the state to restore")
+    pid = shard_stats(srv, port)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: restarted(srv, port, pid), 60, "the restarted shard", 0.2)
+
+
 class Peer:
     """One DEALER to a shard (or the front), speaking for worker ``worker``: admitted by
     the front, as a worker is, the first time it speaks for a (worker, incarnation)."""
@@ -160,19 +181,7 @@ def test_a_sync_push_waiting_for_its_round_survives_a_shard_sigkill(server):
     assert a.reply(1.0) is None  # waits for b's push
     a.send(PUSH, 2, ga)  # a retry of the waiting push: held too (main said duplicate at once)
     assert a.reply(1.0) is None
-    pushed = time.time()
-    checkpoint = srv.out / "shard-0.pt"
-    wait_for(lambda: checkpoint.exists() and checkpoint.stat().st_mtime > pushed + 0.1, 60,
-             "a checkpoint taken while a's push waits")
-    pid = shard_stats(srv, port)["pid"]
-    os.kill(pid, signal.SIGKILL)
-
-    def restarted():
-        try:
-            return shard_stats(srv, port)["pid"] != pid
-        except TimeoutError:
-            return False
-    wait_for(restarted, 60, "the restarted shard", 0.2)
+    kill_shard(srv, port, checkpointed_after=time.time())  # a's push waits in the checkpoint
     a.close()
     a = Peer(srv, port, worker="a")  # the worker reconnects and re-sends what is outstanding
     a.send(PUSH, 2, ga)

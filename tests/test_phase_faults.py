@@ -7,7 +7,8 @@ time the process reaches <phase> it writes its pid into <file> and SIGKILLs itse
 process that finds <file> there already (a shard restarted with the same environment)
 goes on. Phases: before-push, between-parts, after-apply-before-ack and after-ack in a
 worker; before-checkpoint and after-checkpoint in a shard (periodic checkpoints that hold
-updates); while-welcoming in the server's front.
+updates), and applied-unacked (tests/test_shard_tables_process.py); while-welcoming in the
+server's front.
 
 ``tasks_for_tests:dense_counter``, SGD lr 1: every push applied subtracts its batch size
 (8) from the one weight, so the final weight is -8 x the applications that survived, which

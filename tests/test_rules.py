@@ -336,7 +336,7 @@ def test_make_rule():
 
 
 @pytest.mark.parametrize("args,hyper", [
-    ((0, 0.1), {}), ((-3, 0.1), {}), ((7, 0.0), {}), ((7, -0.1), {}), ((7, float("nan")), {}),
+    ((7.5, 0.1), {}), ((-3, 0.1), {}), ((7, 0.0), {}), ((7, -0.1), {}), ((7, float("nan")), {}),
     ((7, 0.1), {"momentum": 0.9}),  # not an SGD hyperparameter
     ((7, 0.1), {"weight_decay": -1.0}),
 ])

@@ -118,9 +118,9 @@ def test_rows_in_parts_travel_one_segment_a_part():
 
 # ---- lying segments -------------------------------------------------------------------
 
-def _header(kind, descriptors):
+def _header(kind, descriptors, meta=None):
     return msgpack.packb({"v": VERSION, "t": kind, "w": "w", "i": 0, "s": 1, "c": 0, "sh": 0,
-                          "m": {}, "d": descriptors})
+                          "m": meta or {}, "d": descriptors})
 
 
 def _payload(ids, values=None):
@@ -152,13 +152,31 @@ GOOD = _payload([1, 3], [[1.0, 2.0], [3.0, 4.0]])
     (PULL, [0, "ids", [MAX_SEGMENT_ROWS + 1], "int64"], b"", "too-large"),
     (PULL, [0, "rows", [2, 2], "float32"], GOOD, "bad-dtype"),                # rows in a pull
     (PUSH, [0, "ids", [2], "int64"], _payload([1, 3]), "bad-dtype"),          # ids in a push
+    (PUSH, [0, "ids", [1], "int64"], _payload([1, 3]), "length-mismatch"),    # one that pulls
     (PARAMS, [0, "ids", [2], "int64"], _payload([1, 3]), "bad-dtype"),
     (PUSH, [0, "rowz", [2, 2], "float32"], GOOD, "bad-dtype"),                # unknown form
 ], ids=lambda v: f"{len(v)}B" if isinstance(v, bytes) else str(v).replace(" ", ""))
 def test_a_malformed_sparse_segment_is_refused_on_decode(kind, desc, frame, code):
+    pulls = {"pull": True} if "length-mismatch" == code and desc[1] == "ids" else None
     with pytest.raises(ProtocolError) as info:
-        decode([_header(kind, [desc]), frame])
+        decode([_header(kind, [desc], pulls if kind == PUSH else None), frame])
     assert info.value.code == code
+
+
+@pytest.mark.parametrize("pull", [True, False, 1, "yes"])
+def test_a_push_carries_ids_only_when_it_pulls(pull):
+    """A push with m.pull true asks back rows with its reply (the next batch's): ids travel
+    there beside its rows; in any other push they are refused."""
+    frames = [_header(PUSH, [[0, "rows", [2, 2], "float32"], [0, "ids", [2], "int64"]],
+                      {"pull": pull}), GOOD, _payload([1, 5])]
+    if pull is True:
+        rows, ids = decode(frames).segments
+        assert rows.data.dim == 2 and ids.data.dim == 0 and ids.data.ids.tolist() == [1, 5]
+    else:
+        with pytest.raises(ProtocolError) as info:
+            decode(frames)
+        # m.pull that is no flag is refused for itself first
+        assert info.value.code == ("bad-dtype" if pull is False else "bad-field")
 
 
 def _push(*segments):

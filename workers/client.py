@@ -8,6 +8,7 @@ PROTOCOL.md (Liveness, Retries), timed by ``liveness.Liveness``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -23,19 +24,28 @@ from asyncsgd.run import kill_at
 from asyncsgd.run.audit import worker_audit
 from asyncsgd.wire.busy_poll import BUSY_POLL_US, BusyPoll
 from asyncsgd.wire.compression import WIRE_DTYPES, Compressor
-from asyncsgd.wire.protocol import (ACK, ATTACH, BYE, ERROR, HEARTBEAT, HELLO, PARAMS, PULL, PUSH,
-                                    WELCOME, Code, Key, Message, ParamsIntake, ProtocolError,
+from asyncsgd.wire.layout import TableSpec
+from asyncsgd.wire.protocol import (ACK, ATTACH, BYE, DTYPE_NAMES, ERROR, HEARTBEAT, HELLO,
+                                    FRAME_BYTES, MAX_HEADER_BYTES, MAX_SEGMENT_ROWS,
+                                    MAX_SEGMENT_VALUES, PARAMS, PULL, PUSH, WELCOME, Code, Key,
+                                    Message, Packed, ParamsIntake, ProtocolError, Rows,
                                     in_parts, split)
 from asyncsgd.wire.security import ClientKeys, await_handshake
+from asyncsgd.wire.sparse import MAX_MESSAGE_VALUES, apart, reply_mismatch, split_rows, widened
 from asyncsgd.wire.transport import (dealer, frame_limit, is_local, parse_endpoint, recv, send,
                                      shared_frames)
 
 from .liveness import RESEND_HEARTBEATS, Liveness, doubled
 from .shared_areas import SharedAreas
+from .tables import route
 
 log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "shared", "tcp")
+ID_SPACES = ("fixed", "hashed")
+# The largest frame a reply of rows may hold (PROTOCOL.md, Row-sparse tables: 65536 ids and
+# 2^20 float32 values, 4.5 MiB), with a header's bound twice as frame_limit allows
+ROWS_FRAME = 2 * MAX_HEADER_BYTES + 8 * MAX_SEGMENT_ROWS + 4 * MAX_SEGMENT_VALUES
 FAREWELL_LINGER_MS = 200  # the most close() waits for goodbyes to shards still queued
 
 
@@ -95,6 +105,15 @@ def _plan(meta: dict) -> tuple:
     return seed, chunks, meta[Key.ALL_TRAINED]
 
 
+def _id_space(welcome: dict) -> str:
+    """The welcome's ``id_space``, checked."""
+    value = welcome[Key.ID_SPACE]
+    if value not in ID_SPACES:
+        raise ProtocolError(Code.BAD_FIELD, f"the server's welcome names id space {value!r:.40}, "
+                                            f"not one of {', '.join(ID_SPACES)}")
+    return value
+
+
 def new_incarnation() -> int:
     """Larger at every start of a worker process: its start time in milliseconds, then
     its pid (distinct for two starts in one millisecond). Shards refuse an incarnation
@@ -129,6 +148,21 @@ class PSClient:
                              "pushes or pulls need transport tcp (or auto)")
         if self.compressor or self.pull_dtype != "float32":
             transport = "tcp"
+        # The embedding tables the signature names travel row by row (PROTOCOL.md, Row-sparse
+        # tables), as frames: a same-host area has a slot for the dense slice only
+        self.tables = [TableSpec(*t) for t in signature.get("tables", [])]
+        if self.tables and transport == "shared":
+            raise ValueError("transport 'shared' moves the dense slice through memory, but "
+                             "this model's tables travel row by row in frames: use transport "
+                             "tcp (or auto), or --embeddings dense")
+        if self.tables:
+            transport = "tcp"
+        # rows are pushed as the dense part would be cast (int8 and top-k pack that alone)
+        self.rows_dtype = DTYPE_NAMES[compressor.dtype] if compressor is not None else "float32"
+        self.hashed = False  # the server's id space, as its welcome names it
+        self._asked: dict = {}  # shard -> [(table, positions in the ids asked)], per ids segment
+        self._rows_in: dict = {}  # (shard, seq) -> rows segments of a reply still in parts
+        self._rows_got: dict = {}  # shard -> its reply's checked rows segments
         self.server, self.worker = server, worker
         self.host = parse_endpoint(server, "--server")[0]
         local = is_local(self.host)
@@ -157,6 +191,8 @@ class PSClient:
         # what a same-host area carries crosses no socket and is not counted)
         self.stats = {"retries": 0, "duplicate_acks": 0, "reconnects": 0, "rejoins": 0,
                       "bytes_sent": 0, "bytes_received": 0}
+        if self.tables:  # rows pushed (gradients) and pulled, all tables, every step
+            self.stats.update(rows_pushed=0, rows_pulled=0)
         try:  # wrong or missing keys: one clear error now, not retries until the timeout
             if not await_handshake(self.ctx, server, curve, server_timeout):
                 raise self._unavailable()
@@ -172,6 +208,9 @@ class PSClient:
             welcome = self._request_front(Message(type=HELLO, meta=self.hello))
             self.info = welcome.meta
             self.shard_addrs, self.ranges = self._layout(welcome.meta)
+            # how rows go to shards: id % shards, or hash_id(id) % shards when hashed
+            if Key.ID_SPACE in welcome.meta:
+                self.hashed = _id_space(welcome.meta) == "hashed"
             self.audit = worker_audit(audit_dir, worker, self.incarnation)
         except BaseException:  # refused, no answer, no audit: nothing of this client stays open
             self.front.close(0)
@@ -252,14 +291,17 @@ class PSClient:
 
     def _layout(self, welcome: dict) -> tuple:
         """(shard addresses, shard ranges) a WELCOME announces: ports, and contiguous
-        slices that cover this worker's model from 0; a ProtocolError otherwise."""
+        slices that cover this worker's model from 0; a ProtocolError otherwise. With tables
+        served by row a slice may be empty: a shard may hold rows alone."""
         shards, total = welcome.get(Key.SHARDS), self.hello[Key.SIGNATURE].get("total")
+        empty_ok = bool(self.hello[Key.SIGNATURE].get("tables"))
         ranges, end = [], 0
         valid = type(shards) is list and len(shards) > 0
         for s in shards if valid else ():
             valid = (type(s) is dict and type(s.get(Key.PORT)) is int
                      and 0 < s[Key.PORT] < 65536 and s.get(Key.START) == end
-                     and type(s.get(Key.END)) is int and s[Key.END] > end)
+                     and type(s.get(Key.END)) is int
+                     and (s[Key.END] > end or empty_ok and s[Key.END] == end))
             if not valid:
                 break
             ranges.append((end, s[Key.END]))
@@ -275,8 +317,9 @@ class PSClient:
 
     def _shard_socket(self, i: int) -> zmq.Socket:
         start, end = self.ranges[i]
+        limit = frame_limit(end - start)
         sock = dealer(self.ctx, self.shard_addrs[i], curve=self.curve,
-                      max_frame=frame_limit(end - start))
+                      max_frame=max(limit, ROWS_FRAME) if self.tables else limit)
         # a blocking recv waits one heartbeat at most (``_answered_directly``); every other
         # recv on it follows a poll that found a message
         sock.setsockopt(zmq.RCVTIMEO, max(1, int(self.heartbeat * 1000)))
@@ -323,30 +366,40 @@ class PSClient:
             backoff = doubled(backoff)
 
     def push_pull(self, grads: Optional[torch.Tensor], params: torch.Tensor,
-                  meta: Optional[dict] = None, compute: float = 0.0) -> None:
+                  meta: Optional[dict] = None, compute: float = 0.0,
+                  rows: Optional[list] = None, want: Optional[list] = None) -> Optional[list]:
         """Push ``grads`` (flat, or None for a pull only) and pull into ``params`` (flat);
-        ``compute``: the seconds of work ``grads`` took (for the audit)."""
+        ``compute``: the seconds of work ``grads`` took (for the audit).
+
+        A model with tables also pushes ``rows``, per table ``(ids, values)`` (unique int64
+        ids, float32 [n, dim] gradient rows), and pulls back the rows of ``want``, per
+        table unique int64 ids: returned per table as float32 [len(ids), dim], in the
+        order asked (None when nothing was asked)."""
         with self._sockets:
-            self._push_pull(grads, params, meta, compute)
+            return self._push_pull(grads, params, meta, compute, rows, want)
 
     def _push_pull(self, grads: Optional[torch.Tensor], params: torch.Tensor,
-                   meta: Optional[dict], compute: float) -> None:
+                   meta: Optional[dict], compute: float, rows: Optional[list] = None,
+                   want: Optional[list] = None) -> Optional[list]:
         if self.areas.pending:
             self._attach_pending()
         # One request per shard: a push that also asks for the parameters (or a pull).
         outstanding = {}  # (shard, seq) -> [message, replies still owed]; re-sent after reconnects
+        pushing = grads is not None or rows is not None
         segments = self._segments_of(grads) if grads is not None else None
+        sparse = self._sparse_segments(rows, want) if self.tables else None
         wire = {Key.PULL_DTYPE: self.pull_dtype} if self.pull_dtype != "float32" else {}
         for i in range(len(self.ranges)):
-            if segments is not None:
+            extra = sparse[i] if sparse is not None else []
+            if pushing:
                 msg = self._msg(PUSH, clock=self.versions[i], shard=i,
                                 meta={**(meta or {}), Key.PULL: True, **wire},
-                                segments=segments[i])
+                                segments=[*(segments[i] if segments else ()), *extra])
                 outstanding[(i, msg.seq)] = [msg, {ACK, PARAMS}]
             else:
-                msg = self._msg(PULL, clock=self.versions[i], shard=i, meta=dict(wire))
+                msg = self._msg(PULL, clock=self.versions[i], shard=i, meta=dict(wire),
+                                segments=extra)
                 outstanding[(i, msg.seq)] = [msg, {PARAMS}]
-        pushing = segments is not None
         if pushing and self.audit is not None:
             self.audit.sent([s for _, s in outstanding], [i for i, _ in outstanding], compute)
         if pushing:  # the test-only faults (asyncsgd/run/kill_at.py): a dict lookup each
@@ -358,6 +411,49 @@ class PSClient:
         self._await(outstanding, params)
         if pushing:
             kill_at.reached(kill_at.AFTER_ACK)
+        return self._rows_pulled(want) if sparse is not None else None
+
+    def _sparse_segments(self, rows: Optional[list], want: Optional[list]) -> list:
+        """Per shard, the row-sparse segments of one exchange: the gradient rows it holds
+        (``rows``), then the ids of the rows to send back (``want``), each split to the
+        per-segment bounds; where each asked id goes back is kept in ``_asked``."""
+        shards = len(self.ranges)
+        out: list = [[] for _ in range(shards)]
+        self._asked = {i: [] for i in range(shards)}
+        self._rows_got = {}
+        values = 0
+        # (the values of all shards' messages together: at least each one's)
+        for t, (ids, grad) in enumerate(rows or ()):
+            for i, at in enumerate(route(ids, shards, self.hashed)):
+                if len(at):
+                    out[i] += split_rows(t, ids[at], grad[at], self.rows_dtype)
+            self.stats["rows_pushed"] += len(ids)
+            values += len(ids) * self.tables[t].dim
+        for t, ids in enumerate(want or ()):
+            for i, at in enumerate(route(ids, shards, self.hashed)):
+                step = 0
+                for seg in split_rows(t, ids[at]):
+                    out[i].append(seg)
+                    self._asked[i].append((t, at[step:step + seg.data.n]))
+                    step += seg.data.n
+            values += len(ids) * self.tables[t].dim
+        if values > MAX_MESSAGE_VALUES:  # a shard refuses more (PROTOCOL.md): say why here
+            raise ValueError(f"one step moves {values} row values, above the "
+                             f"{MAX_MESSAGE_VALUES} a message may carry: use a smaller "
+                             "--batch-size")
+        return out
+
+    def _rows_pulled(self, want: Optional[list]) -> Optional[list]:
+        """The rows the shards sent back, each put where its id was asked in ``want``."""
+        if want is None:
+            return None
+        out = [torch.empty(len(ids), self.tables[t].dim) for t, ids in enumerate(want)]
+        for i, asked in self._asked.items():
+            for (t, at), seg in zip(asked, self._rows_got.get(i, [])):
+                out[t][at] = widened(seg)[2]
+                self.stats["rows_pulled"] += len(at)
+        self._rows_got = {}
+        return out
 
     def _replies_arrive(self, outstanding: dict) -> None:
         """Wait (for a test's fault) until every shard's reply to ``outstanding`` has
@@ -376,13 +472,24 @@ class PSClient:
         area = self.areas[i]
         if msg.type == PUSH and area is not None:
             self._out(self.shards[i], msg, local=(area.link, area.grads))
-        elif msg.type == PUSH and len(msg.segments) > 1:
+        elif msg.type == PUSH and len(msg.segments) > 1 and not self._small_with_rows(msg):
             for j, part in enumerate(in_parts(msg)):
                 if j:
                     kill_at.reached(kill_at.BETWEEN_PARTS)
                 self._out(self.shards[i], part, copy=copy)
         else:
             self._out(self.shards[i], msg, copy=copy)
+
+    def _small_with_rows(self, msg: Message) -> bool:
+        """A push of rows within one frame's bytes goes whole: its many small segments (one
+        per table, rows and ids) cost a shard more as parts (a ctr push of 53 segments:
+        5.4-12 ms against 4.2-6.6 ms whole; experiments/README.md, "Sparse tables: the
+        worker")."""
+        if not self.tables:
+            return False
+        size = sum(seg.data.nbytes if isinstance(seg.data, (Rows, Packed)) else
+                   seg.data.numel() * seg.data.element_size() for seg in msg.segments)
+        return size <= FRAME_BYTES
 
     def _segments_of(self, grads: torch.Tensor) -> list:
         """Each shard's frames of ``grads``; made once for the buffer a worker pushes every
@@ -400,6 +507,7 @@ class PSClient:
     def _await(self, outstanding: dict, params: torch.Tensor) -> None:
         poller = self.poller
         self._intake.forget()  # what an earlier, abandoned call left behind
+        self._rows_in = {}
         live = Liveness(len(self.shards), self.heartbeat, self.server_timeout, time.monotonic())
         if len(outstanding) == 1 and self._answered_directly(outstanding, params):
             return
@@ -483,6 +591,7 @@ class PSClient:
         self.stats["reconnects"] += 1
         # A reply cut off between its parts comes again whole.
         self._intake.forget(lambda key: key[0] == i)
+        self._rows_in = {key: got for key, got in self._rows_in.items() if key[0] != i}
         for (shard, _), (msg, _owed) in sorted(outstanding.items()):
             if shard == i:
                 self._send(i, msg)
@@ -591,7 +700,11 @@ class PSClient:
                 raise ProtocolError(Code.BAD_FIELD, f"shard {i} sent version {version!r:.40}, "
                                                     "not an integer in [0, 2**63)")
             start, end = self.ranges[i]
+            if self.tables:
+                reply = self._took_rows(i, key, reply, request)
             if self._intake.take(key, reply, params, start, end - start):
+                if key in self._rows_in:  # the last part of a reply in parts
+                    self._check_rows(i, request, self._rows_in.pop(key))
                 owed.discard(PARAMS)
             self.versions[i] = version
             if i == 0 and Key.BATCH in meta:
@@ -600,6 +713,26 @@ class PSClient:
                 self.plan = _plan(meta)
         if not owed:
             del outstanding[key]
+
+    def _took_rows(self, i: int, key: tuple, reply: Message, request: Message) -> Message:
+        """``reply`` (a PARAMS or a part of one) without its rows segments, kept until the
+        reply is whole; a whole reply's are checked at once, so that nothing of a reply
+        holding other rows than asked is copied."""
+        dense, rows = apart(reply.segments)
+        self._rows_in.setdefault(key, []).extend(rows)
+        if Key.PARTS not in reply.meta and Key.PART not in reply.meta:
+            self._check_rows(i, request, self._rows_in.pop(key))
+        return dataclasses.replace(reply, segments=dense) if rows else reply
+
+    def _check_rows(self, i: int, request: Message, got: list) -> None:
+        """Keep shard ``i``'s rows for ``request`` when they are exactly those asked (its
+        ids segments, in order); else stop: a shard that sends other rows is broken."""
+        asked = [seg for seg in request.segments if type(seg.data) is Rows and not seg.data.dim]
+        wrong = reply_mismatch(asked, got, self.tables)
+        if wrong:
+            raise ProtocolError(Code.BAD_FIELD, f"shard {i} answered with other rows than this "
+                                                f"worker asked: {wrong}")
+        self._rows_got[i] = got
 
     def _refused(self, i: int, reply: Message, request: Message) -> None:
         """Shard ``i`` answered ``request`` with an error: re-admission, frames instead of a

@@ -43,6 +43,7 @@ from asyncsgd.wire.security import ClientKeys
 from asyncsgd.wire.transport import is_local, parse_endpoint
 
 from .client import PSClient, ServerFinished, ServerUnavailable
+from .tables import BatchTables, check_ids
 
 log = logging.getLogger(__name__)
 # --data-dispatch dynamic: seconds between asks for rows while others still hold the last
@@ -159,7 +160,11 @@ def run_worker(cfg: WorkerConfig, seen: Optional[list] = None,
     # one); the hello's data signature lets the server refuse a worker whose data differ.
     task = task_of(cfg)
     model = task.build_model(0)
-    layout = Layout.of(model)
+    layout = Layout.of(model, task.served_tables(model, cfg.embeddings))
+    tables = None
+    if layout.tables:
+        check_tables(cfg, auto or steps > 1)
+        tables = BatchTables(model, layout)  # frees the tables: the worker holds batches' rows
     client = PSClient(cfg.server, f"{socket.gethostname()}-r{rank}", layout.signature(),
                       rank=rank, world=world, heartbeat=cfg.heartbeat,
                       server_timeout=cfg.server_timeout, curve=keys, transport=cfg.transport,
@@ -171,7 +176,7 @@ def run_worker(cfg: WorkerConfig, seen: Optional[list] = None,
         client.versions = [int(v) for v in seen]
     set_threads(cfg, world, is_local(client.host), len(client.shards))
     part = partition_indices(len(task.train), world, rank, PS_PARTITION_SEED)
-    loop = _Loop(cfg, task, model, layout, client, part, rank, pacing)
+    loop = _Loop(cfg, task, model, layout, client, part, rank, pacing, tables)
     if pacing.active:
         log.info("worker %d: stragglers: %s", rank, pacing.describe())
     try:
@@ -197,13 +202,36 @@ def run_worker(cfg: WorkerConfig, seen: Optional[list] = None,
         client.close()
 
 
+def check_tables(cfg: WorkerConfig, local_steps: bool) -> None:
+    """Refuse, in one line each, what a worker cannot do with tables served row by row."""
+    fix = "or serve the tables whole with --embeddings dense (server and workers)"
+    if local_steps or cfg.push_every > 1:
+        raise ConfigError("--local-steps and --push-every take local steps on parameters "
+                          "this worker holds, but it holds only each batch's rows of the "
+                          f"task's embedding tables: drop them, {fix}")
+    if cfg.amp == "fp16":
+        raise ConfigError(f"--amp fp16 scales gradients the tables' rows are pushed without "
+                          f"(their local weights change every step): use --amp bf16, {fix}")
+    if cfg.transport == "shared":
+        raise ConfigError("--transport shared: the tables' rows travel in frames, not in a "
+                          f"shared area; use --transport tcp or auto, {fix}")
+
+
 class _Loop:
     """The training loop of one worker and its counters."""
 
     def __init__(self, cfg: WorkerConfig, task, model, layout: Layout, client: PSClient,
-                 part: torch.Tensor, rank: int, pacing: Pacing):
+                 part: torch.Tensor, rank: int, pacing: Pacing,
+                 tables: Optional[BatchTables] = None):
         self.cfg, self.task, self.model, self.layout, self.client = cfg, task, model, layout, client
         self.part, self.rank = part, rank
+        # Tables served row by row: each step computes on the rows of its batch, pulled with
+        # the previous push (``ahead``: the next batch's rows index, ids and rows) or, when
+        # the next batch is not known then (--balance batch, --data-dispatch dynamic), by a
+        # pull of their own before the step
+        self.tables = tables
+        self.ahead: Optional[tuple] = None
+        self._upcoming: Optional[Callable[[], Optional[torch.Tensor]]] = None
         self.device = torch.device(cfg.device)
         self.pacer = Pacer(pacing, rank, cfg.seed,
                            torch.cuda.synchronize if self.device.type == "cuda" else None)
@@ -279,16 +307,25 @@ class _Loop:
         if self.client.plan is not None:
             return self._run_dispatched()
         per_epoch = -(-len(self.part) // self.step_rows)
-        order, ordered = None, None  # the batches of epoch ``ordered``
-        while self.position < per_epoch * self.epochs:
-            epoch, batch = divmod(self.position, per_epoch)
-            if ordered != epoch:
-                order, ordered = epoch_order(self.part, self.cfg.seed, self.rank, epoch), epoch
+        self._order = (None, None)  # the batches of epoch ``ordered``: (ordered, order)
+        last = per_epoch * self.epochs
+        # the next batch, known before this one is pushed: its rows come with the push
+        self._upcoming = lambda: self._batch_at(self.position, per_epoch) \
+            if self.position < last else None
+        while self.position < last:
             if self.out_of_time():
                 return self._finish()
+            index = self._batch_at(self.position, per_epoch)
             self.position += 1
-            self._step(order[batch * self.step_rows:(batch + 1) * self.step_rows])
+            self._step(index)
         return self._finish()
+
+    def _batch_at(self, position: int, per_epoch: int) -> torch.Tensor:
+        """The rows of the batch at ``position`` (epoch by epoch, each in its own order)."""
+        epoch, batch = divmod(position, per_epoch)
+        if self._order[0] != epoch:
+            self._order = (epoch, epoch_order(self.part, self.cfg.seed, self.rank, epoch))
+        return self._order[1][batch * self.step_rows:(batch + 1) * self.step_rows]
 
     def _run_balanced(self) -> WorkerResult:
         """--balance batch on the server: each step's rows are this worker's slice of the
@@ -367,7 +404,11 @@ class _Loop:
         self.pacer.begin()
         grads = self.flat_grads if self.gpu_grads is None else self.gpu_grads
         grads.zero_()
+        if self.tables is not None:
+            self.tables.begin(*self._rows_for(index), self.device)
         loss = accumulate(index, self.cfg.accumulate, self._loss, self.precision.backward)
+        if self.tables is not None:
+            self.tables.settle()  # dense row gradients: clipped with the others
         overflowed = self.precision.overflowed(self.unscaler, grads)
         if self.clip is not None and not overflowed:  # on the worker, before compression
             self.clip(self.model.parameters())
@@ -398,6 +439,30 @@ class _Loop:
                 return
         self._push()
 
+    def _ids_of(self, index: torch.Tensor) -> list:
+        """Per table, the unique ids the rows ``index`` look up (from the inputs on the CPU
+        when the model says which, else on its device for the probe's forward)."""
+        inputs = self.task.train.rows(index)[0]
+        if not callable(getattr(self.model, "embedding_inputs", None)):
+            inputs = tuple(t.to(self.device) for t in inputs)
+        ids = self.tables.ids_of(inputs)
+        check_ids(ids, self.layout, self.client.hashed)
+        return ids
+
+    def _rows_for(self, index: torch.Tensor) -> tuple:
+        """(ids, rows) of the batch ``index``: those the previous push brought back, or
+        pulled now (with the dense parameters) when it could not know this batch."""
+        if self.ahead is not None and torch.equal(self.ahead[0], index):
+            _, ids, rows = self.ahead
+            self.ahead = None
+            return ids, rows
+        ids = self._ids_of(index)
+        rows = self.client.push_pull(None, self.flat_params, want=ids)
+        # the dense parameters into the model; not _pulled: under sync this pull is no new
+        # round, and _follow_rounds would send the worker back to the batch it is on
+        self._load()
+        return ids, rows
+
     def _loss(self, index: torch.Tensor) -> torch.Tensor:
         """The mean loss on rows ``index`` (one micro-batch), under autocast."""
         inputs, targets = self.task.train.rows(index)
@@ -414,7 +479,14 @@ class _Loop:
             grads = self.anchor.sub_(self.flat_params)
         else:
             grads = self.accum if self.accum is not None else self.flat_grads
-        self.client.push_pull(grads, self.flat_params, meta, compute=self.computed)
+        if self.tables is None:
+            self.client.push_pull(grads, self.flat_params, meta, compute=self.computed)
+        else:
+            upcoming = self._upcoming() if self._upcoming is not None else None
+            want = self._ids_of(upcoming) if upcoming is not None else None
+            rows = self.client.push_pull(grads, self.flat_params, meta, compute=self.computed,
+                                         rows=self.tables.gradients(), want=want)
+            self.ahead = (upcoming, want, rows) if want is not None else None
         self.computed, self.local_done = 0.0, 0
         if self.auto and self.client.local_steps:
             self.H = self.client.local_steps
@@ -432,6 +504,11 @@ class _Loop:
             note = f"batch {self.client.batch[0]}" + (f", {note}" if note else "")
         if self.auto:
             note = "; ".join(filter(None, (f"local steps {self.H} (auto)", note)))
+        if self.tables is not None and self.steps:
+            stats = self.client.stats
+            note = "; ".join(filter(None, (f"rows/step {stats['rows_pulled'] / self.steps:.0f} "
+                                           f"pulled, {stats['rows_pushed'] / self.steps:.0f} "
+                                           "pushed", note)))
         self.progress.note(note)
         self.progress.update(elapsed, self.samples, self.samples / max(1e-9, elapsed), force=force)
 

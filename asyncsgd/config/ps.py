@@ -92,8 +92,39 @@ EMBEDDINGS = knob(
     "must agree: the handshake refuses a worker that lays the tables out otherwise.",
     type=click.Choice(["sparse", "dense"]))
 
+# Row-sparse tables on the shards (--embeddings sparse): ids, memory and their update rule
+ID_SPACE = knob(
+    "id_space", str, "fixed",
+    "The ids of the tables served by row: fixed, ids 0 to rows - 1 of the model's tables, "
+    "which start from the model's own rows; hashed, any int64 id (a user feeds raw ids), a "
+    "row created on first touch from a seed, held by shard hash(id) % shards.",
+    type=click.Choice(["fixed", "hashed"]))
+EVICT = knob(
+    "evict", str, "none",
+    "Bound the memory of hashed tables (needs --id-space hashed): ttl:SECONDS drops rows "
+    "untouched for that long, lfu:ROWS keeps at most ROWS rows per table and shard, evicting "
+    "the least used; evictions are counted, an evicted row comes back fresh. E.g. ttl:600.",
+    metavar="none|ttl:SECONDS|lfu:ROWS")
+TABLE_OPTIMIZER = knob(
+    "table_optimizer", str, "auto",
+    "Update rule of the tables served by row, on the rows a push names: auto is the "
+    "counterpart of --optimizer (sgd, momentum, nesterov and delayed-nesterov: sgd, whose "
+    "rows keep no momentum; adagrad: adagrad; adam: lazy-adam, whose moments decay only in "
+    "the rows pushed); rowwise-adagrad is the embedding standard (TorchRec's: one "
+    "accumulator per row).",
+    type=click.Choice(["auto", "sgd", "adagrad", "rowwise-adagrad", "lazy-adam"]))
+
+TABLE_LR = knob(
+    "table_lr", Optional[float], None,
+    "Learning rate of the tables' rule (--table-optimizer), scheduled as --lr is: "
+    "adagrad-like rules take steps near lr per coordinate from the first push, so they want "
+    "one far below SGD's (ctr: SGD 0.5 on the dense part, rowwise-adagrad 0.02 on the "
+    "tables, TorchRec's best of 0.02-0.2 in experiments/README.md).",
+    type=click.FloatRange(min=0, min_open=True), show="--lr")
+
 ServerConfig = settings(
     "ServerConfig", "ps", "Settings of ``asyncsgd ps-server``.", BIND, SHARDS, EMBEDDINGS,
+    ID_SPACE, EVICT, TABLE_OPTIMIZER, TABLE_LR,
     knob("optimizer", str, "sgd",
          "Update rule each shard applies to its slice. For workers' --local-steps "
          "pseudo-gradients: nesterov (DiLoCo's outer optimizer with --consistency sync: --lr "
@@ -108,8 +139,12 @@ ServerConfig = settings(
     WEIGHT_DECAY,
     knob("consistency", Consistency, Consistency("async"),
          "async (apply every push on arrival), ssp:K (no worker more than K clocks ahead of "
-         "the slowest live one) or sync (mean of one push per live worker).",
-         type=ValueType(Consistency, "async|ssp:K|sync"), metavar="async|ssp:K|sync"),
+         "the slowest live one) or sync (mean of one push per live worker). With tables "
+         "served by row (--embeddings sparse) it governs the dense part only, hence its "
+         "other name --dense: rows apply on arrival whatever it says, so --dense sync is "
+         "Persia's hybrid (sparse asynchronous, dense synchronous).",
+         type=ValueType(Consistency, "async|ssp:K|sync"), metavar="async|ssp:K|sync",
+         aliases=("--dense",)),
     WORKERS,
     knob("sync_reduce", str, "mean", "How sync combines a round's pushes.",
          type=click.Choice(["mean", "sum"])),

@@ -127,34 +127,93 @@ def sequence_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     raise ValueError(f"reduction {reduction!r}: use 'mean' or 'sum'")
 
 
-class DLRM(nn.Module):
-    """A DLRM-like click model: one embedding table per categorical feature, a bottom MLP
-    for the dense features, the dot products of every pair of their vectors, a top MLP and
-    one logit.
+class DLRMDense(nn.Module):
+    """DLRM's dense part: a bottom MLP for the dense features, the dot products of every
+    pair of its vector and the features' embedding vectors, a top MLP and one logit.
 
-    The tables have ``sparse=True``: a step's gradient holds only the rows its batch
-    touched. ``rows`` x ``dim`` x ``tables`` float32s in all: 10^7 x 16 x 26 is 16 GB.
-    """
+    What a baseline trains beside tables held elsewhere (an RPC parameter server, TorchRec):
+    ``forward(dense, vectors)`` takes the looked-up vectors, ``[n, features, dim]``."""
 
-    def __init__(self, rows: int, tables: int = 26, dense: int = 13, dim: int = 16,
+    def __init__(self, features: int = 26, dense: int = 13, dim: int = 16,
                  bottom: tuple = (64,), top: tuple = (64,)):
         super().__init__()
-        self.tables = nn.ModuleList(nn.Embedding(rows, dim, sparse=True)
-                                    for _ in range(tables))
-        for table in self.tables:
-            nn.init.normal_(table.weight, std=0.1)
+        self._dense_part(features, dense, dim, bottom, top)
+
+    def _dense_part(self, features: int, dense: int, dim: int, bottom: tuple, top: tuple):
         self.bottom = MLP((dense, *bottom, dim))
-        vectors = tables + 1
+        vectors = features + 1
         self.top = MLP((dim + vectors * (vectors - 1) // 2, *top, 1))
         pairs = torch.triu_indices(vectors, vectors, offset=1)
         self.register_buffer("pairs", pairs, persistent=False)
 
-    def forward(self, dense: torch.Tensor, categorical: torch.Tensor) -> torch.Tensor:
+    def forward(self, dense: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.bottom(dense))
-        vectors = torch.stack([x, *(t(categorical[:, i]) for i, t in enumerate(self.tables))],
-                              dim=1)                                  # [n, tables + 1, dim]
+        vectors = torch.cat([x.unsqueeze(1), vectors], dim=1)         # [n, features + 1, dim]
         dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
         return self.top(torch.cat([x, dots], dim=1)).squeeze(1)
+
+
+class DLRM(DLRMDense):
+    """A DLRM-like click model: embedding tables for the categorical features and
+    ``DLRMDense`` (bottom MLP, pairwise dot products, top MLP, one logit).
+
+    ``tables`` (1..``features``, default one per feature): feature ``f`` looks up table
+    ``f % tables`` at row ``(f // tables) * rows + id``, so the features sharing a table
+    each own a block of ``rows`` rows and never collide; table ``t`` holds ``rows`` times
+    the number of its features. ``tables=1`` is one table of ``rows * features`` rows (the
+    layout of one huge table sharded by row); the default builds, row for row and from the
+    same seed, the model of one table per feature. The tables have ``sparse=True``: a
+    step's gradient holds only the rows its batch touched. ``rows`` x ``dim`` x
+    ``features`` float32s in all: 10^7 x 16 x 26 is 16 GB.
+    """
+
+    def __init__(self, rows: int, features: int = 26, dense: int = 13, dim: int = 16,
+                 bottom: tuple = (64,), top: tuple = (64,), tables: int = None):
+        nn.Module.__init__(self)   # the tables first: the seed draws them before the MLPs
+        tables = features if tables is None else tables
+        if not 1 <= tables <= features:
+            raise ValueError(f"tables={tables}: give 1 to {features} (one per feature)")
+        self.rows = rows
+        # the features of each table, in the order their ids are concatenated for its lookup
+        self.features_of = [list(range(t, features, tables)) for t in range(tables)]
+        self.tables = nn.ModuleList(nn.Embedding(rows * len(mine), dim, sparse=True)
+                                    for mine in self.features_of)
+        for table in self.tables:
+            nn.init.normal_(table.weight, std=0.1)
+        self._dense_part(features, dense, dim, bottom, top)
+        # the feature order of the looked-up vectors, tables' features concatenated
+        order = torch.tensor([f for mine in self.features_of for f in mine])
+        self.register_buffer("unorder", torch.argsort(order), persistent=False)
+
+    def embedding_inputs(self, dense: torch.Tensor, categorical: torch.Tensor) -> list:
+        """Per table, in ``self.tables`` order, the int64 row ids the forward looks up: its
+        features' columns of ``categorical``, each moved to its feature's block of rows,
+        concatenated feature after feature (``len(features_of[t]) * n`` ids). What a worker
+        needs to know before the forward: the rows of a batch."""
+        rows = self.rows
+        return [categorical[:, mine[0]] if len(mine) == 1 else
+                torch.cat([categorical[:, f] + slot * rows for slot, f in enumerate(mine)])
+                for mine in self.features_of]
+
+    def forward(self, dense: torch.Tensor, categorical: torch.Tensor) -> torch.Tensor:
+        n = len(categorical)
+        looked_up = [table(ids).view(-1, n, table.embedding_dim) for table, ids in
+                     zip(self.tables, self.embedding_inputs(dense, categorical))]
+        vectors = torch.cat(looked_up)[self.unorder].transpose(0, 1)   # [n, features, dim]
+        return super().forward(dense, vectors)
+
+
+def lookup_ids(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The ids an ``nn.Embedding``/``nn.EmbeddingBag`` forward (pre-hook ``args``,
+    ``kwargs``) looks up."""
+    return args[0] if args else kwargs["input"]
+
+
+def with_lookup_ids(args: tuple, kwargs: dict, ids: torch.Tensor) -> tuple:
+    """A forward pre-hook's ``(args, kwargs)`` with the ids looked up replaced by ``ids``."""
+    if args:
+        return (ids, *args[1:]), kwargs
+    return args, {**kwargs, "input": ids}
 
 
 def embedding_tables(model: nn.Module) -> list:

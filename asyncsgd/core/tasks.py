@@ -288,17 +288,25 @@ def lm(samples: Optional[int] = None, layers: int = 4, width: int = 128,
               "entropy_floor_perplexity": round(corpus.floor_perplexity, 3)})
 
 
-def ctr(samples: Optional[int] = None, rows: int = 10_000) -> Task:
+def ctr(samples: Optional[int] = None, rows: int = 10_000, tables: int = 26) -> Task:
     """Synthetic Criteo-like clicks, DLRM-like model, metric AUC; lr 0.5, batch 32.
 
     ``rows``: raw ids per categorical feature, the size of each of the 26 tables of 16
     floats (default 10,000: 4.2 M parameters, trained in seconds; Criteo-sized 10^7 rows
     are 16 GB of tables, the size only a sparse parameter server holds). Labels come from a
     fixed random teacher whose own test AUC (``info["auc_ceiling"]``) no model passes; the
-    data do not change with --seed, as for mnist1d. Every eval's loss is the log loss."""
+    data do not change with --seed, as for mnist1d. Every eval's loss is the log loss.
+
+    ``tables``: how many tables the 26 features share (feature ``f`` looks up table
+    ``f % tables`` in its own block of ``rows`` rows, ``models.DLRM``); ``tables=1`` is one
+    table of ``26 * rows`` rows, e.g. ``ctr:rows=384616,tables=1``: 10^7 rows x 16, 640 MB."""
     if not isinstance(rows, int) or not 1 <= rows <= ctr_data.MAX_ROWS:
         raise TaskError(f"ctr:rows={rows}: give a whole number of ids per feature between 1 "
                         f"and {ctr_data.MAX_ROWS}, e.g. ctr:rows=100000")
+    if not isinstance(tables, int) or not 1 <= tables <= ctr_data.CATEGORICAL:
+        raise TaskError(f"ctr:tables={tables}: give a whole number of embedding tables between "
+                        f"1 (one table for every feature) and {ctr_data.CATEGORICAL} (one per "
+                        "feature), e.g. ctr:tables=1")
     n = samples or 30_000
     teacher = ctr_data.Teacher(rows, CTR_DATA_SEED)
     split = int(0.9 * n)
@@ -310,16 +318,19 @@ def ctr(samples: Optional[int] = None, rows: int = 10_000) -> Task:
         return Split((torch.from_numpy(part.dense), torch.from_numpy(part.categorical)),
                      torch.from_numpy(part.labels))
 
-    model_fn = functools.partial(models.DLRM, rows, ctr_data.CATEGORICAL, ctr_data.DENSE)
-    params = sum(p.numel() for p in model_fn().parameters())
+    model_fn = functools.partial(models.DLRM, rows, ctr_data.CATEGORICAL, ctr_data.DENSE,
+                                 tables=tables)
+    with torch.device("meta"):   # counted without their memory: 10^7-row tables are GBs
+        params = sum(p.numel() for p in model_fn().parameters())
     return Task(
         name="ctr", model_fn=model_fn, train=as_split(train), test=as_split(test),
         loss_fn=models.binary_logloss, lr=CTR_LR, batch_size=32, metric=AUC, tables="auto",
         default_target=round(0.85 * ceiling, 2),   # reached within one epoch of the default
         description=f"synthetic Criteo-like clicks, 13 dense and 26 categorical features of "
-                    f"{rows:,} Zipf(1.1) ids; DLRM-like model, {params:,} parameters "
+                    f"{rows:,} Zipf(1.1) ids; DLRM-like model, {tables} embedding "
+                    f"table{'s' * (tables > 1)}, {params:,} parameters "
                     f"(teacher's AUC {ceiling:.3f})",
-        info={"samples": n, "rows": rows, "parameters": params,
+        info={"samples": n, "rows": rows, "tables": tables, "parameters": params,
               "auc_ceiling": round(ceiling, 4)})
 
 

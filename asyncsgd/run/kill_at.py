@@ -17,12 +17,14 @@ VARIABLE = "ASYNCSGD_TESTING_ONLY_KILL_AT"
 # acknowledgement waits unread in the socket; the acknowledgement was handled
 BEFORE_PUSH, BETWEEN_PARTS = "before-push", "between-parts"
 AFTER_APPLY_BEFORE_ACK, AFTER_ACK = "after-apply-before-ack", "after-ack"
-# shard: around the write of a periodic checkpoint that holds updates (version > 0);
+# shard: around the write of a periodic checkpoint that holds updates (version > 0); a
+# push applied (the version moved), its acknowledgement not yet sent;
 # front: a session token made, the welcome that holds it not yet sent
 BEFORE_CHECKPOINT, AFTER_CHECKPOINT = "before-checkpoint", "after-checkpoint"
+APPLIED_UNACKED = "applied-unacked"
 WHILE_WELCOMING = "while-welcoming"
 PHASES = (BEFORE_PUSH, BETWEEN_PARTS, AFTER_APPLY_BEFORE_ACK, AFTER_ACK, BEFORE_CHECKPOINT,
-          AFTER_CHECKPOINT, WHILE_WELCOMING)
+          AFTER_CHECKPOINT, APPLIED_UNACKED, WHILE_WELCOMING)
 
 
 def parse(text: str) -> dict:

@@ -42,6 +42,7 @@ class Key:
     CONSISTENCY, HEARTBEAT_TIMEOUT, TOTAL, TASK, INSTANCE, TOKEN = (
         "consistency", "heartbeat_timeout", "total", "task", "instance", "token")
     EPOCHS = "epochs"  # the server's --epochs: a worker not given its own takes them
+    ID_SPACE = "id_space"  # tables served by row: fixed or hashed, how a worker routes ids
     # pull (and a push that pulls): PULL_DTYPE, the dtype the parameters travel in
     OBSERVER, PULL_DTYPE = "observer", "pull_dtype"
     # params (and PART, PARTS of a message sent in parts)
@@ -419,9 +420,11 @@ def _message(header: dict, frames: Sequence[Any], areas: Optional[Callable],
         seg = _segment(desc, _buffer(frame))
         if kind != PUSH and type(seg.data) is Packed:
             raise ProtocolError(Code.BAD_DTYPE, "packed segments travel in pushes only")
-        if type(seg.data) is Rows and kind not in _ROWS_IN[bool(seg.data.dim)]:
+        if type(seg.data) is Rows and kind not in _ROWS_IN[bool(seg.data.dim)] and not (
+                kind == PUSH and meta.get(Key.PULL) is True):
             raise ProtocolError(Code.BAD_DTYPE, "rows travel in pushes and params, ids in "
-                                                f"pulls, not {desc[1]!r} in a {kind}")
+                                                "pulls and pushes that pull, not "
+                                                f"{desc[1]!r} in a {kind}")
         segments.append(seg)
     return Message(kind, worker, incarnation, seq, clock, shard, meta, segments, token)
 
@@ -517,7 +520,8 @@ def _packed_segment(desc: list, buf: memoryview) -> Segment:
     return Segment(offset, Packed(fmt, numel, param, torch.frombuffer(buf, dtype=torch.uint8)))
 
 
-_ROWS_IN = {True: (PUSH, PARAMS), False: (PULL,)}  # rows with values; ids alone
+# rows with values; ids alone (and in a push with m.pull true: the rows it asks back)
+_ROWS_IN = {True: (PUSH, PARAMS), False: (PULL,)}
 
 
 def _rows_segment(desc: list, buf: memoryview) -> Segment:

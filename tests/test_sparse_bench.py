@@ -1,0 +1,38 @@
+"""experiments/sparse_ps.py runs: its ddp_rpc baseline (an RPC parameter server holding the
+ctr table, two DDP trainers) trains one short epoch as real processes and reports its figures."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
+
+pytestmark = pytest.mark.processes
+
+
+def test_the_ddp_rpc_baseline_trains_and_reports(tmp_path, cli_env):
+    out = tmp_path / "rows.json"
+    # 4 processes forked from one fork server: 8 to 15 s on the 2-core machine
+    res = subprocess.run([sys.executable, str(EXPERIMENTS / "sparse_ps.py"), "--quick",
+                          "--only", "ddp_rpc", "--json", str(out)],
+                         env=cli_env, capture_output=True, text=True, timeout=120,
+                         stdin=subprocess.DEVNULL, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["baseline"] == "ddp_rpc" and row["task"] == "ctr:rows=100,tables=1"
+    assert math.isfinite(row["samples_per_second"]) and row["samples_per_second"] > 0
+    assert 0.5 < row["final_auc"] <= 1, row["evals"]
+    # one epoch of 5,400 training samples, 32 a trainer's step: 84 steps each
+    assert row["samples"] == 2 * 32 * (5400 // 2 // 32)
+    assert set(row["rss"]) == {"ps", "master", "trainer0", "trainer1"}
+    assert all(v > 0 for v in row["rss"].values())
+    # ids and offsets (int64), vectors and their gradient (float32), the dense all-reduce
+    assert row["bytes_detail"]["vectors"] == 32 * 26 * 16 * 4
+    assert row["bytes_per_step"] == sum(row["bytes_detail"].values())
+    assert "| ddp_rpc |" in res.stdout
