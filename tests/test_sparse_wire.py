@@ -16,7 +16,8 @@ from asyncsgd.wire.compression import pack_int8, pack_topk
 from asyncsgd.core.models import embedding_tables
 from asyncsgd.wire.layout import (Layout, TableSpec, holds, shard_rows,
                                   signature_mismatch)
-from asyncsgd.wire.protocol import (MAX_SEGMENT_ROWS, MAX_SEGMENT_VALUES, PARAMS, PULL, PUSH,
+from asyncsgd.wire.protocol import (FRAME_BYTES, MAX_SEGMENT_ROWS, MAX_SEGMENT_VALUES, PARAMS,
+                                    PULL, PUSH,
                                     VERSION, Message, ProtocolError, Rows, Segment, decode,
                                     encode, in_parts)
 from asyncsgd.wire.sparse import (MAX_MESSAGE_VALUES, apart, check_rows, ids_segment,
@@ -349,3 +350,82 @@ def test_the_signature_names_the_tables_and_is_unchanged_without():
     assert "tables" in signature_mismatch(plain, apart_)
     with pytest.raises(ConfigError, match="'bottom.bias' is not a 2-D parameter"):
         Layout.of(model, ["bottom.bias"])
+
+
+# ---- joined frames (PROTOCOL.md, Joined frames) ---------------------------------------------
+
+def _step_push(tables=26, per=25, dim=16):
+    """A ctr-like push that pulls: a dense gradient, each table's rows, each table's ids."""
+    g = torch.Generator().manual_seed(5)
+    rows = [rows_segment(t, torch.randperm(1000, generator=g)[:per], torch.randn(per, dim))
+            for t in range(tables)]
+    ids = [ids_segment(t, torch.randperm(1000, generator=g)[:per]) for t in range(tables)]
+    return Message(type=PUSH, worker="w", seq=1, shard=0, token="k", meta={"pull": True},
+                   segments=[Segment(0, torch.arange(8, dtype=torch.float32)), *rows, *ids])
+
+
+def test_consecutive_row_segments_travel_in_one_frame_and_come_back_each_bit_for_bit():
+    msg = _step_push()
+    frames = _frames(msg)
+    header = msgpack.unpackb(frames[0])
+    assert header["j"] == [1, 52] and len(frames) == 3  # header, dense, the 52 joined
+    assert len(frames[2]) == sum(seg.data.nbytes for seg in msg.segments[1:])
+    back = decode(frames)
+    assert len(back.segments) == 53
+    for sent, got in zip(msg.segments[1:], back.segments[1:]):
+        assert (got.data.table, got.data.n, got.data.dim) == (sent.data.table, sent.data.n,
+                                                               sent.data.dim)
+        assert _bits(got.data.payload) == _bits(sent.data.payload)
+
+
+def test_a_dense_message_or_a_lone_rows_segment_has_no_j():
+    dense = Message(type=PUSH, worker="w", seq=1, shard=0, token="k",
+                    segments=[Segment(0, torch.ones(4)), Segment(4, torch.ones(4))])
+    assert "j" not in msgpack.unpackb(_frames(dense)[0])
+    one = Message(type=PUSH, worker="w", seq=1, shard=0, token="k",
+                  segments=[Segment(0, torch.ones(4)), rows_segment(0, torch.tensor([1]),
+                                                                    torch.ones(1, 4))])
+    assert "j" not in msgpack.unpackb(_frames(one)[0])
+
+
+def test_joined_frames_stay_within_the_frame_bound():
+    n = 60_000  # 60,000 x 16 float32 + ids: 4.3 MB, alone above the bound: a frame each
+    segs = [rows_segment(t, torch.arange(n), torch.zeros(n, 16)) for t in range(2)]
+    segs += [rows_segment(2 + t, torch.arange(1000), torch.zeros(1000, 16)) for t in range(70)]
+    msg = Message(type=PUSH, worker="w", seq=1, shard=0, token="k", segments=segs)
+    frames = _frames(msg)
+    joins = msgpack.unpackb(frames[0])["j"]
+    assert sum(joins) == 72 and joins[:2] == [1, 1] and len(joins) > 3
+    assert all(len(f) <= FRAME_BYTES for f, k in zip(frames[1:], joins) if k > 1)
+    assert len(decode(frames).segments) == 72
+
+
+def _with_header(frames, **change):
+    header = msgpack.unpackb(frames[0])
+    header.update(change)
+    return [msgpack.packb(header), *frames[1:]]
+
+
+@pytest.mark.parametrize("joins, code", [
+    ("52", "bad-field"), ([1, 0, 52], "bad-field"), ([1], "bad-field"), ([1, 51], "frame-count"),
+    ([1, 53], "frame-count"), ([1.0, 52], "bad-field"), ([2, 51], "bad-descriptor")])
+def test_a_lying_j_is_refused_with_its_code(joins, code):
+    with pytest.raises(ProtocolError) as err:
+        decode(_with_header(_frames(_step_push()), j=joins))
+    assert err.value.code == code
+
+
+@pytest.mark.parametrize("cut", [-1, 1])
+def test_a_joined_frame_of_another_length_than_its_segments_is_a_length_mismatch(cut):
+    frames = _frames(_step_push())
+    frames[2] = frames[2][:cut] if cut < 0 else frames[2] + b"\0"
+    with pytest.raises(ProtocolError) as err:
+        decode(frames)
+    assert err.value.code == "length-mismatch"
+
+
+def test_j_beside_a_shared_area_is_a_frame_count():
+    frames = _frames(_step_push())
+    with pytest.raises(ProtocolError) as err:
+        decode(_with_header(frames[:1], x=5, j=[]))
+    assert err.value.code == "frame-count"

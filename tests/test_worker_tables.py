@@ -16,7 +16,7 @@ from asyncsgd.core.models import DLRM, binary_logloss, embedding_tables
 from asyncsgd.core.sparse_ids import hash_id
 from asyncsgd.errors import ConfigError
 from asyncsgd.wire.layout import Layout
-from asyncsgd.workers.tables import BatchTables, check_ids, route
+from asyncsgd.workers.tables import BatchTables, check_ids, route, unique_per_table
 
 ROWS = 60
 
@@ -295,3 +295,17 @@ def test_a_table_a_batch_does_not_touch_pushes_nothing():
     (ids_a, grad_a), (ids_b, grad_b) = tables.gradients()
     assert ids_a.tolist() == [1, 3] and grad_a.tolist() == [[1.0] * 3, [2.0] * 3]
     assert ids_b.numel() == 0 and grad_b.shape == (0, 3)
+
+
+def test_unique_per_table_equals_torch_unique_of_each_table():
+    """One sort of every table's ids gives each table's own sorted unique ids: the same id in
+    two tables stays in both, empty tables stay empty, any int64 (hashed ids) sorts right."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(50):
+        tables = int(torch.randint(1, 6, (1,), generator=g))
+        ids = [torch.randint(-2**62, 2**62, (int(torch.randint(0, 40, (1,), generator=g)),),
+                             generator=g) % (7 if trial % 2 else 2**62) for _ in range(tables)]
+        got = unique_per_table(ids)
+        assert len(got) == tables
+        for mine, want in zip(got, (torch.unique(t, sorted=True) for t in ids)):
+            assert torch.equal(mine, want)

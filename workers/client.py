@@ -424,18 +424,20 @@ class PSClient:
         values = 0
         # (the values of all shards' messages together: at least each one's)
         for t, (ids, grad) in enumerate(rows or ()):
-            for i, at in enumerate(route(ids, shards, self.hashed)):
-                if len(at):
-                    out[i] += split_rows(t, ids[at], grad[at], self.rows_dtype)
+            for i, at in self._routed(ids):
+                out[i] += split_rows(t, ids, grad, self.rows_dtype) if at is None else \
+                    split_rows(t, ids[at], grad[at], self.rows_dtype)
             self.stats["rows_pushed"] += len(ids)
             values += len(ids) * self.tables[t].dim
         for t, ids in enumerate(want or ()):
-            for i, at in enumerate(route(ids, shards, self.hashed)):
+            for i, at in self._routed(ids):
                 step = 0
-                for seg in split_rows(t, ids[at]):
+                for seg in split_rows(t, ids if at is None else ids[at]):
                     out[i].append(seg)
-                    self._asked[i].append((t, at[step:step + seg.data.n]))
-                    step += seg.data.n
+                    n = seg.data.n
+                    self._asked[i].append((t, slice(step, step + n) if at is None
+                                           else at[step:step + n]))
+                    step += n
             values += len(ids) * self.tables[t].dim
         if values > MAX_MESSAGE_VALUES:  # a shard refuses more (PROTOCOL.md): say why here
             raise ValueError(f"one step moves {values} row values, above the "
@@ -443,17 +445,34 @@ class PSClient:
                              "--batch-size")
         return out
 
+    def _routed(self, ids: torch.Tensor) -> list:
+        """``[(shard, positions in ids)]`` of the shards holding some of ``ids``; positions
+        None: all of them, in order (one shard: no routing to pay per table)."""
+        if len(self.ranges) == 1:
+            return [(0, None)] if len(ids) else []
+        return [(i, at) for i, at in enumerate(route(ids, len(self.ranges), self.hashed))
+                if len(at)]
+
     def _rows_pulled(self, want: Optional[list]) -> Optional[list]:
-        """The rows the shards sent back, each put where its id was asked in ``want``."""
+        """The rows the shards sent back, each put where its id was asked in ``want``: a
+        table's rows that came back whole in one float32 segment are that segment's frame,
+        not a copy (the step only reads them)."""
         if want is None:
             return None
-        out = [torch.empty(len(ids), self.tables[t].dim) for t, ids in enumerate(want)]
+        out: list = [None] * len(want)
         for i, asked in self._asked.items():
             for (t, at), seg in zip(asked, self._rows_got.get(i, [])):
-                out[t][at] = widened(seg)[2]
-                self.stats["rows_pulled"] += len(at)
+                values = widened(seg)[2]
+                if isinstance(at, slice) and at.start == 0 and at.stop == len(want[t]):
+                    out[t] = values
+                else:
+                    if out[t] is None:
+                        out[t] = torch.empty(len(want[t]), self.tables[t].dim)
+                    out[t][at] = values
+                self.stats["rows_pulled"] += len(values)
         self._rows_got = {}
-        return out
+        return [torch.empty(len(ids), self.tables[t].dim) if rows is None else rows
+                for t, (ids, rows) in enumerate(zip(want, out))]
 
     def _replies_arrive(self, outstanding: dict) -> None:
         """Wait (for a test's fault) until every shard's reply to ``outstanding`` has

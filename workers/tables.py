@@ -67,11 +67,8 @@ class BatchTables:
         if len(looked) != len(self.specs):
             raise ConfigError(f"{type(self.model).__name__}.embedding_inputs gave ids for "
                               f"{len(looked)} tables; the model serves {len(self.specs)}")
-        out = []
-        for spec, ids in zip(self.specs, looked):
-            ids = torch.unique(ids.detach().reshape(-1).to("cpu", torch.int64), sorted=True)
-            out.append(ids)
-        return out
+        return unique_per_table([ids.detach().reshape(-1).to("cpu", torch.int64)
+                                 for ids in looked])
 
     def _probe(self, inputs: Sequence[torch.Tensor]) -> list:
         """Every served module's input ids over one forward of ``inputs``, in eval mode (no
@@ -187,6 +184,23 @@ def _check_module(name: str, module: nn.Module) -> None:
                           f"row by row it must be one of {', '.join(BAG_MODES)}")
 
 
+def unique_per_table(ids: Sequence[torch.Tensor]) -> list:
+    """Per table, its unique ``ids`` sorted: one sort of all tables' ids by (table, id)
+    rather than a torch.unique per table (26 of them a step for ctr)."""
+    if len(ids) < 2:
+        return [torch.unique(one, sorted=True) for one in ids]
+    every = torch.cat(list(ids))
+    table_of = torch.repeat_interleave(torch.arange(len(ids)),
+                                       torch.tensor([len(one) for one in ids]))
+    by_id = torch.argsort(every, stable=True)
+    order = by_id[torch.argsort(table_of[by_id], stable=True)]
+    every, table_of = every[order], table_of[order]
+    first = torch.ones(len(every), dtype=torch.bool)
+    first[1:] = (every[1:] != every[:-1]) | (table_of[1:] != table_of[:-1])
+    counts = torch.bincount(table_of[first], minlength=len(ids))
+    return list(every[first].split(counts.tolist()))
+
+
 def route(ids: torch.Tensor, shards: int, hashed: bool) -> list:
     """Per shard, the positions in ``ids`` of those it holds (``id % shards``, or
     ``hash_id(id) % shards`` in a hashed id space), in the order of ``ids``."""
@@ -198,6 +212,13 @@ def check_ids(ids: Sequence[torch.Tensor], layout: Layout, hashed: bool) -> None
     """In a fixed id space every id is a row of its table: else one line naming it (the
     shard would refuse the push, and the worker stop with less to go on)."""
     if hashed:
+        return
+    if not ids:
+        return
+    bound = torch.repeat_interleave(torch.tensor([spec.rows for spec in layout.tables]),
+                                    torch.tensor([len(t) for t in ids]))
+    every = torch.cat(list(ids))
+    if not bool(((every < 0) | (every >= bound)).any()):  # one test for all tables
         return
     for spec, table_ids in zip(layout.tables, ids):
         bad = (table_ids < 0) | (table_ids >= spec.rows)

@@ -8,6 +8,7 @@ A message is a msgpack header frame, then one raw frame per tensor segment, neve
 from __future__ import annotations
 
 import math
+from functools import cached_property
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -174,11 +175,13 @@ class Rows:
     dtype: str
     payload: torch.Tensor
 
-    @property
+    # views made once: a shard's check, apply and reply each read them (2-3 us a view, 52
+    # segments a ctr push_pull)
+    @cached_property
     def ids(self) -> torch.Tensor:
         return self.payload[:8 * self.n].view(torch.int64)
 
-    @property
+    @cached_property
     def values(self) -> torch.Tensor:
         return self.payload[8 * self.n:].view(DTYPES[self.dtype]).view(self.n, self.dim)
 
@@ -234,9 +237,43 @@ def encode(msg: Message, local: Optional[tuple] = None) -> list:
                 dest.copy_(seg.data)
         frames = [msgpack.packb(header, use_bin_type=True)]
     else:
-        frames = [msgpack.packb(header, use_bin_type=True)] + [raw for _, raw in wire]
+        tensors, joins = _joined_frames(msg.segments, wire)
+        if len(tensors) < len(wire):
+            header["j"] = joins
+        frames = [msgpack.packb(header, use_bin_type=True)] + tensors
     msg.nbytes = sum(map(len, frames))  # bytes, or uint8 views
     return frames
+
+
+def _joined_frames(segments: list, wire: list) -> tuple:
+    """``(frames, joins)``: one frame per segment, but each run of consecutive row-sparse
+    segments in one frame, back to back (``joins[f]``: the segments frame f holds). A ctr
+    step is 26 tables' rows and ids: 52 frames each way cost a worker and a shard more than
+    the copy into one (PROTOCOL.md, Joined frames)."""
+    frames: list = []
+    joins: list = []
+    run: list = []
+    size = 0
+
+    def close_run():
+        frames.append(_raw(torch.cat(run)) if len(run) > 1 else _raw(run[0]))
+        joins.append(len(run))
+        run.clear()
+
+    for seg, (_, raw) in zip(segments, wire):
+        if type(seg.data) is Rows:
+            if run and size + seg.data.nbytes > FRAME_BYTES:  # frames stay within 4 MiB
+                close_run()
+            size = (size if run else 0) + seg.data.nbytes
+            run.append(seg.data.payload)
+            continue
+        if run:
+            close_run()
+        frames.append(raw)
+        joins.append(1)
+    if run:
+        close_run()
+    return frames, joins
 
 
 def wire_of(seg: Segment) -> tuple:
@@ -395,7 +432,16 @@ def _message(header: dict, frames: Sequence[Any], areas: Optional[Callable],
     if link is not None and len(frames) != 1:
         raise ProtocolError(Code.FRAME_COUNT, "a message whose tensors are in a shared area "
                                               f"('x') has no tensor frames, not {len(frames) - 1}")
-    if link is None and len(descriptors) != len(frames) - 1:
+    joins = get("j")
+    if joins is not None:
+        if not (type(joins) is list and len(joins) == len(frames) - 1 and
+                all(type(k) is int and k >= 1 for k in joins)):
+            raise ProtocolError(Code.BAD_FIELD, "field 'j' must be a list of integers >= 1, "
+                                                "one per tensor frame")
+        if link is not None or sum(joins) != len(descriptors):
+            raise ProtocolError(Code.FRAME_COUNT, f"{len(descriptors)} descriptors but the "
+                                                  f"frames hold {sum(joins)} ('j')")
+    elif link is None and len(descriptors) != len(frames) - 1:
         raise ProtocolError(Code.FRAME_COUNT, f"{len(descriptors)} descriptors but "
                                               f"{len(frames) - 1} tensor frames")
     if type(token) is not str or len(token) > MAX_TOKEN_CHARS:
@@ -415,9 +461,11 @@ def _message(header: dict, frames: Sequence[Any], areas: Optional[Callable],
         slot = _slot(link, areas, msg, peer)
         msg.segments.extend(_shared_segment(desc, slot) for desc in descriptors)
         return msg
+    buffers = [_buffer(frame) for frame in frames[1:]] if joins is None else \
+        _unjoined(descriptors, frames, joins)
     segments = []
-    for desc, frame in zip(descriptors, frames[1:]):
-        seg = _segment(desc, _buffer(frame))
+    for desc, buf in zip(descriptors, buffers):
+        seg = _segment(desc, buf)
         if kind != PUSH and type(seg.data) is Packed:
             raise ProtocolError(Code.BAD_DTYPE, "packed segments travel in pushes only")
         if type(seg.data) is Rows and kind not in _ROWS_IN[bool(seg.data.dim)] and not (
@@ -427,6 +475,38 @@ def _message(header: dict, frames: Sequence[Any], areas: Optional[Callable],
                                                 f"{desc[1]!r} in a {kind}")
         segments.append(seg)
     return Message(kind, worker, incarnation, seq, clock, shard, meta, segments, token)
+
+
+def _unjoined(descriptors: list, frames: Sequence[Any], joins: list) -> list:
+    """Each descriptor's bytes, where ``joins`` put several row-sparse segments in one
+    frame: cut by their descriptors' sizes, which must fill the frame exactly."""
+    out, d = [], 0
+    for k, frame in zip(joins, frames[1:]):
+        buf = _buffer(frame)
+        if k == 1:
+            out.append(buf)
+            d += 1
+            continue
+        at = 0
+        for desc in descriptors[d:d + k]:
+            size = _rows_size(desc)
+            out.append(buf[at:at + size])
+            at += size
+        if at != len(buf):
+            raise ProtocolError(Code.LENGTH_MISMATCH, f"a frame joining {k} segments needs "
+                                                      f"{at} bytes, it has {len(buf)}")
+        d += k
+    return out
+
+
+def _rows_size(desc: Any) -> int:
+    """The bytes of a row-sparse segment, from its checked descriptor: a joined frame holds
+    these alone."""
+    if not (type(desc) is list and len(desc) == 4 and desc[1] in (ROWS, IDS)):
+        raise ProtocolError(Code.BAD_DESCRIPTOR, "a frame joining segments ('j') holds rows "
+                                                 f"and ids segments only, not {desc!r:.60}")
+    n, dim, dtype_name = _rows_form(desc)
+    return rows_bytes(n, dim, dtype_name)
 
 
 def _slot(link: Any, areas: Optional[Callable], msg: Message,
@@ -527,6 +607,20 @@ _ROWS_IN = {True: (PUSH, PARAMS), False: (PULL,)}
 def _rows_segment(desc: list, buf: memoryview) -> Segment:
     """A row-sparse segment's form, checked against its frame (bounds first, so nothing
     is sized by a lie); its ids and values are ``wire.sparse``'s to check against a table."""
+    n, dim, dtype_name = _rows_form(desc)
+    table, fmt = desc[0], desc[1]
+    need = rows_bytes(n, dim, dtype_name)
+    if need != len(buf):
+        raise ProtocolError(Code.LENGTH_MISMATCH, f"{fmt} segment of {n} ids"
+                                                  f"{f' x {dim} {dtype_name}' if dim else ''} "
+                                                  f"needs {need} bytes, frame has {len(buf)}")
+    payload = torch.frombuffer(buf, dtype=torch.uint8)
+    return Segment(table, Rows(table, n, dim, dtype_name, payload))
+
+
+def _rows_form(desc: list) -> tuple:
+    """``(n, dim, dtype)`` of a rows or ids descriptor ``[table, fmt, shape, dtype]``, each
+    field checked and bounded."""
     table, fmt, shape, dtype_name = desc
     if type(table) is not int or not 0 <= table < MAX_TABLES:
         raise ProtocolError(Code.BAD_DESCRIPTOR, f"table {table!r} is not an integer in "
@@ -546,13 +640,7 @@ def _rows_segment(desc: list, buf: memoryview) -> Segment:
         raise ProtocolError(Code.TOO_LARGE, f"a {fmt} segment of {n} x {dim} is above "
                                             f"{MAX_SEGMENT_ROWS} rows, {MAX_ROW_DIM} "
                                             f"columns or {MAX_SEGMENT_VALUES} values")
-    need = rows_bytes(n, dim, dtype_name)
-    if need != len(buf):
-        raise ProtocolError(Code.LENGTH_MISMATCH, f"{fmt} segment of {n} ids"
-                                                  f"{f' x {dim} {dtype_name}' if dim else ''} "
-                                                  f"needs {need} bytes, frame has {len(buf)}")
-    payload = torch.frombuffer(buf, dtype=torch.uint8)
-    return Segment(table, Rows(table, n, dim, dtype_name, payload))
+    return n, dim, dtype_name
 
 
 def in_parts(msg: Message) -> list:
