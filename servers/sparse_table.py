@@ -216,8 +216,8 @@ class SparseTable:
             return
         if tail + m > cap:
             grown = cap if 2 * (n + m) <= cap else max(2 * cap, n + m)
-            self._q_slot = _moved(self._q_slot[head:tail], grown)
-            self._q_time = _moved(self._q_time[head:tail], grown)
+            self._q_slot = _grown(self._q_slot[head:tail], (grown,), torch.int64)
+            self._q_time = _grown(self._q_time[head:tail], (grown,), torch.float64)
             head, tail = 0, n
         self._q_slot[tail:tail + m], self._q_time[tail:tail + m] = slots, now
         self._q_head, self._q_tail, self._q_last = head, tail + m, now
@@ -228,7 +228,8 @@ class SparseTable:
         held = self.used.nonzero().flatten() if ttl else self.ids_at[:0]
         times, order = torch.sort(self.touched[held], stable=True)
         size = max(2 * held.numel(), _GROW_FROM) if ttl else 0
-        self._q_slot, self._q_time = _moved(held[order], size), _moved(times, size)
+        self._q_slot = _grown(held[order], (size,), torch.int64)
+        self._q_time = _grown(times, (size,), torch.float64)
         self._q_head, self._q_tail = 0, held.numel()
         self._q_last = float(times[-1]) if held.numel() else -math.inf
 
@@ -286,7 +287,7 @@ class SparseTable:
         held = 0 if old is None else old.shape[0]
         self.free = _grown(getattr(self, "free", None), (rows,), torch.int64)
         count = getattr(self, "free_count", 0)
-        # the new slots go under the free ones, descending: taken lowest first, after them
+        # the new slots go below the free ones (taken after them), the lowest on top
         self.free[rows - held:rows - held + count] = self.free[:count].clone()
         self.free[:rows - held] = _descending(held, rows)
         self.free_count = count + rows - held
@@ -354,6 +355,9 @@ class SparseTable:
             # a checkpoint from before the free stack: the free slots, lowest taken first
             free = state["free"] if "free" in state else \
                 (~self.used).nonzero().flatten().flip(0)
+            if free.numel() + len(self.map) != rows:
+                raise ConfigError(f"checkpoint holds {len(self.map)} ids and {free.numel()} "
+                                  f"free slots for {rows} rows")
             self.free, self.free_count = _grown(free, (rows,), torch.int64), free.numel()
             if now is not None:
                 self.touched += now - self.clock
@@ -372,13 +376,6 @@ def _smallest(items: torch.Tensor, keys: torch.Tensor, count: int) -> tuple:
 def _descending(low: int, high: int) -> torch.Tensor:
     """Slots ``high - 1`` down to ``low``: a free stack whose top is the lowest."""
     return torch.arange(high - 1, low - 1, -1, dtype=torch.int64)
-
-
-def _moved(items: torch.Tensor, size: int) -> torch.Tensor:
-    """``items`` at the start of a new tensor of ``size`` (>= their number) entries."""
-    out = torch.zeros(size, dtype=items.dtype)
-    out[:items.numel()] = items
-    return out
 
 
 def _grown(old: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype) -> torch.Tensor:

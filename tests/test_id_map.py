@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from asyncsgd.core.sparse_ids import seeded_rows
+from asyncsgd.errors import ConfigError
 from asyncsgd.servers import id_map
 from asyncsgd.servers.id_map import IdMap
 from asyncsgd.servers.sparse_rules import make_sparse_rule
@@ -242,3 +243,19 @@ def test_growing_table_against_the_oracle_and_a_checkpoint_without_a_free_stack(
     check_table(t, oracle)
     assert t.map.dead == 0 and len(t.map._ends) <= 1 + math.log(len(t), id_map.MERGE) + 1
     assert t.map.nbytes() <= 16 * 1.5 * len(t) + 16 * 700 * 1.5
+
+
+def test_a_checkpoint_whose_free_slots_do_not_add_up_is_refused():
+    t = table()
+    t.apply(tensor([3, 9]), torch.ones(2, DIM))
+    state = t.state_dict()
+    state["free"] = state["free"][1:]
+    with pytest.raises(ConfigError, match="2 ids and 1021 free slots for 1024 rows"):
+        table().load_state_dict(state)
+
+
+def test_an_id_map_refuses_unsorted_keys_and_negative_slots():
+    with pytest.raises(ValueError, match="sorted and unique"):
+        IdMap(tensor([2, 1]), tensor([0, 1]))
+    with pytest.raises(ValueError, match=">= 0"):
+        IdMap(tensor([1, 2]), tensor([0, -1]))
