@@ -122,14 +122,16 @@ class Grower:
         self.tables = {evict: sparse_table(DIM, make_sparse_rule("sgd", DIM, 0.1),
                                            id_space="hashed", evict=evict)
                        for evict in (("none", 0), ("ttl", 3600.0))}
-        self.times: dict = {name: [] for name in ["map", *self.tables]}
+        self.times: dict = {name: [] for name in ["find", "insert", *self.tables]}
 
     def push(self, ids: torch.Tensor, new: torch.Tensor, grads: torch.Tensor, now: float,
              size: int) -> None:
         start = time.perf_counter()
         self.map.find(ids)
+        found = time.perf_counter()
         self.map.insert(new, torch.arange(size, size + new.numel()))
-        self.times["map"].append((size, time.perf_counter() - start))
+        self.times["find"].append((size, found - start))
+        self.times["insert"].append((size, time.perf_counter() - found))
         for evict, table in self.tables.items():
             start = time.perf_counter()
             table.apply(ids, grads, now, checked=True)
@@ -155,14 +157,14 @@ def growth(rows: int, revision: str) -> None:
           f"[low, high) rows, before ({revision}) -> after (MERGE {id_map.MERGE}), one thread")
     for what, average in (("median", statistics.median), ("mean", statistics.mean)):
         print(f"{what + ', rows held':>22s} " + "".join(
-            f"{name:>22s}" for name in ("map find+insert", "table none", "table ttl")))
+            f"{name:>20s}" for name in ("map find", "map insert", "table none", "table ttl")))
         for low, high in zip(edges, edges[1:]):
             cells = []
-            for name in ("map", ("none", 0), ("ttl", 3600.0)):
+            for name in ("find", "insert", ("none", 0), ("ttl", 3600.0)):
                 old, new = (average(t for s, t in g.times[name] if low <= s < high)
                             for g in (before, after))
-                cells.append(f"{1000 * old:8.3f} -> {1000 * new:7.3f}")
-            print(f"{low:>10,d}-{high:<11,d} " + "".join(f"{c:>22s}" for c in cells))
+                cells.append(f"{1000 * old:7.3f} -> {1000 * new:6.3f}")
+            print(f"{low:>10,d}-{high:<11,d} " + "".join(f"{c:>20s}" for c in cells))
 
 
 def rates(run: Path) -> str:
