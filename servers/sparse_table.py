@@ -5,6 +5,7 @@ created on first touch and evicted (--evict ttl:SECONDS or lfu:ROWS) to bound me
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -57,6 +58,7 @@ class SparseTable:
                                   "on first touch")
             self.map = IdMap()
             self._resize(0)
+            self._requeue()
             return
         if evict[0] != "none":
             raise ConfigError(f"--evict {evict[0]} needs --id-space hashed: a fixed id space "
@@ -117,7 +119,7 @@ class SparseTable:
         self.clock = max(self.clock, now)
         if not self.hashed or self.evict[0] != "ttl":
             return 0
-        stale = (self.used & (now - self.touched > self.evict[1])).nonzero().flatten()
+        stale = self._aged(now)
         self._drop(stale)
         capacity = self.weight.shape[0]
         if stale.numel() and capacity > _GROW_FROM and 4 * len(self) <= capacity:
@@ -172,26 +174,27 @@ class SparseTable:
             slots[new] = self._create(ids[new], keep=slots[~new])
         self.touched[slots] = now
         self.uses[slots] += 1
+        if self.evict[0] == "ttl":
+            self._queue(slots, now)
         return slots
 
     def _create(self, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """Slots for new ``ids``, freshly initialized; lfu first evicts rows not in ``keep``."""
         m = ids.numel()
         if self.evict[0] == "lfu":
-            over = int(self.used.sum()) + m - self.evict[1]
-            if over > 0:
+            over = len(self) + m - self.evict[1]
+            if over > 0:  # a linear selection over the rows held, at most lfu's ROWS
                 spare = self.used.clone()
                 spare[keep] = False
                 self._drop(self._least_used(spare.nonzero().flatten(), over))
-        free = (~self.used).nonzero().flatten()
-        if free.numel() < m:
-            held = int(self.used.sum())
-            cap = max(2 * self.weight.shape[0], held + m, _GROW_FROM)
+        if self.free_count < m:
+            cap = max(2 * self.weight.shape[0], len(self) + m, _GROW_FROM)
             if self.evict[0] == "lfu":
                 cap = min(cap, self.evict[1])
             self._resize(cap)
-            free = (~self.used).nonzero().flatten()
-        slots = free[:m]
+        # the top of the free stack, lowest slot first (a fresh stack is descending)
+        self.free_count -= m
+        slots = self.free[self.free_count:self.free_count + m].flip(0)
         self.weight[slots] = seeded_rows(ids, self.dim, self.seed, self.init_scale)
         self.rule.reset(slots)
         self.ids_at[slots], self.used[slots] = ids, True
@@ -199,6 +202,49 @@ class SparseTable:
         self.map.insert(ids, slots)
         self.created += m
         return slots
+
+    # -- ttl's queue of touches, oldest first --------------------------------
+    def _queue(self, slots: torch.Tensor, now: float) -> None:
+        """Append a touch of ``slots`` at ``now``: ttl then finds the rows it ages out
+        among the oldest touches, not by a scan of every row."""
+        head, tail, cap = self._q_head, self._q_tail, self._q_slot.numel()
+        n, m = tail - head, slots.numel()
+        if now < self._q_last or n + m > 2 * len(self) + _GROW_FROM:
+            # a clock that went back (the queue would be unsorted), or touches of rows
+            # touched again since that outnumber the rows: rebuilt from the rows held
+            self._requeue()
+            return
+        if tail + m > cap:
+            grown = cap if 2 * (n + m) <= cap else max(2 * cap, n + m)
+            self._q_slot = _grown(self._q_slot[head:tail], (grown,), torch.int64)
+            self._q_time = _grown(self._q_time[head:tail], (grown,), torch.float64)
+            head, tail = 0, n
+        self._q_slot[tail:tail + m], self._q_time[tail:tail + m] = slots, now
+        self._q_head, self._q_tail, self._q_last = head, tail + m, now
+
+    def _requeue(self) -> None:
+        """The queue made anew: each row held, by its last touch (ties by slot)."""
+        ttl = self.evict[0] == "ttl"  # other tables keep no queue
+        held = self.used.nonzero().flatten() if ttl else self.ids_at[:0]
+        times, order = torch.sort(self.touched[held], stable=True)
+        size = max(2 * held.numel(), _GROW_FROM) if ttl else 0
+        self._q_slot = _grown(held[order], (size,), torch.int64)
+        self._q_time = _grown(times, (size,), torch.float64)
+        self._q_head, self._q_tail = 0, held.numel()
+        self._q_last = float(times[-1]) if held.numel() else -math.inf
+
+    def _aged(self, now: float) -> torch.Tensor:
+        """The slots (ascending) of the rows untouched for more than ttl at ``now``, their
+        touches taken off the queue: those rows' last touches are its oldest entries."""
+        ttl = self.evict[1]
+        times = self._q_time[self._q_head:self._q_tail]
+        # a bound above the ages' boundary (float rounding), then the exact test on the prefix
+        near = int(torch.searchsorted(times, now - ttl + 1e-9 * (abs(now) + ttl + 1.0),
+                                      right=True))
+        count = int((now - times[:near] > ttl).sum())
+        slots = torch.unique(self._q_slot[self._q_head:self._q_head + count])
+        self._q_head += count
+        return slots[self.used[slots] & (now - self.touched[slots] > ttl)]
 
     def _least_used(self, candidates: torch.Tensor, count: int) -> torch.Tensor:
         """``count`` of ``candidates`` (ascending slots): the least used, ties by oldest touch,
@@ -214,6 +260,8 @@ class SparseTable:
             return
         self.map.remove(self.ids_at[slots])
         self.used[slots] = False
+        self.free[self.free_count:self.free_count + slots.numel()] = slots.flip(0)
+        self.free_count += slots.numel()
         self.evictions += slots.numel()
 
     def _compact(self) -> None:
@@ -223,16 +271,26 @@ class SparseTable:
         rows = max(2 * keep.numel(), _GROW_FROM)
         moved = torch.full((self.weight.shape[0],), -1, dtype=torch.int64)
         moved[keep] = torch.arange(keep.numel())
-        self.map.slots = moved[self.map.slots]
+        self.map.remap(moved)
         self.rule.compact(keep, rows)
         for name in ("weight", "ids_at", "used", "touched", "uses"):
             old = getattr(self, name)
             new = torch.zeros((rows,) + tuple(old.shape[1:]), dtype=old.dtype)
             new[:keep.numel()] = old[keep]
             setattr(self, name, new)
+        self.free = _grown(_descending(keep.numel(), rows), (rows,), torch.int64)
+        self.free_count = rows - keep.numel()
+        self._requeue()
 
     def _resize(self, rows: int) -> None:
         old = getattr(self, "weight", None)
+        held = 0 if old is None else old.shape[0]
+        self.free = _grown(getattr(self, "free", None), (rows,), torch.int64)
+        count = getattr(self, "free_count", 0)
+        # the new slots go below the free ones (taken after them), the lowest on top
+        self.free[rows - held:rows - held + count] = self.free[:count].clone()
+        self.free[:rows - held] = _descending(held, rows)
+        self.free_count = count + rows - held
         self.weight = _grown(old, (rows, self.dim), torch.float32)
         self.ids_at = _grown(getattr(self, "ids_at", None), (rows,), torch.int64)
         self.used = _grown(getattr(self, "used", None), (rows,), torch.bool)
@@ -242,12 +300,12 @@ class SparseTable:
 
     # -- figures and checkpoints -------------------------------------------
     def __len__(self) -> int:
-        return int(self.used.sum()) if self.hashed else self.weight.shape[0]
+        return len(self.map) if self.hashed else self.weight.shape[0]
 
     def nbytes(self) -> int:
         """Bytes held: rows, optimizer state, and (hashed) the id map and slot bookkeeping."""
-        held = [self.weight] + ([self.ids_at, self.used, self.touched, self.uses]
-                                if self.hashed else [])
+        held = [self.weight] + ([self.ids_at, self.used, self.touched, self.uses, self.free,
+                                 self._q_slot, self._q_time] if self.hashed else [])
         extra = self.map.nbytes() if self.hashed else 0
         return sum(t.numel() * t.element_size() for t in held) + self.rule.nbytes() + extra
 
@@ -262,9 +320,11 @@ class SparseTable:
                "weight": self.weight.clone(), "rule": self.rule.state_dict(),
                "created": self.created, "evictions": self.evictions, "clock": self.clock}
         if self.hashed:
+            keys, slots = self.map.items()
             out.update(ids_at=self.ids_at.clone(), used=self.used.clone(),
                        touched=self.touched.clone(), uses=self.uses.clone(),
-                       map_keys=self.map.keys.clone(), map_slots=self.map.slots.clone())
+                       map_keys=keys, map_slots=slots,
+                       free=self.free[:self.free_count].clone())
         return out
 
     def load_state_dict(self, state: dict, now: Optional[float] = None) -> None:
@@ -291,9 +351,18 @@ class SparseTable:
             self.ids_at, self.used = state["ids_at"].clone(), state["used"].clone()
             self.touched, self.uses = state["touched"].clone(), state["uses"].clone()
             self.map = IdMap(state["map_keys"].clone(), state["map_slots"].clone())
+            rows = self.weight.shape[0]
+            # a checkpoint from before the free stack: the free slots, lowest taken first
+            free = state["free"] if "free" in state else \
+                (~self.used).nonzero().flatten().flip(0)
+            if free.numel() + len(self.map) != rows:
+                raise ConfigError(f"checkpoint holds {len(self.map)} ids and {free.numel()} "
+                                  f"free slots for {rows} rows")
+            self.free, self.free_count = _grown(free, (rows,), torch.int64), free.numel()
             if now is not None:
                 self.touched += now - self.clock
                 self.clock = now
+            self._requeue()
 
 
 def _smallest(items: torch.Tensor, keys: torch.Tensor, count: int) -> tuple:
@@ -302,6 +371,11 @@ def _smallest(items: torch.Tensor, keys: torch.Tensor, count: int) -> tuple:
         return items[:0], items[:0]
     kth = torch.kthvalue(keys, count).values
     return items[keys < kth], items[keys == kth]
+
+
+def _descending(low: int, high: int) -> torch.Tensor:
+    """Slots ``high - 1`` down to ``low``: a free stack whose top is the lowest."""
+    return torch.arange(high - 1, low - 1, -1, dtype=torch.int64)
 
 
 def _grown(old: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype) -> torch.Tensor:

@@ -255,9 +255,10 @@ def test_lfu_keeps_at_most_its_rows_over_ever_new_ids():
     assert len(set(held[4:])) == 1  # flat once full
     assert table.weight.shape[0] == 64
     assert table.evictions == table.created - 64 == 1600 - 64
-    # rows, adagrad's sum, and per slot: id, used, last touch, uses; the map
-    assert table.stats() == {"rows": 64, "bytes": 64 * (DIM * 4 + DIM * 4 + 8 + 1 + 8 + 8 + 16),
-                             "created": 1600, "evictions": 1536}
+    # rows, adagrad's sum, and per slot: id, used, last touch, uses, free-stack entry; the
+    # id map's buffer, at its least (1,024 entries of 16 bytes)
+    assert table.stats() == {"rows": 64, "bytes": 64 * (DIM * 4 + DIM * 4 + 8 + 1 + 8 + 8 + 8)
+                             + 1024 * 16, "created": 1600, "evictions": 1536}
 
 
 def test_lfu_evicts_least_used_then_oldest():
@@ -265,9 +266,9 @@ def test_lfu_evicts_least_used_then_oldest():
     for now, pick in enumerate([ids(1), ids(1), ids(2), ids(3)]):
         table.gather(pick, now=float(now))
     table.gather(ids(4), now=9.0)  # 2 and 3 were used once: 2 is older
-    assert sorted(table.map.keys.tolist()) == [1, 3, 4]
+    assert sorted(table.map.items()[0].tolist()) == [1, 3, 4]
     table.gather(ids(5, 1), now=10.0)  # 1 is in the request: 3 goes (used once, oldest)
-    assert sorted(table.map.keys.tolist()) == [1, 4, 5] and table.evictions == 2
+    assert sorted(table.map.items()[0].tolist()) == [1, 4, 5] and table.evictions == 2
     with pytest.raises(RowsRefused) as refused:
         table.gather(ids(6, 7, 8, 9))
     assert refused.value.code == Code.TOO_LARGE
@@ -278,7 +279,7 @@ def test_an_evicted_row_comes_back_fresh():
     table.apply(ids(1), torch.ones(1, DIM), now=0.0)
     first = table.gather(ids(1), now=0.0)
     table.gather(ids(2, 3), now=1.0)  # 1 is evicted
-    assert 1 not in table.map.keys.tolist()
+    assert 1 not in table.map.items()[0].tolist()
     assert torch.equal(table.gather(ids(1), now=2.0), seeded_rows(ids(1), DIM, 5, 0.5))
     table.apply(ids(1), torch.ones(1, DIM), now=2.0)  # its accumulator restarted too
     assert torch.equal(table.gather(ids(1), now=2.0), first)
@@ -289,7 +290,7 @@ def test_ttl_evicts_by_the_clock():
     table.gather(ids(1), now=0.0)
     table.gather(ids(2), now=5.0)
     assert table.expire(10.0) == 0  # exactly 10 s old: kept
-    assert table.expire(12.0) == 1 and table.map.keys.tolist() == [2]
+    assert table.expire(12.0) == 1 and table.map.items()[0].tolist() == [2]
     table.apply(ids(2), torch.ones(1, DIM), now=16.0)  # aged out first, then made afresh
     assert table.evictions == 2 and table.created == 3
     assert torch.equal(table.gather(ids(2), now=16.0), seeded_rows(ids(2), DIM, 5, 0.5) - LR)
@@ -339,7 +340,7 @@ def test_restart_keeps_row_ages():
     a.gather(ids(2), now=108.0)
     b = hashed_table(evict=("ttl", 10.0))
     b.load_state_dict(snapshot(a), now=5.0)  # a restarted shard's clock starts anew
-    assert b.expire(8.0) == 1 and b.map.keys.tolist() == [2]
+    assert b.expire(8.0) == 1 and b.map.items()[0].tolist() == [2]
 
 
 # -- pieces ---------------------------------------------------------------------------
@@ -359,7 +360,8 @@ def test_id_map_against_a_dict():
             del oracle[k]
         probe = torch.cat([torch.tensor(list(oracle), dtype=torch.int64), gone])
         assert m.find(probe).tolist() == [oracle.get(k, -1) for k in probe.tolist()]
-    assert m.keys.tolist() == sorted(oracle) and m.nbytes() == 16 * len(oracle)
+    keys, slots = m.items()
+    assert keys.tolist() == sorted(oracle) and slots.tolist() == [oracle[k] for k in keys.tolist()]
 
 
 def test_parse_evict():
