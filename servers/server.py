@@ -171,6 +171,9 @@ def _serve_until_stopped(cfg: ServerConfig, front: Front, supervisor: ShardSuper
             if recorder.target_reached():
                 return "target"
         if recorder.out_of_time():
+            log.info("stopping at %.2f s of --max-seconds %g: %.2f s set aside for the final "
+                     "evaluation, checkpoint, pull of every row and the shards' saves",
+                     recorder.elapsed(), cfg.max_seconds, recorder.reserve())
             return "max_seconds"
         if cfg.exit_when_done and front.joined and front.all_left():
             return "workers_done"
