@@ -216,7 +216,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: tuple, ready,
 class _Saver:
     """The shard's checkpoint, saved and timed: its stats report the last save's seconds,
     which the server sets aside before --max-seconds for the save as the shard stops (a
-    2.6-million-row table's shard: 1 s, 2.6 s beside 4 busy processes on its core)."""
+    2.6-million-row table's shard: about 1 s, 2.6 s beside 4 busy processes on its core)."""
 
     def __init__(self, state: ShardState, port: int):
         self.state, self.port = state, port

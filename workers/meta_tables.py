@@ -52,6 +52,8 @@ def build_without_tables(task, embeddings: str) -> nn.Module:
     """``task``'s model as ``task.build_model(0)`` builds it, except that the tables it
     serves by row under ``embeddings`` are on the meta device. A model that cannot be built
     on the meta device, or one whose other parameters share a table's shape, is built whole."""
+    if embeddings == "dense" or task.tables is None:  # no table served by row (served_tables)
+        return task.build_model(0)
     try:
         with torch.device("meta"):
             probe = task.build_model(0)
