@@ -106,6 +106,7 @@ class TableRows:
                 mine = table_ids[torch.remainder(keys, shards) == shard]
                 segments += split_rows(t, mine)
             self.pulls.append(self._messages(segments))
+        self.count = sum(seg.data.n for pulls in self.pulls for msg in pulls for seg in msg)
 
     def _messages(self, segments: list) -> list:
         """``segments`` cut into messages of at most MAX_MESSAGE_VALUES rows x dim each."""

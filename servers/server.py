@@ -133,7 +133,7 @@ def serve(cfg: ServerConfig, argv: Optional[list] = None,
             outcome.stopped_by = _serve_until_stopped(cfg, front, supervisor, evaluator,
                                                       recorder)
         with outcome.watch():  # also after Ctrl-C; a second one keeps what is known by then
-            obs = _final_observation(evaluator, supervisor)
+            obs = _final_observation(evaluator, supervisor, recorder)
             if obs is not None:
                 summary = _summary(cfg, lr, obs, front, supervisor, evaluator)
                 summary.update(_coverage(cfg, evaluator.latest, len(task.train)))
@@ -171,22 +171,39 @@ def _serve_until_stopped(cfg: ServerConfig, front: Front, supervisor: ShardSuper
             if recorder.target_reached():
                 return "target"
         if recorder.out_of_time():
+            log.info("stopping at %.2f s of --max-seconds %g: %.2f s set aside for the final "
+                     "evaluation, checkpoint, pull of every row and the shards' saves",
+                     recorder.elapsed(), cfg.max_seconds, recorder.reserve())
             return "max_seconds"
         if cfg.exit_when_done and front.joined and front.all_left():
             return "workers_done"
         recorder.checkpoint_if_due(evaluator.samples, 0)
 
 
-def _final_observation(evaluator: Evaluator, supervisor: ShardSupervisor) -> Optional[dict]:
+def _final_observation(evaluator: Evaluator, supervisor: ShardSupervisor,
+                       recorder: Recorder) -> Optional[dict]:
     """The shards' parameters and counters as the run stops, into the evaluator's model for
     the final evaluation and checkpoint.pt (a Ctrl-C may come long after the last
-    evaluation); where a shard is down, what the last evaluation saw; None before any."""
+    evaluation); where a shard is down, what the last evaluation saw; None before any.
+    Every row of the tables is pulled for the saved model: a progress line says so first
+    (its time, as reckoned, was set aside before --max-seconds)."""
     if not evaluator.latest:
         return None  # stopped before the shards first answered
     why = "a shard is down"
     if supervisor.all_running():
+        rows = evaluator.every_row_count()
+        if rows:
+            note = (f"saving: pulling the tables' {rows:,} rows for checkpoint.pt (about "
+                    f"{evaluator.every_row_seconds():.1f} s)")
+            log.info("%s", note)
+            recorder.show(evaluator.samples, evaluator.rate, force=True, note=note)
         try:
-            return evaluator.observe(every_row=True)  # the saved model: its whole tables
+            began = recorder.elapsed()
+            obs = evaluator.observe(every_row=True)  # the saved model: its whole tables
+            if rows:
+                log.info("pulled the tables' %d rows in %.2f s", rows,
+                         recorder.elapsed() - began)
+            return obs
         except TimeoutError as exc:
             why = str(exc)
     log.warning("%s: the run is saved as the last evaluation saw it", why)

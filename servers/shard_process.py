@@ -128,8 +128,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: tuple, ready,
     gate.watch(sock)
     port = int(endpoint.rsplit(":", 1)[1])
 
-    def save(to: Path) -> None:
-        save_checkpoint(to, {"shard": state.state_dict(), "port": port})
+    save = _Saver(state, port)
 
     sessions = Sessions(settings.session_key)
     areas = Areas(state.size, max(MIN_AREAS, 2 * settings.config.expected_workers))
@@ -165,7 +164,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: tuple, ready,
         busy = BusyPoll(settings.busy_poll_us / 1e6)
         while not stopped[0]:
             with contextlib.suppress(zmq.Again):  # nothing came within the tick
-                _serve_one(sock, state, gate, sessions, areas, busy)
+                _serve_one(sock, state, gate, sessions, areas, busy, save)
             note_digest()
             now = time.monotonic()
             wake = state.wake_at()  # a sync round's deadline (--backup-workers auto)
@@ -212,6 +211,21 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: tuple, ready,
             gate.close()
             sock.close(0)
             ctx.term()
+
+
+class _Saver:
+    """The shard's checkpoint, saved and timed: its stats report the last save's seconds,
+    which the server sets aside before --max-seconds for the save as the shard stops (a
+    2.6-million-row table's shard: about 1 s, 2.6 s beside 4 busy processes on its core)."""
+
+    def __init__(self, state: ShardState, port: int):
+        self.state, self.port = state, port
+        self.seconds = 0.0
+
+    def __call__(self, to: Path) -> None:
+        began = time.monotonic()
+        save_checkpoint(to, {"shard": self.state.state_dict(), "port": self.port})
+        self.seconds = time.monotonic() - began
 
 
 def _listen(ctx: zmq.Context, settings: ShardProcessSettings, frame: int,
@@ -290,7 +304,7 @@ def _reply(sock: zmq.Socket, state: ShardState, peer: bytes, reply: Message,
 
 
 def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
-               sessions: Sessions, areas: Areas, busy: BusyPoll) -> None:
+               sessions: Sessions, areas: Areas, busy: BusyPoll, save: _Saver) -> None:
     """Receive one message (polling first with ``busy`` while messages come that often,
     then waiting up to RCVTIMEO: zmq.Again when none came) and answer it."""
     idle = time.perf_counter()
@@ -323,6 +337,7 @@ def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
     for to, reply in replies:
         if reply.type == STATS:
             reply.meta.update(transport=gate.stats(), pid=os.getpid(), **areas.stats(),
+                              save_seconds=round(save.seconds, 4),
                               reply_copies=state.store.inflight.copies,
                               busy_polls=busy.polls, busy_poll_hits=busy.hits)
         _reply(sock, state, to, reply, areas)

@@ -43,6 +43,7 @@ from asyncsgd.wire.security import ClientKeys
 from asyncsgd.wire.transport import is_local, parse_endpoint
 
 from .client import PSClient, ServerFinished, ServerUnavailable
+from .meta_tables import build_without_tables
 from .tables import BatchTables, check_ids
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ def run_worker(cfg: WorkerConfig, seen: Optional[list] = None,
     # Built as the server builds it (the same --seed reaches a task function that takes
     # one); the hello's data signature lets the server refuse a worker whose data differ.
     task = task_of(cfg)
-    model = task.build_model(0)
+    model = build_without_tables(task, cfg.embeddings)  # the tables, never used: on meta
     layout = Layout.of(model, task.served_tables(model, cfg.embeddings))
     tables = None
     if layout.tables:
