@@ -327,3 +327,15 @@ def test_the_dense_part_alone_is_the_model_given_its_looked_up_vectors():
     ids, = model.embedding_inputs(dense, categorical)
     vectors = model.tables[0](ids).view(26, 19, 16).transpose(0, 1)
     assert torch.equal(head(dense, vectors), model(dense, categorical))
+
+
+@pytest.mark.parametrize("tables", [1, 2, 5, 26])
+def test_embedding_inputs_are_each_features_ids_in_its_block_feature_after_feature(tables):
+    """The ids of table t: feature after feature of its features, each moved to its block
+    of ``rows`` rows (the per-feature loop this replaced, as the oracle)."""
+    model = models.DLRM(1000, tables=tables)
+    categorical = torch.randint(0, 1000, (7, 26), generator=torch.Generator().manual_seed(2))
+    got = model.embedding_inputs(torch.zeros(7, 13), categorical)
+    for t, mine in enumerate(model.features_of):
+        want = torch.cat([categorical[:, f] + slot * 1000 for slot, f in enumerate(mine)])
+        assert torch.equal(got[t], want)

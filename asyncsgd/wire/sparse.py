@@ -92,23 +92,31 @@ def check_rows(segments: Sequence, tables: Sequence[TableSpec], shard: int, shar
     # one pass of torch ops over the message's ids, whatever its segments: per segment,
     # ctr's 26 tables made this check 46% of a shard's time (py-spy, 2 workers)
     ids = _joined([seg.data.ids for seg in segments])
-    which = torch.tensor([seg.data.table for seg in segments])
-    counts = torch.tensor([seg.data.n for seg in segments])
-    table_of = torch.repeat_interleave(which, counts)
+    named = [seg.data.table for seg in segments]
+    one = named.count(named[0]) == len(named)  # one table (ctr:tables=1): no table column
+    table_of = None if one else torch.repeat_interleave(
+        torch.tensor(named), torch.tensor([seg.data.n for seg in segments]))
     if hash_ids is not None:
         mine = torch.remainder(hash_ids(ids), shards) == shard
     else:
-        bound = torch.repeat_interleave(torch.tensor([tables[t].rows for t in which.tolist()]),
-                                        counts)
+        bound = tables[named[0]].rows if one else torch.repeat_interleave(
+            torch.tensor([tables[t].rows for t in named]),
+            torch.tensor([seg.data.n for seg in segments]))
         mine = (ids >= 0) & (ids < bound) & (torch.remainder(ids, shards) == shard)
     if not bool(mine.all()):
         at = int((~mine).nonzero()[0])
-        table = int(table_of[at])
+        table = named[0] if one else int(table_of[at])
         where = "" if hash_ids is not None else f" in [0, {tables[table].rows}) with id % " \
             f"{shards} == {shard}"
         return Code.OUT_OF_RANGE, (f"id {int(ids[at])} of table {table} is not shard "
                                    f"{shard}'s{where}")
-    if len(ids) > 1:
+    if len(ids) > 1 and one:
+        ids_s = ids.sort().values
+        twin = ids_s[1:] == ids_s[:-1]
+        if bool(twin.any()):
+            return Code.BAD_FIELD, (f"id {int(ids_s[:-1][twin][0])} of table {named[0]} "
+                                    "appears twice; ids in one message must be unique")
+    elif len(ids) > 1:
         # sorted by (table, id): a duplicate within a table lies next to its twin
         by_id = torch.argsort(ids, stable=True)
         order = by_id[torch.argsort(table_of[by_id], stable=True)]
