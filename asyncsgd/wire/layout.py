@@ -34,10 +34,11 @@ class TableSpec:
     dim: int
 
 
-def holds(ids: torch.Tensor, shard: int, shards: int, rows: Optional[int] = None,
+def holds(ids: torch.Tensor, shard: int, shards: int, rows=None,
           hash_ids: Optional[Callable] = None) -> torch.Tensor:
     """Which of ``ids`` (int64) shard ``shard`` of ``shards`` holds, as a bool mask: in a
-    fixed id space (``rows``) ids in [0, rows) with ``id % shards == shard``; in a hashed
+    fixed id space (``rows``: an int, or one per id) ids in [0, rows) with
+    ``id % shards == shard``; in a hashed
     one (``hash_ids``: core.sparse_ids.hash_id, which the wire does not import) any id
     with ``hash_ids(id) % shards == shard``."""
     if hash_ids is not None:

@@ -11,7 +11,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .layout import TableSpec
+from .layout import TableSpec, holds
 from .protocol import (DTYPE_NAMES, MAX_SEGMENT_ROWS, MAX_SEGMENT_VALUES, WIRE_FLOATS, Code,
                        Rows, Segment, rows_bytes)
 
@@ -96,13 +96,10 @@ def check_rows(segments: Sequence, tables: Sequence[TableSpec], shard: int, shar
     one = named.count(named[0]) == len(named)  # one table (ctr:tables=1): no table column
     table_of = None if one else torch.repeat_interleave(
         torch.tensor(named), torch.tensor([seg.data.n for seg in segments]))
-    if hash_ids is not None:
-        mine = torch.remainder(hash_ids(ids), shards) == shard
-    else:
-        bound = tables[named[0]].rows if one else torch.repeat_interleave(
-            torch.tensor([tables[t].rows for t in named]),
-            torch.tensor([seg.data.n for seg in segments]))
-        mine = (ids >= 0) & (ids < bound) & (torch.remainder(ids, shards) == shard)
+    bound = tables[named[0]].rows if one or hash_ids is not None else torch.repeat_interleave(
+        torch.tensor([tables[t].rows for t in named]),
+        torch.tensor([seg.data.n for seg in segments]))
+    mine = holds(ids, shard, shards, bound, hash_ids)
     if not bool(mine.all()):
         at = int((~mine).nonzero()[0])
         table = named[0] if one else int(table_of[at])
