@@ -15,8 +15,9 @@ CHUNK = 128  # core.dispatch.CHUNK: 3 chunks an epoch
 
 def test_three_workers_of_different_speeds_one_killed_mid_chunk(server, cli_env, tmp_path):
     """Worker 0 is SIGKILLed with its 5th batch computed: it had pushed 4 batches of 16 of
-    the two chunks it held (256 rows), so 192 rows come back; the others train them, and
-    every row is trained exactly once in each of the 3 epochs."""
+    the chunks it held (two, 256 rows, when it reached the server first), so 192 rows (64
+    of one chunk) come back; the others train them, and every row is trained exactly once
+    in each of the 3 epochs."""
     epochs = 3
     srv = server(*TASK, "--workers", 3, "--data-dispatch", "dynamic", "--epochs", epochs,
                  "--heartbeat-timeout", 2)
@@ -35,7 +36,9 @@ def test_three_workers_of_different_speeds_one_killed_mid_chunk(server, cli_env,
     summary = read_json(srv.out / "summary.json")
     assert summary["coverage"] == {"granularity": "sample", "min": epochs, "max": epochs,
                                    "mean": epochs, "spread": 1.0}
-    assert summary["rehanded"] == 2 * CHUNK - 4 * 16
+    # it held two chunks when it came first, one when the others had taken the epoch's rest
+    # first (a loaded suite run started them before it: 64 rehanded once)
+    assert summary["rehanded"] in (2 * CHUNK - 4 * 16, CHUNK - 4 * 16)
     assert summary["unattributed"] == 0
 
 
