@@ -19,6 +19,7 @@ from asyncsgd.core.sparse_ids import shard_of
 from asyncsgd.core.models import lookup_ids, with_lookup_ids
 from asyncsgd.errors import ConfigError
 from asyncsgd.wire.layout import Layout
+from asyncsgd.wire.sparse import by_table
 
 # EmbeddingBag modes whose result a remap of the ids keeps: each bag reduces the rows its
 # ids name, and the local weight holds exactly those rows (tested for all three)
@@ -192,9 +193,7 @@ def unique_per_table(ids: Sequence[torch.Tensor]) -> list:
     every = torch.cat(list(ids))
     table_of = torch.repeat_interleave(torch.arange(len(ids)),
                                        torch.tensor([len(one) for one in ids]))
-    by_id = torch.argsort(every, stable=True)
-    order = by_id[torch.argsort(table_of[by_id], stable=True)]
-    every, table_of = every[order], table_of[order]
+    every, table_of = by_table(every, table_of)
     first = torch.ones(len(every), dtype=torch.bool)
     first[1:] = (every[1:] != every[:-1]) | (table_of[1:] != table_of[:-1])
     counts = torch.bincount(table_of[first], minlength=len(ids))

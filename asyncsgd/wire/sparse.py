@@ -94,11 +94,10 @@ def check_rows(segments: Sequence, tables: Sequence[TableSpec], shard: int, shar
     ids = _joined([seg.data.ids for seg in segments])
     named = [seg.data.table for seg in segments]
     one = named.count(named[0]) == len(named)  # one table (ctr:tables=1): no table column
-    table_of = None if one else torch.repeat_interleave(
-        torch.tensor(named), torch.tensor([seg.data.n for seg in segments]))
+    counts = None if one else torch.tensor([seg.data.n for seg in segments])
+    table_of = None if one else torch.repeat_interleave(torch.tensor(named), counts)
     bound = tables[named[0]].rows if one or hash_ids is not None else torch.repeat_interleave(
-        torch.tensor([tables[t].rows for t in named]),
-        torch.tensor([seg.data.n for seg in segments]))
+        torch.tensor([tables[t].rows for t in named]), counts)
     mine = holds(ids, shard, shards, bound, hash_ids)
     if not bool(mine.all()):
         at = int((~mine).nonzero()[0])
@@ -115,9 +114,7 @@ def check_rows(segments: Sequence, tables: Sequence[TableSpec], shard: int, shar
                                     "appears twice; ids in one message must be unique")
     elif len(ids) > 1:
         # sorted by (table, id): a duplicate within a table lies next to its twin
-        by_id = torch.argsort(ids, stable=True)
-        order = by_id[torch.argsort(table_of[by_id], stable=True)]
-        ids_s, tab_s = ids[order], table_of[order]
+        ids_s, tab_s = by_table(ids, table_of)
         twin = (ids_s[1:] == ids_s[:-1]) & (tab_s[1:] == tab_s[:-1])
         if bool(twin.any()):
             at = int(twin.nonzero()[0])
@@ -132,6 +129,14 @@ def check_rows(segments: Sequence, tables: Sequence[TableSpec], shard: int, shar
             return Code.NON_FINITE, (f"rows of table {bad.data.table} hold NaN or Inf "
                                      "values; nothing was applied")
     return None
+
+
+def by_table(ids: torch.Tensor, table_of: torch.Tensor) -> tuple:
+    """``(ids, table_of)`` sorted by table, then by id within a table: two stable sorts,
+    whatever the number of tables (the shard's duplicate check, the worker's unique ids)."""
+    by_id = torch.argsort(ids, stable=True)
+    order = by_id[torch.argsort(table_of[by_id], stable=True)]
+    return ids[order], table_of[order]
 
 
 def _joined(parts: list) -> torch.Tensor:
