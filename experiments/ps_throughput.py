@@ -160,7 +160,8 @@ class PSServer:
     group (autogroup), and a ps-server in a session of its own answers more
     slowly (experiments/README.md, "Sessions and autogroup")."""
 
-    def __init__(self, nbytes: int, shards: int, workers: int):
+    def __init__(self, nbytes: int, shards: int, workers: int, python: str = sys.executable):
+        """``python``: the interpreter that runs it (another commit's, for an A/B)."""
         self.nbytes = nbytes
         self.port = free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
@@ -171,7 +172,7 @@ class PSServer:
                    PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncsgd", "ps-server", "--task", "ps_throughput:flat_task",
+            [python, "-m", "asyncsgd", "ps-server", "--task", "ps_throughput:flat_task",
              "--samples", str(nbytes), "--shards", str(shards), "--workers", str(workers),
              "--bind", self.address, "--out", f"{self.tmp.name}/run", "--progress", "off",
              "--eval-every", "100000", "--checkpoint-every", "0", "--no-exit-when-done"],
