@@ -308,8 +308,10 @@ class ShardState:
                 return
             self._undo_early()  # then this part may start the next
         stream = self.streams.open.get(msg.worker)
+        # Another worker's push open: its parts would likely end this one's early (when it
+        # is applied first, which undoes this), so the work done early would be wasted
         if (not self._early_ok or problem or whole is not None or stream is None
-                or stream.received != 1 or stream is before
+                or stream.received != 1 or stream is before or len(self.streams.open) > 1
                 or record.window.classify(msg.seq) != FRESH):
             return
         self.rule.lr = self.schedule(self.version)
