@@ -77,6 +77,8 @@ class ShardConfig:
     sync_reduce: str = "mean"
     reject_nonfinite: bool = True
     max_grad_norm: Optional[float] = None
+    # --early-parts: a push in parts applied as its parts arrive, where it can be (early.py)
+    early_parts: bool = True
     dedupe_window: int = 1024
     # Worker records kept (each holds a dedupe window, and a copy of the slice under
     # DC-ASGD). Departed and silent workers are forgotten first; past the cap a new id
@@ -188,7 +190,8 @@ class ShardState:
                                    row_width=self._row_width)
         # A push in parts applied as its parts arrive, not yet committed (``_early_part``)
         self.early: Optional[EarlyPush] = None
-        self._early_ok = (cfg.consistency.kind in ("async", "ssp") and cfg.dc_lambda is None
+        self._early_ok = (cfg.early_parts and cfg.consistency.kind in ("async", "ssp")
+                          and cfg.dc_lambda is None
                           and cfg.max_grad_norm is None and not len(self.tables))
         # (record, seq, meta, staleness) of the latest async push, applied and answered but
         # not yet accounted: see ``settle``.

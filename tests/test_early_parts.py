@@ -285,7 +285,8 @@ def test_through_a_real_shard_a_failed_push_in_parts_leaves_no_trace(server, rul
     last part (its push expires) each leave the parameters, and the rule's state (the next
     good push proves it: momentum and Adam's moments and step count feed it), bit for bit."""
     srv = server("--task", "tasks_for_tests:index_counter", "--samples", N, "--optimizer", rule,
-                 "--lr", 0.25, "--no-exit-when-done", "--heartbeat-timeout", 1)
+                 "--lr", 0.25, "--no-exit-when-done", "--heartbeat-timeout", 1,
+                 "--early-parts", "on")  # auto: off on 2 cores
     port = srv.stats()["shard_ports"][0]
     a = Hand(srv, port, "a")
     start = a.params(1)
