@@ -3,12 +3,16 @@
     python experiments/ps_pairs.py               # 40 MiB, 1 vs 4 trainers, 12 pairs: ~1.6 min
     python experiments/ps_pairs.py --size 10MB --pairs 6 --transport auto
     python experiments/ps_pairs.py --against /tmp/base/.venv/bin/python --size 40MiB --pairs 10
+    python experiments/ps_pairs.py --against .venv/bin/python --args="--early-parts on" \
+        --against-args="--early-parts off"
 
 With ``--against PYTHON`` it compares two servers instead: this code's ps-server against one
 run by PYTHON (the venv of a worktree of another commit), ``--few`` trainers each, in pairs
-of runs alternating which goes first, the same trainers' code against both; it reports the
+of runs alternating which goes first (``--args`` and ``--against-args``: more ps-server
+arguments of each), the same trainers' code against both; it reports the
 median ms per round trip of each and the median of the pairs' ratios, with the 1-minute
-load, and each shard's ``early_pushes`` (pushes in parts applied as they arrived).
+load, and each shard's ``early_pushes`` (pushes in parts applied as they arrived) and
+``early_undone``.
 
 Where one trainer already keeps the cores busy, the 4-trainer / 1-trainer ratio of two
 ``ps_throughput.py`` medians taken minutes apart falls either side of 1 with the machine's
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 
 import zmq
@@ -49,6 +54,9 @@ def main() -> int:
     ap.add_argument("--transport", default="tcp", choices=["tcp", "auto"])
     ap.add_argument("--against", metavar="PYTHON",
                     help="compare this code's ps-server with one run by PYTHON (--few trainers)")
+    ap.add_argument("--args", default="", help="--against: more arguments of this code's server")
+    ap.add_argument("--against-args", default="",
+                    help="--against: more arguments of PYTHON's server")
     args = ap.parse_args()
     if min(args.few, args.many, args.pairs) < 1 or args.seconds <= 0 or \
             (args.few == args.many and not args.against):
@@ -79,8 +87,9 @@ def main() -> int:
     return 0
 
 
-def _early_pushes(server: PSServer) -> int:
-    """Shard 0's count of pushes in parts applied as they arrived (0 where it has none)."""
+def _early_pushes(server: PSServer) -> str:
+    """Shard 0's counts of pushes in parts applied as they arrived, and of those undone
+    (applied whole later, or never); "none" where it counts none."""
     with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(server.address)
@@ -89,7 +98,10 @@ def _early_pushes(server: PSServer) -> int:
         sock.disconnect(server.address)
         sock.connect(f"tcp://127.0.0.1:{port}")
         sock.send_multipart(encode(Message(type=STATS, seq=2)))
-        return decode(sock.recv_multipart()).meta.get("early_pushes", 0)
+        meta = decode(sock.recv_multipart()).meta
+        if "early_pushes" not in meta:
+            return "none"
+        return f"{meta['early_pushes']} ({meta['early_undone']} undone)"
 
 
 def _against(args, ctx) -> int:
@@ -97,7 +109,9 @@ def _against(args, ctx) -> int:
     ms: dict = {"new": [], "old": []}
     loads = [os.getloadavg()[0]]
     nbytes, workers = SIZES[args.size], max(4, args.few)
-    with PSServer(nbytes, 1, workers) as new, PSServer(nbytes, 1, workers, args.against) as old:
+    with PSServer(nbytes, 1, workers, extra=tuple(shlex.split(args.args))) as new, \
+            PSServer(nbytes, 1, workers, args.against,
+                     tuple(shlex.split(args.against_args))) as old:
         servers = {"new": new, "old": old}
         for k in range(args.pairs):
             for name in ("new", "old")[::1 if k % 2 == 0 else -1]:
@@ -108,6 +122,7 @@ def _against(args, ctx) -> int:
                   f"{ms['old'][-1]:.3f} ms (load {loads[-1]:.2f})", flush=True)
         early = {name: _early_pushes(server) for name, server in servers.items()}
     ratios = [o / n for n, o in zip(ms["new"], ms["old"])]
+    print(f"new: this code {args.args}; old: {args.against} {args.against_args}")
     print(f"{args.size}, {args.transport}, {args.few} trainer(s), {args.pairs} pairs of "
           f"{args.seconds:g} s: new {statistics.median(ms['new']):.3f} ms, old "
           f"{statistics.median(ms['old']):.3f} ms per round trip; old / new median "
