@@ -88,22 +88,27 @@ def _bad_last(kind, seq):
     """A push whose last part fails ``kind``'s check (or never comes)."""
     grad = torch.full((SIZE,), 0.25)
     parts = _parts(grad, seq, clock=seq - 1)
+    if kind == "nan-middle":  # 4 parts of 3 values: two come after the failing one
+        parts = in_parts(Message(type=PUSH, worker="w", incarnation=1, seq=seq, clock=seq - 1,
+                                 shard=0, meta={"pull": True},
+                                 segments=split(grad, frame_bytes=12)))
     last = parts[-1]
-    if kind == "nan":
-        data = last.segments[0].data.clone()
+    if kind in ("nan", "nan-middle"):  # the middle one's later part is dropped unanswered
+        bad = last if kind == "nan" else parts[1]
+        data = bad.segments[0].data.clone()
         data[-1] = float("nan")
-        last.segments = [Segment(last.segments[0].offset, data)]
+        bad.segments = [Segment(bad.segments[0].offset, data)]
     elif kind == "out-of-range":  # one value too many: past the shard's slice
         last.segments = [Segment(last.segments[0].offset, torch.ones(5))]
     elif kind == "overlap":  # the second part's range again
         last.segments = [Segment(4, torch.ones(4))]
-    return parts if kind in ("nan", "out-of-range", "overlap") else parts[:-1]
+    return parts if kind in ("nan", "nan-middle", "out-of-range", "overlap") else parts[:-1]
 
 
 @pytest.mark.parametrize("store", [ParamStore, ZeroCopyStore])
 @pytest.mark.parametrize("rule", ["momentum", "adam", "delayed-nesterov"])
-@pytest.mark.parametrize("kind", ["nan", "out-of-range", "overlap", "expired", "replaced",
-                                  "evicted", "checkpointed"])
+@pytest.mark.parametrize("kind", ["nan", "nan-middle", "out-of-range", "overlap", "expired",
+                                  "replaced", "evicted", "checkpointed"])
 def test_a_push_whose_last_part_fails_leaves_everything_exactly_as_before(kind, rule, store):
     """The proof test: parts 0 and 1 were applied to the scratch and the rule's state; the
     last fails (or never comes); parameters, rule state and step count are bit for bit as
@@ -112,8 +117,8 @@ def test_a_push_whose_last_part_fails_leaves_everything_exactly_as_before(kind, 
     _warm(state), _warm(oracle)
     before = _snapshot(state)
     replies = _send(state, _bad_last(kind, 3))
-    if kind in ("nan", "out-of-range", "overlap"):
-        code = {"nan": "non-finite", "out-of-range": "out-of-range",
+    if kind in ("nan", "nan-middle", "out-of-range", "overlap"):
+        code = {"nan": "non-finite", "nan-middle": "non-finite", "out-of-range": "out-of-range",
                 "overlap": "bad-descriptor"}[kind]
         assert [(r.type, r.meta["code"]) for r in replies] == [(ERROR, code)]
     else:
@@ -325,3 +330,72 @@ def test_through_a_real_shard_a_failed_push_in_parts_leaves_no_trace(server, rul
     good(a, 30)
     stats = shard_stats(srv, port)
     assert (stats["early_pushes"], stats["nonfinite"], stats["updates"]) == (4, 1, 4)
+
+
+@pytest.mark.parametrize("rule,seed", [("adam", 1), ("momentum", 2), ("sgd", 3),
+                                       ("delayed-nesterov", 4)])
+def test_random_interleavings_answer_and_apply_exactly_as_the_whole_push_path(rule, seed):
+    """A seeded fuzz: three workers' pushes in parts interleaved with each other, with
+    whole pushes, pulls, NaN parts, parts out of order, re-sent pushes, expiries and
+    checkpoints, fed to a shard applying parts early and to one applying whole pushes
+    (--early-parts off): the same replies, bit for bit the same parameters after every
+    message, and the same rule state at the end."""
+    import random
+    rng = random.Random(seed)
+    early, whole = _state(rule, staleness_lr=True), _state(rule, early_parts=False,
+                                                           staleness_lr=True)
+    seqs = {w: 0 for w in "abc"}
+    open_parts: dict = {}  # worker -> (seq, clock, grad, parts sent)
+    now, worker = 0.0, "a"
+    for step in range(400):
+        if rng.random() < 0.4:  # else the same worker again: pushes interleave now and then
+            worker = rng.choice("abc")
+        roll = rng.random()
+        builders = []
+        if roll < 0.05:
+            now += 6.0  # past the heartbeat timeout: open pushes expire, workers drop
+            for state in (early, whole):
+                assert [m.type for _, m in state.tick(now)] == []
+            open_parts.clear()
+            continue
+        if roll < 0.08:
+            assert early.state_dict()["params"].equal(whole.state_dict()["params"])
+            continue
+        if roll < 0.15:
+            builders = [lambda: Message(type=PULL, worker=worker, incarnation=1,
+                                        seq=seqs[worker] + 1000)]
+        elif roll < 0.22:
+            seqs[worker] += 1
+            grad = torch.randn(SIZE, generator=torch.Generator().manual_seed(step))
+            seq, clock = seqs[worker], rng.randint(0, whole.version)
+            builders = [lambda: _whole(grad, seq, worker=worker, clock=clock)]
+        else:
+            if worker not in open_parts or rng.random() < 0.05:  # a new push, or re-sent
+                if worker not in open_parts or rng.random() < 0.5:
+                    seqs[worker] += 1
+                grad = torch.randn(SIZE, generator=torch.Generator().manual_seed(step))
+                if rng.random() < 0.1:
+                    grad[rng.randrange(SIZE)] = float("nan")
+                open_parts[worker] = (seqs[worker], rng.randint(0, whole.version), grad, 0)
+            seq, clock, grad, sent = open_parts[worker]
+            j = sent if rng.random() > 0.03 else rng.randrange(3)  # now and then out of order
+            open_parts[worker] = (seq, clock, grad, sent + 1)
+            if sent + 1 >= 3:
+                del open_parts[worker]
+            builders = [lambda: _parts(grad, seq, worker=worker, clock=clock)[j]]
+        for build in builders:
+            got = [early.handle(worker.encode(), build(), now),
+                   whole.handle(worker.encode(), build(), now)]
+            for (pa, ra), (pb, rb) in zip(*got):
+                assert (pa, ra.type, ra.seq, ra.meta) == (pb, rb.type, rb.seq, rb.meta), step
+                assert all(torch.equal(x.data, y.data) for x, y in zip(ra.segments,
+                                                                       rb.segments)), step
+            assert len(got[0]) == len(got[1]), step
+            assert torch.equal(early.params, whole.params), f"step {step}"
+    a, b = early.state_dict(), whole.state_dict()
+    assert a["rule"]["steps"] == b["rule"]["steps"] and a["version"] == b["version"]
+    for key, value in b["rule"]["state"].items():
+        assert torch.equal(a["rule"]["state"][key], value), key
+    # seeds 1-4: 9-17 pushes applied early, 18-29 undone (most by a hostile turn)
+    assert early.counters["early_pushes"] >= 5 and early.counters["early_undone"] >= 5
+    assert whole.counters["early_pushes"] == 0
