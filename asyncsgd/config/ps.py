@@ -38,7 +38,8 @@ SHARDS = knob(
     "shards", Union[int, str], "auto",
     "Shard processes; the parameters are split evenly by bytes. Each adds a request per step "
     "and pays only for large models (experiments/README.md). auto: one per 5 MB of float32 "
-    "parameters, at most cores // --workers (1 for every model under 10 MB); a resumed run "
+    "parameters, at most the cores --workers leave on this host (cores - workers) and "
+    "cores // workers: 1 for every model under 10 MB, and on 2 cores; a resumed run "
     "keeps its count.", type=SHARD_COUNT, metavar="auto|N", per_command={
         "compare": "Parameter-server shard processes in the ps-* modes (auto: as ps-server "
                    "chooses them)."})
