@@ -26,7 +26,7 @@ def auto_shards(params: int, workers: int, cores: int) -> int:
     workers <= cores), nor than cores // workers (once they keep every core busy, a
     second shard no longer pays); 1 at least. On 2 cores and one worker, 2 shards made 3
     busy processes: at 10 MB they gave 0.97x (TCP) and 0.84x (same host) of 1 shard's
-    rate at load 6-9 (experiments/README.md, "Shards")."""
+    rate at load 7.4-8.8 (experiments/README.md, "Shards")."""
     workers = max(1, workers)
     return max(1, min(4 * params // SHARD_PAYS_BYTES, cores // workers, cores - workers))
 

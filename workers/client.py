@@ -592,7 +592,10 @@ class PSClient:
         try:
             while outstanding and time.monotonic() < until:
                 owed = [i for i, _ in outstanding]
-                i = owed[0] if len(owed) == 1 else next(
+                # Which has a message is asked only once one came (the first wait is in
+                # recv anyway): each ask costs system calls. A 2-shard step of 20 KB made 43
+                # in the worker (strace), 49 asking from the start, 65 in zmq_poll
+                i = owed[0] if len(owed) == 1 or not nbytes else next(
                     (j for j in owed if socks[j].getsockopt(zmq.EVENTS) & zmq.POLLIN), owed[0])
                 try:
                     reply = self._in(socks[i], self.areas.slots[i])
