@@ -68,11 +68,11 @@ BUSY_POLL = knob(
     "sleeping, while messages come that often, are no larger than 256 KiB and no other "
     "thread wants its core. 0: always sleep.",
     type=click.IntRange(0, MAX_BUSY_POLL_US), per_command={
-        "worker": "With a one-shard server, wait for a shard's reply by polling for up to "
-                  "this many microseconds before sleeping, while replies come that fast, are "
-                  "no larger than 256 KiB and no other thread wants the core. 0: always sleep.",
-        "ps-job": "Shards poll for their next message, and workers of a one-shard server for "
-                  "their replies, for up to this many microseconds before sleeping, while "
+        "worker": "Wait for the shards' replies to a step by polling for up to this many "
+                  "microseconds before sleeping, while replies come that fast, are no larger "
+                  "than 256 KiB and no other thread wants the core. 0: always sleep.",
+        "ps-job": "Shards poll for their next message, and workers for their shards' "
+                  "replies, for up to this many microseconds before sleeping, while "
                   "messages come that often, are no larger than 256 KiB and no other thread "
                   "wants the core. 0: always sleep."})
 # Exactly-once made visible: what each shard applied and each worker sent and was told
