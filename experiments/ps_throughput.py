@@ -516,9 +516,10 @@ def report(rows: list, methods: list, header: str) -> str:
     lines = [header, "",
              "Per cell: ms per round trip (median over the trainers) · aggregate round trips/s "
              "of all trainers · GB/s (push + pull). Floor and raw pyzmq: one trainer. "
-             "asyncsgd runs with its defaults, so its shards, and its trainers of a one-shard "
-             "server, poll for a message for up to 400 µs before sleeping while messages come "
-             "that fast and are no larger than 256 KiB (`--busy-poll-us`; the JSON counts the "
+             "asyncsgd runs with its defaults, so its shards, and its trainers (for their "
+             "shards' replies), poll for a message for up to 400 µs before sleeping while "
+             "messages come that fast and are no larger than 256 KiB (`--busy-poll-us`; the "
+             "JSON counts the "
              "trainers' polls); the floor polls as asyncsgd does (its own BusyPoll, "
              "`ps_floor.py`); raw pyzmq and the RPC PS sleep in recv.", "",
              "| model | trainers | " + " | ".join(METHODS[m] for m in cols)

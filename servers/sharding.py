@@ -22,9 +22,13 @@ SHARD_PAYS_BYTES = 5 * 10 ** 6  # float32 bytes a shard needs before splitting p
 def auto_shards(params: int, workers: int, cores: int) -> int:
     """The ``auto`` shard count for ``params`` float32 parameters, ``workers`` expected
     workers and ``cores`` cores on the server's host: a shard every ``SHARD_PAYS_BYTES``,
-    but no more than the cores the workers leave (once they keep every core busy, a
-    second shard no longer pays)."""
-    return max(1, min(4 * params // SHARD_PAYS_BYTES, cores // max(1, workers)))
+    but no more than the cores the workers leave, were they all on this host (shards +
+    workers <= cores), nor than cores // workers (once they keep every core busy, a
+    second shard no longer pays); 1 at least. On 2 cores and one worker, 2 shards made 3
+    busy processes: at 10 MB they gave 0.97x (TCP) and 0.84x (same host) of 1 shard's
+    rate at load 7.4-8.8 (experiments/README.md, "Shards")."""
+    workers = max(1, workers)
+    return max(1, min(4 * params // SHARD_PAYS_BYTES, cores // workers, cores - workers))
 
 
 def saved_shards(run_dir: Union[str, Path]) -> Optional[int]:
@@ -62,6 +66,7 @@ def shard_count(spec: Union[int, str], params: int, workers: int, cores: int,
         return saved
     count = auto_shards(params, workers, cores)
     log.info("--shards auto: %d for %.3g MB of parameters, %d expected worker(s), %d core(s) "
-             "(a shard per %d MB, at most cores // workers)", count, 4 * params / 1e6,
-             workers, cores, SHARD_PAYS_BYTES // 10 ** 6)
+             "(a shard per %d MB, at most the %d core(s) the workers leave and cores // "
+             "workers)", count, 4 * params / 1e6, workers, cores, SHARD_PAYS_BYTES // 10 ** 6,
+             max(0, cores - max(1, workers)))
     return count

@@ -51,6 +51,36 @@ def test_silence_polls_no_longer_than_the_budget(pair):
     assert (poll.polls, poll.hits, poll.contended) == (1, 0, 0)
 
 
+def test_several_sockets_are_polled_until_each_has_its_message(pair):
+    """A worker's shards: one poll, one budget, over every socket; it ends when the last
+    has a message (and a message once seen stays until read), not at the first."""
+    a, b = pair
+    ctx = zmq.Context()
+    c, d = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        for sock in (c, d):
+            sock.setsockopt(zmq.LINGER, 0)
+        c.bind("inproc://busy-poll-2")
+        d.connect("inproc://busy-poll-2")
+        a.send(b"first")
+        poll = BusyPoll(0.002, yield_core=lambda: None, contended_seconds=60.0)
+        start = time.perf_counter()
+        poll.wait(b, d)  # d stays silent: the whole budget, no hit
+        assert time.perf_counter() - start >= 0.002
+        assert (poll.polls, poll.hits) == (1, 0)
+        c.send(b"second")
+        poll = BusyPoll(10.0)  # were either missed, this would poll for 10 s
+        start = time.monotonic()
+        poll.wait(b, d)
+        assert time.monotonic() - start < 5
+        assert (poll.polls, poll.hits) == (1, 1)
+        assert b.recv(zmq.NOBLOCK) == b"first" and d.recv(zmq.NOBLOCK) == b"second"
+    finally:
+        c.close()
+        d.close()
+        ctx.term()
+
+
 def test_a_wanted_core_ends_the_poll_after_one_yield(pair):
     _, b = pair
     yields = []
@@ -179,6 +209,28 @@ def test_a_real_server_and_client_poll_by_default_and_not_when_told(server):
     assert polls["polls"] >= 1 and polls["sleeps"] == 0
     shard, = srv.stats()["shard_stats"]
     assert shard["busy_polls"] >= 1
+
+
+def test_a_worker_of_two_shards_polls_for_both_replies_and_stays_exact(server):
+    """Each step's two replies are awaited on the shards' own sockets (polled first, as
+    with one shard; before issue 42 a 2-shard worker never polled, it waited in zmq_poll
+    over every socket): exact parameters, and the knob reaches the wait."""
+    srv = server("--task", "tasks_for_tests:index_counter", "--samples", 1000, "--shards", 2,
+                 "--eval-every", 1000, "--no-exit-when-done")
+    layout = Layout.of(index_counter(1000).build_model())
+    params, total = torch.zeros(layout.total), torch.zeros(layout.total)
+    polls = {}
+    for worker, budget in (("polls", BUSY_POLL_US), ("sleeps", 0)):
+        with PSClient(srv.address, worker, layout.signature(), rank=0, world=1,
+                      server_timeout=20, transport="tcp", busy_poll_us=budget) as client:
+            assert len(client.shards) == 2
+            for step in range(20):
+                grad = torch.randint(-4, 5, (layout.total,)).float()
+                client.push_pull(grad, params)
+                total += grad
+                assert torch.equal(params, -total), f"{worker}, step {step}: not exact"
+            polls[worker] = client.busy_poll.polls
+    assert 1 <= polls["polls"] <= 20 and polls["sleeps"] == 0, polls
 
 
 def test_a_real_server_and_client_do_not_poll_for_large_messages(server):

@@ -274,11 +274,11 @@ def test_resuming_another_modes_run_refuses_before_any_warning(tmp_path, run_cli
     ("single", "--epochs", ["Passes over the training data"], ["process"]),
     ("single", "--eval-every", ["between steps"], ["beside training"]),
     ("ps-server", "--eval-every", ["shards keep serving"], ["between steps"]),
-    ("worker", "--busy-poll-us", ["a shard's reply", "0: always sleep", "[default: 400"],
+    ("worker", "--busy-poll-us", ["the shards' replies", "0: always sleep", "[default: 400"],
      ["next message"]),
     ("ps-server", "--busy-poll-us", ["next message", "0: always sleep", "[default: 400"],
      ["reply"]),
-    ("ps-job", "--busy-poll-us", ["Shards poll", "one-shard server", "[default: 400"],
+    ("ps-job", "--busy-poll-us", ["Shards poll", "workers for their shards'", "[default: 400"],
      []),
 ])
 def test_each_commands_help_is_true_for_it(run_cli_here, command, flag, says, never):

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from asyncsgd.run.checkpoint import load_checkpoint
-from asyncsgd.run.process_group import available_cores
 from asyncsgd.servers.sharding import auto_shards, saved_shards, shard_count
 from asyncsgd.wire.layout import Layout
 from asyncsgd.wire.protocol import (ERROR, HELLO, PUSH, STATS, VERSION, WELCOME, Message, Segment,
@@ -243,40 +242,50 @@ def test_resume_continues_from_the_shard_checkpoints(server, cli_env, tmp_path):
 @pytest.mark.parametrize("params,workers,cores,expected", [
     (5_000, 1, 2, 1),  # mnist1d-cnn: 20 KB
     (250_000, 1, 16, 1),  # 1 MB
-    (2_499_999, 1, 2, 1), (2_500_000, 1, 2, 2),  # 10 MB: the second shard's 5 MB
+    (2_499_999, 1, 3, 1), (2_500_000, 1, 3, 2),  # 10 MB: the second shard's 5 MB
+    (2_500_000, 1, 2, 1),  # 2 shards and the worker would be 3 processes on 2 cores
     (2_500_000, 2, 2, 1), (2_500_000, 4, 2, 1),  # the workers keep both cores busy
-    (10 * 2 ** 20, 1, 2, 2), (10 * 2 ** 20, 1, 16, 8), (10 * 2 ** 20, 4, 16, 4),  # 40 MiB
-    (10 * 2 ** 20, 1, 1, 1)])
+    (10 * 2 ** 20, 1, 2, 1), (10 * 2 ** 20, 1, 4, 3),  # 40 MiB: the cores the worker leaves
+    (10 * 2 ** 20, 2, 4, 2), (10 * 2 ** 20, 3, 4, 1),
+    (10 * 2 ** 20, 1, 16, 8), (10 * 2 ** 20, 4, 16, 4),  # 4: cores // workers
+    (10 * 2 ** 20, 1, 1, 1), (10 * 2 ** 20, 0, 2, 1)])  # --workers 0 counts as 1
 def test_auto_shards_give_a_shard_per_5_mb_within_the_spare_cores(params, workers, cores,
                                                                   expected):
     assert auto_shards(params, workers, cores) == expected
     assert shard_count("auto", params, workers, cores) == expected
     assert shard_count(3, params, workers, cores) == 3  # a number given is kept
+    # never more shards than the cores the workers leave, unless it is the one shard
+    assert expected == 1 or expected + max(1, workers) <= cores
 
 
-def test_auto_shards_split_a_large_model_and_a_resumed_run_keeps_its_count(run_cli, cli_env,
-                                                                           tmp_path):
-    """wide_counter: 16.8 MB of float32, one expected worker; the resumed server runs on one
-    core, where auto would choose 1 shard, and keeps the run's count instead."""
-    cores = available_cores()
-    if cores < 2:
-        pytest.skip("auto gives a second shard only with a second core (this host has 1)")
+def test_auto_shards_say_why_in_the_log(caplog):
+    """The count and both bounds it met reach the log (ps-server -v)."""
+    import logging
+    with caplog.at_level(logging.INFO, logger="asyncsgd.servers.sharding"):
+        assert shard_count("auto", 10 * 2 ** 20, 1, 2) == 1
+    assert ("--shards auto: 1 for 41.9 MB of parameters, 1 expected worker(s), 2 core(s) (a "
+            "shard per 5 MB, at most the 1 core(s) the workers leave and cores // workers)"
+            ) in caplog.text
+
+
+def test_a_resumed_run_keeps_its_shard_count_under_auto(run_cli, cli_env, tmp_path):
+    """wide_counter: 16.8 MB of float32, one expected worker, 2 shards; resumed with
+    --shards auto on one core, where auto would choose 1 shard, it keeps the run's 2."""
     out, task = tmp_path / "run", ["--task", "tasks_for_tests:wide_counter", "--samples", 64]
-    res = run_cli("ps-server", *task, "--workers", 1, "--max-seconds", 4, "--out", out,
-                  "--bind", "tcp://127.0.0.1:0", "--progress", "off")
+    res = run_cli("ps-server", *task, "--workers", 1, "--shards", 2, "--max-seconds", 4,
+                  "--out", out, "--bind", "tcp://127.0.0.1:0", "--progress", "off")
     assert res.returncode == 0, res.stderr
-    expected = auto_shards(1 << 22, 1, cores)
-    assert read_json(out / "summary.json")["shards"] == expected == min(3, cores)
-    assert read_json(out / "config.json")["config"]["shards"] == "auto"
-    assert saved_shards(out) == expected
+    assert read_json(out / "summary.json")["shards"] == 2 == saved_shards(out)
+    assert auto_shards(1 << 22, 1, 1) == 1
     one_core = {min(os.sched_getaffinity(0))}
     res = subprocess.run(asyncsgd_cmd(
-        "ps-server", "--resume", out, "--max-seconds", 4, "--bind", "tcp://127.0.0.1:0",
-        "--progress", "off", "-v"), env=cli_env, capture_output=True, text=True, timeout=240,
+        "ps-server", "--resume", out, "--shards", "auto", "--max-seconds", 4,
+        "--bind", "tcp://127.0.0.1:0", "--progress", "off", "-v"), env=cli_env,
+        capture_output=True, text=True, timeout=240,
         preexec_fn=lambda: os.sched_setaffinity(0, one_core))  # as taskset would
     assert res.returncode == 0, res.stderr
-    assert f"--shards auto: {expected}, as the resumed run's shard checkpoints" in res.stderr
-    assert read_json(out / "summary.json")["shards"] == expected
+    assert "--shards auto: 2, as the resumed run's shard checkpoints" in res.stderr
+    assert read_json(out / "summary.json")["shards"] == 2
 
 
 def test_rank_and_world_come_from_flags_torchrun_or_slurm():

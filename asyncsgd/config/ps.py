@@ -38,7 +38,8 @@ SHARDS = knob(
     "shards", Union[int, str], "auto",
     "Shard processes; the parameters are split evenly by bytes. Each adds a request per step "
     "and pays only for large models (experiments/README.md). auto: one per 5 MB of float32 "
-    "parameters, at most cores // --workers (1 for every model under 10 MB); a resumed run "
+    "parameters, at most the cores --workers leave on this host (cores - workers) and "
+    "cores // workers: 1 for every model under 10 MB, and on 2 cores; a resumed run "
     "keeps its count.", type=SHARD_COUNT, metavar="auto|N", per_command={
         "compare": "Parameter-server shard processes in the ps-* modes (auto: as ps-server "
                    "chooses them)."})
@@ -67,11 +68,11 @@ BUSY_POLL = knob(
     "sleeping, while messages come that often, are no larger than 256 KiB and no other "
     "thread wants its core. 0: always sleep.",
     type=click.IntRange(0, MAX_BUSY_POLL_US), per_command={
-        "worker": "With a one-shard server, wait for a shard's reply by polling for up to "
-                  "this many microseconds before sleeping, while replies come that fast, are "
-                  "no larger than 256 KiB and no other thread wants the core. 0: always sleep.",
-        "ps-job": "Shards poll for their next message, and workers of a one-shard server for "
-                  "their replies, for up to this many microseconds before sleeping, while "
+        "worker": "Wait for the shards' replies to a step by polling for up to this many "
+                  "microseconds before sleeping, while replies come that fast, are no larger "
+                  "than 256 KiB and no other thread wants the core. 0: always sleep.",
+        "ps-job": "Shards poll for their next message, and workers for their shards' "
+                  "replies, for up to this many microseconds before sleeping, while "
                   "messages come that often, are no larger than 256 KiB and no other thread "
                   "wants the core. 0: always sleep."})
 # Exactly-once made visible: what each shard applied and each worker sent and was told

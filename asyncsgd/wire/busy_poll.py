@@ -26,9 +26,9 @@ MAX_SKIPS = 64  # waits slept through after contended polls in a row, at most
 
 
 class BusyPoll:
-    """Polls a socket for up to ``max_seconds`` before its caller's blocking ``recv``.
+    """Polls sockets for up to ``max_seconds`` before its caller's blocking ``recv``.
 
-    ``wait(sock)`` returns when a message is ready, or when polling stops
+    ``wait(*socks)`` returns when a message is ready on each, or when polling stops
     paying; the caller then receives as usual (at once, or sleeping in recv).
     ``max_seconds`` 0 never polls. Polling costs a core, so it stops paying:
 
@@ -60,9 +60,11 @@ class BusyPoll:
         self.penalty = 0  # waits the latest contended poll slept through (0: it paid since)
         self.skip = 0  # waits still to sleep through
 
-    def wait(self, sock: zmq.Socket) -> None:
-        """Poll ``sock`` until a message is ready, the budget is spent, or the core is
-        wanted elsewhere; returns at once when polling is off or not paying now."""
+    def wait(self, *socks: zmq.Socket) -> None:
+        """Poll until every one of ``socks`` has a message ready (a worker's shards, each
+        in turn: a message once ready stays so until read), the budget is spent, or the
+        core is wanted elsewhere; returns at once when polling is off or not paying now.
+        One budget and one count for them all: the wait is one exchange's."""
         if not self.max_seconds or self.large or self.expected > self.max_seconds:
             return
         if self.skip:
@@ -71,17 +73,18 @@ class BusyPoll:
         self.polls += 1
         end = time.perf_counter() + self.max_seconds
         yielded = False
-        while not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            before = time.perf_counter()
-            if before >= end:
-                return
-            self.yield_core()
-            if time.perf_counter() - before > self.contended_seconds:
-                self.contended += 1
-                self.penalty = min(MAX_SKIPS, 2 * self.penalty or 1)
-                self.skip = self.penalty
-                return
-            yielded = True
+        for sock in socks:
+            while not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                before = time.perf_counter()
+                if before >= end:
+                    return
+                self.yield_core()
+                if time.perf_counter() - before > self.contended_seconds:
+                    self.contended += 1
+                    self.penalty = min(MAX_SKIPS, 2 * self.penalty or 1)
+                    self.skip = self.penalty
+                    return
+                yielded = True
         self.hits += 1
         if yielded:  # polling paid, on a core nobody else wanted
             self.penalty = 0
