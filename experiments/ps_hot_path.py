@@ -5,14 +5,15 @@ r"""The Python of one push+pull round trip, hot, in a tight loop: no sockets, no
 
 Each iteration is one worker's step against one async shard, as the real processes run it
 (the shard's ``ZeroCopyStore``, its accounting after the reply): the worker encodes its
-push (``encode``; with ``PSClient``'s header cache where the code has one), the shard
+push (``encode``, with ``PSClient``'s header cache where the code has one), the shard
 decodes it (``decode``), handles it (``ShardState.handle``: checks, exactly-once, the
-update, the reply), encodes its reply and settles the push (``settle``: the dedupe window,
-counters, staleness), and the worker decodes the reply. Each phase is timed apart
-(``perf_counter_ns``, median of ``--blocks`` blocks of ``--iterations``); where the code
-has a general and a fused path (``ShardState(fused=...)``) both are measured in
-alternate blocks of one run. The floor's rows are what ``ps_floor.py`` does per message:
-a msgpack header of type and seq each way, a ``frombuffer`` of the tensor frame.
+update, the reply), encodes its reply (with its header cache where it has one) and settles
+the push (``settle``: the dedupe window, counters, staleness), and the worker decodes the
+reply. Each phase is timed apart (``perf_counter_ns``, median of ``--blocks`` blocks of
+``--iterations``); where the code has a general and a fused path
+(``ShardState(fused=...)``) both are measured in alternate blocks of one run. The floor's
+rows are what ``ps_floor.py`` does per message: a msgpack header of type and seq each way,
+a ``frombuffer`` of the tensor frame.
 
 Why: issue 42 (the fused common path) asks where a round trip's Python goes, and what the
 fused path saves, "measure, don't guess". Run it from a worktree of older code with that
@@ -36,7 +37,7 @@ from asyncsgd.servers.zero_copy import ZeroCopyStore
 from asyncsgd.wire.protocol import PUSH, Key, Message, decode, encode, split
 from asyncsgd.wire.transport import shared_frames
 
-try:  # the worker's cached push header (issue 42); older code encodes every push whole
+try:  # cached headers (issue 42); older code encodes every message whole
     from asyncsgd.wire.protocol import HeaderCache
 except ImportError:
     HeaderCache = None
@@ -61,6 +62,7 @@ class Loop:
         self.grads = torch.full((elements,), 1e-3)
         self.segments = shared_frames(split(self.grads))
         self.cache = HeaderCache() if HeaderCache is not None else None
+        self.reply_cache = HeaderCache() if HeaderCache is not None else None
         self.seq = 0
         self.version = 0
         self.times = {k: 0 for k in ("client encode", "shard decode", "shard handle",
@@ -83,7 +85,8 @@ class Loop:
         (_, reply), = self.state.handle(PEER, got, 1.0)
         e = clock()
         self.state.store.apply_pending()
-        out = _frames(encode(reply))
+        out = _frames(encode(reply) if self.reply_cache is None else
+                      encode(reply, cache=self.reply_cache))
         f = clock()
         self.state.settle()
         g = clock()
