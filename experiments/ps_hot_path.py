@@ -16,6 +16,10 @@ phase is timed apart (``perf_counter_ns``, median of ``--blocks`` blocks of
 rows are what ``ps_floor.py`` does per message: a msgpack header of type and seq each way,
 a ``frombuffer`` of the tensor frame.
 
+Then the same step through the shard process's loop (``_serve_one``) on real sockets, over
+``inproc://`` in this process: what the loop around ``handle`` adds, without the other
+process or libzmq's I/O threads to wake.
+
 Why: issue 42 (the fused common path) asks where a round trip's Python goes, and what the
 fused path saves, "measure, don't guess". Run it from a worktree of older code with that
 worktree's interpreter to compare (its missing switches are skipped).
@@ -95,6 +99,51 @@ class Loop:
         t["client decode"] += h - g
 
 
+def loop_times(elements: int, iterations: int, blocks: int, fused) -> list:
+    """us a round trip through the shard process's own loop (``shard_process._serve_one``:
+    receive, decode, admit, handle, reply, settle) on a ROUTER, from a DEALER worker in this
+    process over ``inproc://`` (no I/O thread, no other process to wake): per block."""
+    import zmq
+
+    from asyncsgd.servers import shard_process
+    from asyncsgd.servers.sessions import Sessions
+    from asyncsgd.wire.busy_poll import BusyPoll
+    from asyncsgd.wire.security import Gatekeeper
+    from asyncsgd.wire.shared import Areas
+    from asyncsgd.wire.transport import recv, send
+
+    loop = Loop(elements, fused)
+    ctx = zmq.Context()
+    shard, worker = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    shard.bind("inproc://hot")
+    worker.connect("inproc://hot")
+    sessions = Sessions(b"k" * 32)
+    token = sessions.token("bench-0", 7)
+    args = [shard, loop.state, Gatekeeper(ctx, None), sessions, Areas(elements, 8),
+            BusyPoll(0.0), shard_process._Saver(loop.state, 0)]
+    if "headers" in inspect.signature(shard_process._serve_one).parameters:
+        args.append(HeaderCache())
+    cache = {"cache": HeaderCache()} if HeaderCache is not None else {}
+    out = []
+    try:
+        for block in range(blocks + 1):  # the first warms up
+            began = time.perf_counter_ns()
+            for _ in range(iterations):
+                loop.seq += 1
+                send(worker, Message(type=PUSH, worker="bench-0", incarnation=7, seq=loop.seq,
+                                     clock=loop.version, shard=0, meta={Key.PULL: True},
+                                     segments=loop.segments, token=token), copy=False, **cache)
+                shard_process._serve_one(*args)
+                loop.version = recv(worker).clock
+            if block:
+                out.append((time.perf_counter_ns() - began) / iterations / 1000)
+    finally:
+        shard.close(0)
+        worker.close(0)
+        ctx.term()
+    return out
+
+
 def floor_times(elements: int, iterations: int) -> dict:
     """ps_floor.py's per-message Python: its headers packed and read, its frames viewed."""
     grad = bytes(torch.full((elements,), 1e-3).numpy().tobytes())
@@ -147,6 +196,12 @@ def main() -> None:
               f"  | all {total:.2f}")
     print("  floor    " + "  ".join(f"{k} {statistics.median(b[k] for b in floors):.2f}"
                                     for k in floors[0]))
+    for name in loops:
+        rounds = loop_times(elements, args.iterations, args.blocks,
+                            None if name == "code" else name == "fused")
+        print(f"  {name:8s} through _serve_one over inproc sockets: "
+              f"{statistics.median(rounds):.2f} us a round trip (fastest block "
+              f"{min(rounds):.2f}: the least preempted)")
 
 
 if __name__ == "__main__":

@@ -287,9 +287,9 @@ def _reply(sock: zmq.Socket, state: ShardState, peer: bytes, reply: Message,
     if reply.shard < 0:  # errors too name the shard: a worker can tell another shard's answer
         reply.shard = state.cfg.index
     store: ZeroCopyStore = state.store
-    # rows travel as frames only (an area holds the dense slice): such a reply goes in frames
-    area = areas.for_peer(peer) if areas is not None and reply.segments and not any(
-        type(s.data) is Rows for s in reply.segments) else None
+    area = areas.for_peer(peer) if areas is not None and reply.segments else None
+    if area is not None and any(type(s.data) is Rows for s in reply.segments):
+        area = None  # rows travel as frames only (an area holds the dense slice)
     if area is not None:
         store.apply_pending()
         send(sock, reply, peer, local=(area.link, area.params))
