@@ -227,13 +227,16 @@ class HeaderCache:
     one message) and no rows (joined frames) are cached; the list must not change while
     cached, as ``ParamStore.views`` and ``PSClient``'s gradient segments never do."""
 
-    __slots__ = ("form", "segments", "head", "tensors")
+    __slots__ = ("form", "segments", "head", "tensors", "_pack")
 
     def __init__(self):
         self.form: Optional[tuple] = None  # (type, worker, incarnation, shard, token)
         self.segments: Optional[list] = None  # the list cached (held: its id stays its own)
         self.head = b""  # the map's first byte and fields, up to the key of "s"
         self.tensors: list = []
+        # a Packer reuses its buffer (0.25 against 0.56 us for packb): one per cache, as a
+        # cache serves one sender, one thread at a time
+        self._pack = msgpack.Packer(use_bin_type=True).pack
 
     def frames(self, msg: Message) -> Optional[list]:
         """``msg``'s frames, or None when its segments cannot be cached."""
@@ -241,8 +244,9 @@ class HeaderCache:
         if msg.segments is not self.segments or form != self.form:
             if not self._fill(msg, form):
                 return None
-        return [b"".join((self.head, _PACK(msg.seq), _CLOCK_KEY, _PACK(msg.clock), _META_KEY,
-                          _PACK(msg.meta))), *self.tensors]
+        pack = self._pack
+        return [b"".join((self.head, pack(msg.seq), _CLOCK_KEY, pack(msg.clock), _META_KEY,
+                          pack(msg.meta))), *self.tensors]
 
     def _fill(self, msg: Message, form: tuple) -> bool:
         self.form = self.segments = None
@@ -258,14 +262,14 @@ class HeaderCache:
             fixed["k"] = msg.token
         # a fixmap (at most 15 pairs): its first byte counts them, the 3 packed per message too
         self.head = bytes((0x80 | len(fixed) + 3,)) + b"".join(
-            _PACK(key) + _PACK(value) for key, value in fixed.items()) + _PACK("s")
+            msgpack.packb(key) + msgpack.packb(value, use_bin_type=True)
+            for key, value in fixed.items()) + msgpack.packb("s")
         self.tensors = [raw for _, raw in wire]
         self.form, self.segments = form, segments
         return True
 
 
-_PACK = msgpack.Packer(use_bin_type=True).pack
-_CLOCK_KEY, _META_KEY = _PACK("c"), _PACK("m")
+_CLOCK_KEY, _META_KEY = msgpack.packb("c"), msgpack.packb("m")
 
 
 def encode(msg: Message, local: Optional[tuple] = None,
