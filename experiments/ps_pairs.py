@@ -2,6 +2,17 @@
 
     python experiments/ps_pairs.py               # 40 MiB, 1 vs 4 trainers, 12 pairs: ~1.6 min
     python experiments/ps_pairs.py --size 10MB --pairs 6 --transport auto
+    python experiments/ps_pairs.py --against /tmp/base/.venv/bin/python --size 40MiB --pairs 10
+    python experiments/ps_pairs.py --against .venv/bin/python --args="--early-parts on" \
+        --against-args="--early-parts off"
+
+With ``--against PYTHON`` it compares two servers instead: this code's ps-server against one
+run by PYTHON (the venv of a worktree of another commit), ``--few`` trainers each, in pairs
+of runs alternating which goes first (``--args`` and ``--against-args``: more ps-server
+arguments of each), the same trainers' code against both; it reports the
+median ms per round trip of each and the median of the pairs' ratios, with the 1-minute
+load, and each shard's ``early_pushes`` (pushes in parts applied as they arrived) and
+``early_undone``.
 
 Where one trainer already keeps the cores busy, the 4-trainer / 1-trainer ratio of two
 ``ps_throughput.py`` medians taken minutes apart falls either side of 1 with the machine's
@@ -14,8 +25,13 @@ the CPU busy during each run (``/proc/stat``). Results: experiments/README.md,
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import statistics
 
+import zmq
+
+from asyncsgd.wire.protocol import STATS, Message, decode, encode
 from ps_throughput import PRELOAD, SIZES, PSServer, measure_asyncsgd
 from rpc_ps import start_context
 
@@ -36,10 +52,18 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=12)
     ap.add_argument("--seconds", type=float, default=3.0, help="timed seconds per run")
     ap.add_argument("--transport", default="tcp", choices=["tcp", "auto"])
+    ap.add_argument("--against", metavar="PYTHON",
+                    help="compare this code's ps-server with one run by PYTHON (--few trainers)")
+    ap.add_argument("--args", default="", help="--against: more arguments of this code's server")
+    ap.add_argument("--against-args", default="",
+                    help="--against: more arguments of PYTHON's server")
     args = ap.parse_args()
-    if min(args.few, args.many, args.pairs) < 1 or args.seconds <= 0 or args.few == args.many:
+    if min(args.few, args.many, args.pairs) < 1 or args.seconds <= 0 or \
+            (args.few == args.many and not args.against):
         ap.error("--few, --many and --pairs >= 1, --few != --many, --seconds > 0")
     ctx = start_context("forkserver", PRELOAD)
+    if args.against:
+        return _against(args, ctx)
     rates: dict = {args.few: [], args.many: []}
     busy: dict = {args.few: [], args.many: []}
     with PSServer(SIZES[args.size], 1, max(4, args.many)) as server:
@@ -60,6 +84,51 @@ def main() -> int:
           f"{statistics.median(rates[args.few]):.1f} and "
           f"{statistics.median(rates[args.many]):.1f}/s; CPU busy "
           f"{statistics.median(busy[args.few]):.0%} and {statistics.median(busy[args.many]):.0%}")
+    return 0
+
+
+def _early_pushes(server: PSServer) -> str:
+    """Shard 0's counts of pushes in parts applied as they arrived, and of those undone
+    (applied whole later, or never); "none" where it counts none."""
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(server.address)
+        sock.send_multipart(encode(Message(type=STATS, seq=1)))
+        port = decode(sock.recv_multipart()).meta["shard_ports"][0]
+        sock.disconnect(server.address)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send_multipart(encode(Message(type=STATS, seq=2)))
+        meta = decode(sock.recv_multipart()).meta
+        if "early_pushes" not in meta:
+            return "none"
+        return f"{meta['early_pushes']} ({meta['early_undone']} undone)"
+
+
+def _against(args, ctx) -> int:
+    """This code's server (``new``) against PYTHON's (``old``), in alternating pairs."""
+    ms: dict = {"new": [], "old": []}
+    loads = [os.getloadavg()[0]]
+    nbytes, workers = SIZES[args.size], max(4, args.few)
+    with PSServer(nbytes, 1, workers, extra=tuple(shlex.split(args.args))) as new, \
+            PSServer(nbytes, 1, workers, args.against,
+                     tuple(shlex.split(args.against_args))) as old:
+        servers = {"new": new, "old": old}
+        for k in range(args.pairs):
+            for name in ("new", "old")[::1 if k % 2 == 0 else -1]:
+                r = measure_asyncsgd(servers[name], args.few, args.seconds, args.transport, ctx)
+                ms[name].append(r["ms_per_round_trip"])
+            loads.append(os.getloadavg()[0])
+            print(f"pair {k + 1}/{args.pairs}: new {ms['new'][-1]:.3f} ms, old "
+                  f"{ms['old'][-1]:.3f} ms (load {loads[-1]:.2f})", flush=True)
+        early = {name: _early_pushes(server) for name, server in servers.items()}
+    ratios = [o / n for n, o in zip(ms["new"], ms["old"])]
+    print(f"new: this code {args.args}; old: {args.against} {args.against_args}")
+    print(f"{args.size}, {args.transport}, {args.few} trainer(s), {args.pairs} pairs of "
+          f"{args.seconds:g} s: new {statistics.median(ms['new']):.3f} ms, old "
+          f"{statistics.median(ms['old']):.3f} ms per round trip; old / new median "
+          f"{statistics.median(ratios):.3f}x, new faster in {sum(x > 1 for x in ratios)} of "
+          f"{len(ratios)}; load {min(loads):.2f}-{max(loads):.2f}; early pushes: new "
+          f"{early['new']}, old {early['old']}")
     return 0
 
 

@@ -160,7 +160,10 @@ class PSServer:
     group (autogroup), and a ps-server in a session of its own answers more
     slowly (experiments/README.md, "Sessions and autogroup")."""
 
-    def __init__(self, nbytes: int, shards: int, workers: int):
+    def __init__(self, nbytes: int, shards: int, workers: int, python: str = sys.executable,
+                 extra: tuple = ()):
+        """``python``: the interpreter that runs it (another commit's, for an A/B);
+        ``extra``: more ps-server arguments."""
         self.nbytes = nbytes
         self.port = free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
@@ -171,10 +174,11 @@ class PSServer:
                    PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncsgd", "ps-server", "--task", "ps_throughput:flat_task",
+            [python, "-m", "asyncsgd", "ps-server", "--task", "ps_throughput:flat_task",
              "--samples", str(nbytes), "--shards", str(shards), "--workers", str(workers),
              "--bind", self.address, "--out", f"{self.tmp.name}/run", "--progress", "off",
-             "--eval-every", "100000", "--checkpoint-every", "0", "--no-exit-when-done"],
+             "--eval-every", "100000", "--checkpoint-every", "0", "--no-exit-when-done",
+             *extra],
             env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
             preexec_fn=_own_group_dying_with_parent)
         try:

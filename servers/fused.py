@@ -7,8 +7,9 @@ through ``_on_push``, ``_push_then_pull``, ``_check``, ``_push``, ``_apply`` and
 general matching, message objects and repeated look-ups: the ACK's fields go straight into
 the PARAMS reply's meta. It returns None, having changed nothing, for anything else (first
 contact, a duplicate, any refusal, compression, tables, parts, another consistency,
-DC-ASGD, DyLU, a pull dtype), which the general path then handles; so every refusal is the
-general path's. Figures: experiments/README.md, "Shard internals".
+DC-ASGD, DyLU, a pull dtype, a push in parts applied early and still open), which the
+general path then handles; so every refusal is the general path's. Figures:
+experiments/README.md, "Shard internals".
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def push_pull(state, peer: bytes, msg: Message, now: float) -> Optional[list]:
     if msg.type != PUSH or meta.get(Key.PULL) is not True or len(msg.segments) != 1 \
             or msg.shard != state.cfg.index:
         return None
+    if state.early is not None:
+        return None  # a push in parts applied early: undone first, in general (early.py)
     record = state.workers.get(msg.worker)
     if record is None or record.incarnation != msg.incarnation or not record.alive \
             or not record.reported_clock or not msg.worker:

@@ -30,8 +30,9 @@ from asyncsgd.wire.stats import STALENESS_BUCKETS
 
 from .balance import Balancer
 from .consistency import APPLY, STALE, live_workers, make_policy, min_live_clock
-from .dedupe import DUPLICATE, OUT_OF_WINDOW, STALE_AGAIN, Forgotten, SeqWindow
+from .dedupe import DUPLICATE, FRESH, OUT_OF_WINDOW, STALE_AGAIN, Forgotten, SeqWindow
 from .dylu import DyLU, read as read_dylu
+from .early import EarlyPush
 from .fused import finite as _finite, push_pull as fused_push_pull, serves as fused_serves
 from .rules import dc_asgd, make_rule, staleness_scale
 from .shard_tables import ShardTables, ids_of
@@ -65,6 +66,8 @@ class ShardConfig:
     sync_reduce: str = "mean"
     reject_nonfinite: bool = True
     max_grad_norm: Optional[float] = None
+    # --early-parts: a push in parts applied as its parts arrive, where it can be (early.py)
+    early_parts: bool = True
     dedupe_window: int = 1024
     # Worker records kept (each holds a dedupe window, and a copy of the slice under
     # DC-ASGD). Departed and silent workers are forgotten first; past the cap a new id
@@ -161,7 +164,10 @@ class ShardState:
                          "nonfinite": 0, "too_large": 0, "pulls": 0, "held_pulls": 0,
                          "dropped_workers": 0, "max_pull_lead": 0, "stale": 0,
                          "lost_updates": 0, "refused_workers": 0, "forgotten_workers": 0,
-                         "dc_uncompensated": 0}
+                         "dc_uncompensated": 0,
+                         # pushes in parts applied as their parts came (early.py), and those
+                         # undone before their commit (applied whole later, or never)
+                         "early_pushes": 0, "early_undone": 0}
         self.staleness = [0] * STALENESS_BUCKETS
         self.restored: Optional[dict] = None  # version and digest of the checkpoint loaded
         self.lost_before = 0  # updates lost by earlier lives of this shard
@@ -173,6 +179,11 @@ class ShardState:
         self.streams = PushStreams(lambda part: self._check(part, norm=False), self.size,
                                    max_open=max(16, 2 * cfg.expected_workers),
                                    row_width=self._row_width)
+        # A push in parts applied as its parts arrive, not yet committed (``_early_part``)
+        self.early: Optional[EarlyPush] = None
+        self._early_ok = (cfg.early_parts and cfg.consistency.kind in ("async", "ssp")
+                          and cfg.dc_lambda is None
+                          and cfg.max_grad_norm is None and not len(self.tables))
         # (record, seq, meta, staleness) of the latest async push, applied and answered but
         # not yet accounted: see ``settle``.
         self.settle_later = settle_later
@@ -250,18 +261,73 @@ class ShardState:
         self._wire(record, msg)
         checked = False  # whether the gradient is known to be finite (checked part by part)
         if Key.PARTS in msg.meta:
+            before = self.streams.open.get(msg.worker)
             try:
                 whole, problem = self.streams.add(msg, now)
             except ProtocolError as exc:
                 whole, problem = None, (exc.code, str(exc))
+            self._early_part(record, msg, before, whole, problem)
             if problem:
                 return self.refuse(record.peer, *problem, msg)
             if whole is None:
                 return []
             msg, checked = whole, self.cfg.reject_nonfinite
-        if msg.meta.get(Key.PULL) is True:
-            return self._push_then_pull(record, msg, checked)
-        return self._push(record, msg, checked)
+        replies = (self._push_then_pull(record, msg, checked) if msg.meta.get(Key.PULL) is True
+                   else self._push(record, msg, checked))
+        if self.early is not None and self.early.whole is msg:  # not applied after all
+            self._undo_early()
+        return replies
+
+    # ---- pushes applied as their parts arrive (early.py) -----------------------------
+
+    def _early_part(self, record: WorkerRecord, msg: Message, before, whole, problem) -> None:
+        """Apply a part just taken by ``streams`` (``before``: its worker's open push
+        before it) to the early push it belongs to, start one at a part 0, or undo the
+        early push that the part ended (refused, replaced, dropped).
+
+        Only one push is early at a time, and only where the whole push would be applied
+        on arrival of its last part with nothing but its own segments: async and ssp,
+        without DC-ASGD (its compensation reads what the worker pulled), --max-grad-norm
+        (a bound on the whole gradient) or tables (rows have their own state); sync rounds
+        and backup workers sum whole pushes. Elsewhere, and for a push that arrives while
+        another is early, the whole push is applied at its last part, as before."""
+        early = self.early
+        if early is not None:
+            if whole is not None and before is early.stream and not problem:
+                early.whole = whole  # its last part: applied now, committed by ``_apply``
+                seg = whole.segments[-1]
+                if not early.take(seg.offset, seg.data):
+                    self._undo_early()  # overlapping parts: the whole push is refused
+                return
+            stream = self.streams.open.get(early.stream.first.worker)
+            if stream is early.stream and not stream.failed:
+                if msg.worker == stream.first.worker and whole is None and not problem:
+                    seg = stream.segments[-1]
+                    if not early.take(seg.offset, seg.data):
+                        self._undo_early()
+                return
+            self._undo_early()  # then this part may start the next
+        stream = self.streams.open.get(msg.worker)
+        # Another worker's push open: its parts would likely end this one's early (when it
+        # is applied first, which undoes this), so the work done early would be wasted
+        if (not self._early_ok or problem or whole is not None or stream is None
+                or stream.received != 1 or stream is before or len(self.streams.open) > 1
+                or record.window.classify(msg.seq) != FRESH):
+            return
+        self.rule.lr = self.schedule(self.version)
+        scale = staleness_scale(self.version - msg.clock) if self.cfg.staleness_lr else 1.0
+        self.early = EarlyPush(self.store, stream, self.rule.lr, scale)
+        seg = stream.segments[0]
+        if not self.early.take(seg.offset, seg.data):
+            self._undo_early()
+
+    def _undo_early(self) -> None:
+        """Undo the early push: before anything else writes the parameters or reads the
+        rule's state, and when its push will not be applied after all."""
+        if self.early is not None:
+            self.early.undo()
+            self.early = None
+            self.counters["early_undone"] += 1
 
     def _on_other(self, record: WorkerRecord, msg: Message, now: float) -> list:
         return [(record.peer, error_message(Code.BAD_TYPE,
@@ -597,7 +663,14 @@ class ShardState:
         self.rule.lr = self.schedule(self.version)
         if rows:  # same lr, same staleness scale; DC-ASGD compensates the dense slice only
             self.tables.apply(rows, self.now, self.rule.lr, scale)
-        if segments:  # a push of rows alone is no step of the dense rule (Adam's count)
+        early = self.early
+        if early is not None and early.whole is msg and (early.lr, early.scale) == (
+                self.rule.lr, scale):
+            self.early = None
+            early.commit()  # its parts are applied: the scratch becomes the parameters
+            self.counters["early_pushes"] += 1
+        elif segments:  # a push of rows alone is no step of the dense rule (Adam's count)
+            self._undo_early()
             self.store.update(segments, scale, deferrable=(
                 at_once and self.cfg.dc_lambda is None and msg.meta.get(Key.PULL) is True))
         self.version += 1
@@ -684,6 +757,7 @@ class ShardState:
         update = self.policy.round_update(self.workers, self.version)
         if update is None:
             return []
+        self._undo_early()
         self.rule.lr = self.schedule(self.version)
         self.store.update([(0, update)])
         members = self.policy.next_round()
@@ -752,7 +826,9 @@ class ShardState:
         whose deadline passed; release what that frees."""
         self.settle()
         self.policy.now = self.now = now
-        self.streams.expire(now, self.cfg.heartbeat_timeout)
+        if self.streams.expire(now, self.cfg.heartbeat_timeout) and self.early is not None \
+                and self.streams.open.get(self.early.stream.first.worker) is not self.early.stream:
+            self._undo_early()
         self.tables.expire(now)  # --evict ttl: rows aged out
         dropped = False
         for record in live_workers(self.workers):
@@ -818,6 +894,7 @@ class ShardState:
 
     def state_dict(self) -> dict:
         self.settle()
+        self._undo_early()  # its parts wrote the rule's state; the push applies whole later
         return {"index": self.cfg.index, "start": self.cfg.start, "end": self.cfg.end,
                 "params": self.params.clone(), "version": self.version,
                 "rule": self.rule.state_dict(), "counters": dict(self.counters),
@@ -853,6 +930,7 @@ class ShardState:
                               "them: resume with the --embeddings it was saved with")
         if len(self.tables):
             self.tables.load_state_dict(state["sparse"], now)
+        self._undo_early()
         self.store.load(state["params"])
         self.version = int(state["version"])
         self.rule.load_state_dict(state["rule"])

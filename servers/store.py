@@ -23,6 +23,7 @@ class ParamStore:
         self.rule = rule
         self._views_of: Optional[torch.Tensor] = None
         self._views: list = []
+        self._spare: Optional[torch.Tensor] = None  # the buffer ``swap`` replaced, for reuse
 
     @property
     def params(self) -> torch.Tensor:
@@ -45,6 +46,23 @@ class ParamStore:
         ``deferrable``: the next to read the parameters is the reply to this update,
         so a store may apply it part by part as that reply is sent."""
         self.rule.apply(self._writable(), segments, lr_scale=lr_scale)
+
+    def spare(self) -> torch.Tensor:
+        """A buffer like the parameters that nothing reads, its values undefined: a push
+        in parts is applied into it (``early.EarlyPush``), and ``swap`` makes it the
+        parameters, or ``give_back`` returns it."""
+        spare, self._spare = self._spare, None
+        return spare if spare is not None else torch.empty_like(self.buffer)
+
+    def swap(self, new: torch.Tensor) -> None:
+        """Make ``new`` (from ``spare``, every element written) the parameters; the old
+        buffer becomes the spare."""
+        self.apply_pending()
+        self._spare, self.buffer = self.buffer, new
+
+    def give_back(self, spare: torch.Tensor) -> None:
+        """A buffer from ``spare`` that did not become the parameters."""
+        self._spare = spare
 
     def load(self, params: torch.Tensor) -> None:
         """Replace the parameters' values (a checkpoint being restored)."""

@@ -1,6 +1,6 @@
 """Pushes that arrive in parts (PROTOCOL.md, "Parts"), collected per worker and checked part by
 part, so a shard checks part j while part j + 1 is still on the wire; a push is still applied
-whole or not at all.
+whole or not at all (where the shard applies parts as they pass, ``early.py`` keeps that).
 """
 
 from __future__ import annotations

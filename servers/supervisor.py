@@ -83,6 +83,8 @@ class ShardSupervisor:
                 balance_every=cfg.balance_every, min_batch=cfg.min_batch or 0,
                 batch_size=cfg.batch_size or 0,
                 reject_nonfinite=not cfg.allow_nonfinite, max_grad_norm=cfg.max_grad_norm,
+                early_parts=cfg.early_parts == "on" or (cfg.early_parts == "auto"
+                                                        and threads >= 2),
                 dispatch=dispatch if i == 0 else None, lr_schedule=cfg.lr_schedule,
                 warmup=cfg.warmup),
             bind_host=host, port=0, checkpoint_dir=checkpoint_dir,

@@ -79,10 +79,19 @@ class InFlight:
         if spare is None:
             spare = torch.empty_like(params)
         self.copies += 1
-        self._recycle(params)
+        self.recycle(params)
         return spare
 
-    def _recycle(self, old: torch.Tensor) -> None:
+    def free(self, like: torch.Tensor) -> torch.Tensor:
+        """A spare no send reads (kept among the spares if others are busy), or a new one
+        like ``like``; unlike ``move``, the current buffer stays where it is."""
+        self._settle()
+        for i, candidate in enumerate(self.spares):
+            if not self._busy(candidate):
+                return self.spares.pop(i)
+        return torch.empty_like(like)
+
+    def recycle(self, old: torch.Tensor) -> None:
         # Busy now, free later: _busy is checked again before a spare is reused.
         if len(self.spares) + 1 < self.max_buffers:
             self.spares.append(old)
@@ -146,6 +155,17 @@ class ZeroCopyStore(ParamStore):
             self._copy(source, end)
         if not segments and (source is None or self._done == self.buffer.numel()):
             self._pending = None
+
+    def spare(self) -> torch.Tensor:
+        return self.inflight.free(self.buffer)
+
+    def swap(self, new: torch.Tensor) -> None:
+        self.apply_pending()
+        old, self.buffer = self.buffer, new
+        self.inflight.recycle(old)  # a reply may still read it: reused once it is done
+
+    def give_back(self, spare: torch.Tensor) -> None:
+        self.inflight.recycle(spare)
 
     def _copy(self, source: torch.Tensor, end: int) -> None:
         if end > self._done:

@@ -37,6 +37,17 @@ def _script(version):
     yield lambda: _push("w2", 1, _grad(11), 0), 0  # w2's first, stale
     for seq in range(2, 5):  # stale pushes, computed on version 0
         yield lambda seq=seq: _push("w2", seq, _grad(seq + 20), 0), 1
+    # A push in parts applied as its parts arrive (early.py): a whole push meanwhile takes
+    # the general path, which undoes it first; once it is committed, the fused one again
+    half = SIZE // 2
+    yield lambda: _push("w4", 1, _grad(42), version()), 0
+    yield lambda: _push("w3", 1, _grad(40), version()), 0
+    yield lambda: _push("w3", 2, _grad(41)[:half], version(), part=0, parts=2), 0
+    yield lambda: _push("w4", 2, _grad(43), version()), 0  # while w3's push is open
+    yield lambda: _push("w3", 2, _grad(41)[half:], version(), offset=half, part=1, parts=2), 0
+    yield lambda: _push("w3", 3, _grad(44)[:half], version(), part=0, parts=2), 0
+    yield lambda: _push("w3", 3, _grad(44)[half:], version(), offset=half, part=1, parts=2), 0
+    yield lambda: _push("w4", 3, _grad(45), version()), 1
     yield lambda: _push("w1", 7, nan, version()), None  # refused: NaN (unless not checked)
     yield lambda: _push("w1", 8, _grad(8), version(), offset=3), 0  # refused: out of range
     yield lambda: _push("w1", 9, _grad(9), version(), shard=1), 0  # refused: another shard
@@ -135,6 +146,8 @@ def test_the_fused_path_answers_exactly_as_the_general_path(store, later, extra)
     assert _same(fused.stats(now), general.stats(now))
     assert _same(fused.state_dict(), general.state_dict())
     counters = fused.counters
+    early = "max_grad_norm" not in extra  # (a bound on the whole push: none start early)
+    assert (counters["early_undone"] >= 1) == early and (counters["early_pushes"] == 1) == early
     assert counters["duplicates"] == 2 and counters["rejected"] >= 5
     assert counters["nonfinite"] == (1 if cfg.get("reject_nonfinite", True) else 0)
     if "max_grad_norm" not in extra:  # (its stale pushes are too large)

@@ -1,11 +1,18 @@
 """A PS worker's model built with its served tables on the meta device (workers/meta_tables.py):
-plain objects, no processes.
+plain objects, and one fresh interpreter (what a start imports).
 
 Oracle: ``task.build_model(0)``, the whole model as the server builds it: the same parameter
 names and shapes, hence the same layout signature the handshake compares, and every
 parameter but the served tables real.
 """
 
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
 import torch
 import torch.nn as nn
 from torch.utils.data import TensorDataset
@@ -68,3 +75,30 @@ def test_dense_embeddings_a_same_shaped_parameter_and_a_model_reading_values_bui
         assert not any(p.is_meta for p in built.parameters())
         for (name, p), (_, q) in zip(built.named_parameters(), whole.named_parameters()):
             assert torch.equal(p, q), name  # built whole: as the server builds it
+
+
+@pytest.mark.processes
+def test_the_ctr_model_on_meta_imports_no_dynamo_and_has_the_shapes_of_torchs_meta_device():
+    """core/meta.py skips nn.init's draws on meta tensors: on torch's own meta device they
+    import torch._dynamo (0.8 s). A fresh interpreter, as a worker's start is one."""
+    code = textwrap.dedent("""
+        import json, sys
+        import torch
+        from asyncsgd.core.tasks import load_task
+        from asyncsgd.workers.meta_tables import build_without_tables
+        task = load_task("ctr:rows=1000,tables=2", samples=200)
+        built = build_without_tables(task, "sparse")
+        shapes = [[n, list(p.shape), p.is_meta] for n, p in built.named_parameters()]
+        dynamo = "torch._dynamo" in sys.modules
+        with torch.device("meta"):
+            reference = [[n, list(p.shape)] for n, p in task.build_model(0).named_parameters()]
+        print(json.dumps([dynamo, task.info["parameters"], shapes, reference]))
+        """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    dynamo, parameters, shapes, reference = json.loads(out.stdout.splitlines()[-1])
+    assert dynamo is False
+    assert [s[:2] for s in shapes] == reference
+    assert parameters == sum(math.prod(shape) for _, shape in reference)
+    assert {n for n, _, meta in shapes if meta} == {"tables.0.weight", "tables.1.weight"}

@@ -94,13 +94,14 @@ def test_unfinished_pushes_are_bounded_and_expire():
     assert not state.streams.open
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shared"])
-def test_large_pushes_in_parts_through_a_real_server_are_exact(server, transport):
+@pytest.mark.parametrize("transport,early", [("tcp", "off"), ("tcp", "on"), ("shared", "on")])
+def test_large_pushes_in_parts_through_a_real_server_are_exact(server, transport, early):
     """2.2M parameters on two shards: over TCP, each shard's push and reply go in two
-    4 MiB parts; through shared memory, in each worker's area. Exact either way."""
+    4 MiB parts (with --early-parts on, applied as they arrive, the reply sent from the
+    buffer swapped in); through shared memory, in each worker's area. Exact either way."""
     rows = 2_200_000
     srv = server("--task", "tasks_for_tests:index_counter", "--samples", rows, "--shards", 2,
-                 "--eval-every", 1000)
+                 "--eval-every", 1000, "--early-parts", early)
     layout = Layout.of(index_counter(rows).build_model())
     params = torch.full((layout.total,), 7.0)
     total = torch.zeros(layout.total)
@@ -124,6 +125,10 @@ def test_large_pushes_in_parts_through_a_real_server_are_exact(server, transport
         shards = [srv.request(encode(Message(type=STATS, seq=1)), port=port).meta
                   for port in srv.stats()["shard_ports"]]
     assert [s["pushes"] for s in shards] == [4, 3] and [s["nonfinite"] for s in shards] == [0, 1]
+    if (transport, early) == ("tcp", "on"):  # the refused push was undone on shard 1
+        assert [(s["early_pushes"], s["early_undone"]) for s in shards] == [(4, 0), (3, 1)]
+    else:
+        assert [s["early_pushes"] for s in shards] == [0, 0]
     assert [s["areas_made"] for s in shards] == [int(transport == "shared")] * 2
     # through the areas: each shard's slice in 4 pushes (the refused one too) and out in
     # its replies' parameters (5 on shard 0, 4 on shard 1, which refused one); none on TCP

@@ -16,36 +16,11 @@ from __future__ import annotations
 
 import logging
 
-import torch
 import torch.nn as nn
-from torch.overrides import TorchFunctionMode
+
+from asyncsgd.core.meta import OnMeta
 
 log = logging.getLogger(__name__)
-
-# The factories a module's __init__ makes its parameters with (nn.Embedding: torch.empty)
-FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones, torch.rand, torch.randn})
-
-
-class _ShapesOnMeta(TorchFunctionMode):
-    """Every factory call for a tensor of one of ``shapes``, on no device named, makes it on
-    the meta device instead: no memory, and nothing drawn."""
-
-    def __init__(self, shapes: set):
-        super().__init__()
-        self.shapes = shapes
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in FACTORIES and kwargs.get("device") is None and _shape(args) in self.shapes:
-            kwargs = {**kwargs, "device": "meta"}
-        return func(*args, **kwargs)
-
-
-def _shape(args: tuple) -> tuple:
-    """The shape a factory call asks for: ``f((2, 3))`` or ``f(2, 3)``."""
-    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
-        args = tuple(args[0])
-    return tuple(args) if all(isinstance(a, int) for a in args) else ()
 
 
 def build_without_tables(task, embeddings: str) -> nn.Module:
@@ -55,7 +30,7 @@ def build_without_tables(task, embeddings: str) -> nn.Module:
     if embeddings == "dense" or task.tables is None:  # no table served by row (served_tables)
         return task.build_model(0)
     try:
-        with torch.device("meta"):
+        with OnMeta():
             probe = task.build_model(0)
     except Exception as exc:  # a model function that reads values while it builds
         log.debug("the model cannot be built on the meta device (%s): built whole", exc)
@@ -64,7 +39,7 @@ def build_without_tables(task, embeddings: str) -> nn.Module:
     shapes = {tuple(p.shape) for name, p in probe.named_parameters() if name in served}
     if not shapes:
         return task.build_model(0)
-    with _ShapesOnMeta(shapes):
+    with OnMeta(shapes):
         model = task.build_model(0)
     stray = [name for name, p in model.named_parameters() if p.is_meta and name not in served]
     stray += [name for name, b in model.named_buffers() if b.is_meta]

@@ -34,8 +34,8 @@ _MEMBERS = {
                "dist_timeout workers local_workers servers shards rank world "
                "cpus_per_worker gpus_per_worker max_restarts start_timeout shard_restarts",
     SERVER: "consistency sync_reduce backup_workers staleness_lr dc_asgd max_grad_norm "
-            "allow_nonfinite heartbeat_timeout balance balance_every min_batch heartbeat "
-            "server_timeout id_space evict table_optimizer table_lr",
+            "early_parts allow_nonfinite heartbeat_timeout balance balance_every min_batch "
+            "heartbeat server_timeout id_space evict table_optimizer table_lr",
     NETWORK: "bind server advertise address curve_secret curve_server_key allowed_clients "
              "transport busy_poll_us push_dtype pull_dtype compress",
     STRAGGLERS: "slowdown delay step_time gradient_bytes latency link slow_workers "

@@ -172,6 +172,15 @@ ServerConfig = settings(
          "against a broken or hostile worker, counted and never applied. To clip gradients "
          "(rescale and apply them) give the workers --clip-grad-norm instead.",
          type=click.FloatRange(min=0, min_open=True), show="no bound"),
+    # Parts applied early pay only with a core to spare beside the shard's and the
+    # workers' threads: on 2 cores one trainer gained nothing (0.95-1.03x the whole-push
+    # path) and four lost 5-12 % (experiments/README.md, "Parts applied as they arrive").
+    knob("early_parts", str, "auto",
+         "Apply each part of a push that travels in parts (over TCP, more than 4 MiB a "
+         "shard) as it arrives, overlapping the update with the transfer; the push stays all "
+         "or nothing, and only async and ssp without --dc-asgd, --max-grad-norm or tables "
+         "do it. auto: on when each shard gets 2 torch threads or more (the default "
+         "--threads on hosts of 4 cores or more).", type=click.Choice(["auto", "on", "off"])),
     knob("allow_nonfinite", bool, False,
          "Apply gradients holding NaN or Inf (rejected by default)."),
     knob("exit_when_done", bool, True,

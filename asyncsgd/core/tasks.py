@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ..errors import DataError, TaskError
 from . import ctr_data, data, models, text
 from .datasets import DatasetSplit, dataset_split
+from .meta import OnMeta
 from .scoring import ACCURACY, AUC, PERPLEXITY, Metric
 
 
@@ -320,7 +321,7 @@ def ctr(samples: Optional[int] = None, rows: int = 10_000, tables: int = 26) -> 
 
     model_fn = functools.partial(models.DLRM, rows, ctr_data.CATEGORICAL, ctr_data.DENSE,
                                  tables=tables)
-    with torch.device("meta"):   # counted without their memory: 10^7-row tables are GBs
+    with OnMeta():   # counted without their memory: 10^7-row tables are GBs
         params = sum(p.numel() for p in model_fn().parameters())
     return Task(
         name="ctr", model_fn=model_fn, train=as_split(train), test=as_split(test),
