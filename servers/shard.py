@@ -33,6 +33,7 @@ from .consistency import APPLY, STALE, live_workers, make_policy, min_live_clock
 from .dedupe import DUPLICATE, FRESH, OUT_OF_WINDOW, STALE_AGAIN, Forgotten, SeqWindow
 from .dylu import DyLU, read as read_dylu
 from .early import EarlyPush
+from .fused import finite as _finite, push_pull as fused_push_pull, serves as fused_serves
 from .rules import dc_asgd, make_rule, staleness_scale
 from .shard_tables import ShardTables, ids_of
 from .store import ParamStore
@@ -42,18 +43,6 @@ log = logging.getLogger(__name__)
 
 STATS_WORKERS = 32  # workers listed by name in a stats reply (the most recently seen)
 FORGOTTEN_PER_RECORD = 16  # forgotten ids kept by name per worker record (a few ints each)
-
-
-def _finite(data: torch.Tensor) -> bool:
-    """True when no element is NaN or Inf.
-
-    A finite sum proves it (any NaN or Inf makes the sum NaN or Inf) and costs far
-    less than ``isfinite(data).all()`` (experiments/README.md, "Shard internals");
-    only a non-finite sum, which an overflow of finite values could also cause,
-    needs the exact scan.
-    """
-    return math.isfinite(float(data.sum())) or \
-        bool(torch.isfinite(data).all())
 
 
 def params_digest(params: torch.Tensor) -> str:
@@ -135,14 +124,16 @@ class WorkerRecord:
 class ShardState:
     def __init__(self, cfg: ShardConfig, params: torch.Tensor, store: type = ParamStore,
                  settle_later: bool = False, tables: Sequence = (), table_specs: Sequence = (),
-                 shards: int = 1, hash_ids: Optional[Callable] = None):
+                 shards: int = 1, hash_ids: Optional[Callable] = None, fused: bool = True):
         """``store``: the ``ParamStore`` class holding the parameters (the shard process
         passes one that sends replies without copying). ``settle_later``: an async push
         is accounted by ``settle()``, which the caller calls once the reply is sent
         (the shard process does); by default at once. ``tables``: this shard's part
         (``SparseTable``) of each of the layout's row-sparse tables (``table_specs``),
         of ``shards`` shards in all; ``hash_ids``: core.sparse_ids.hash_id in a hashed
-        id space."""
+        id space. ``fused``: the common message (an admitted worker's async push+pull of
+        one dense segment) takes ``fused.py``'s one pass, which answers exactly as the
+        general path does; False: every message takes the general path (tests compare)."""
         if params.dim() != 1 or len(params) != cfg.end - cfg.start:
             raise ConfigError(f"shard {cfg.index}: {len(params)} initial values for range "
                               f"[{cfg.start}, {cfg.end})")
@@ -203,6 +194,8 @@ class ShardState:
         self.dispatcher = Dispatcher(*cfg.dispatch) if cfg.dispatch else None
         self._handlers = {HEARTBEAT: self._on_heartbeat, BYE: self._on_bye,
                           PULL: self._on_pull, PUSH: self._on_push}
+        self.fused = fused and fused_serves(self)
+        self.fused_pushes = 0  # pushes answered by the fused path
 
     @property
     def params(self) -> torch.Tensor:
@@ -220,6 +213,10 @@ class ShardState:
         """The replies to ``msg`` from ``peer`` at ``now`` (monotonic seconds): [(peer, reply)]."""
         if self._unsettled is not None:
             self.settle()
+        if self.fused:
+            replies = fused_push_pull(self, peer, msg, now)
+            if replies is not None:
+                return replies
         self.policy.now = self.now = now  # a sync round's deadline times its pushes on it
         if msg.type == STATS:  # anyone may ask: no worker, no checks
             return [(peer, Message(type=STATS, shard=self.cfg.index, seq=msg.seq,

@@ -24,8 +24,8 @@ from asyncsgd.core.sparse_ids import hash_id
 from asyncsgd.wire.busy_poll import BUSY_POLL_US, BusyPoll
 from asyncsgd.wire.memory import keep_freed_memory
 from asyncsgd.wire.protocol import (ATTACH, BYE, MAX_HEADER_BYTES, MAX_SEGMENT_ROWS,
-                                    MAX_SEGMENT_VALUES, PARAMS, STATS, Code, Key, Message,
-                                    ProtocolError, Rows, error_message, in_parts)
+                                    MAX_SEGMENT_VALUES, PARAMS, STATS, Code, HeaderCache, Key,
+                                    Message, ProtocolError, Rows, error_message, in_parts)
 from asyncsgd.wire.security import Gatekeeper, ServerKeys
 from asyncsgd.wire.shared import AreaUnavailable, Areas
 from asyncsgd.wire.transport import frame_limit, recv_from, router, send, send_tracked
@@ -162,9 +162,10 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: tuple, ready,
         sock.setsockopt(zmq.RCVTIMEO, wait_ms)
         stopped = stop.numpy()
         busy = BusyPoll(settings.busy_poll_us / 1e6)
+        headers = HeaderCache()
         while not stopped[0]:
             with contextlib.suppress(zmq.Again):  # nothing came within the tick
-                _serve_one(sock, state, gate, sessions, areas, busy, save)
+                _serve_one(sock, state, gate, sessions, areas, busy, save, headers)
             note_digest()
             now = time.monotonic()
             wake = state.wake_at()  # a sync round's deadline (--backup-workers auto)
@@ -172,7 +173,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: tuple, ready,
                 if now >= next_tick:  # liveness needs no finer grain than this
                     next_tick = now + TICK_SECONDS
                 for peer, reply in state.tick(now):
-                    _reply(sock, state, peer, reply, areas)
+                    _reply(sock, state, peer, reply, areas, headers)
                 note_digest()
                 wake = state.wake_at()
             # A deadline a few ms away must not wait out the tick: recv waits until it.
@@ -277,36 +278,40 @@ def _drain(sock: zmq.Socket, state: ShardState, linger: float) -> None:
 
 
 def _reply(sock: zmq.Socket, state: ShardState, peer: bytes, reply: Message,
-           areas: Optional[Areas] = None) -> None:
+           areas: Optional[Areas] = None, headers: Optional[HeaderCache] = None) -> None:
     """Parameters go to a worker on this host through its shared area; to others without
     copying when the store allows it, a message per frame (so the worker copies one
     while the next is on the wire), each as soon as the update still pending on it is
-    applied; the rest once the update is complete."""
+    applied; the rest once the update is complete. ``headers``: the header of a
+    one-frame PARAMS reply of the parameters' views, kept from one reply to the next."""
     if reply.shard < 0:  # errors too name the shard: a worker can tell another shard's answer
         reply.shard = state.cfg.index
     store: ZeroCopyStore = state.store
-    # rows travel as frames only (an area holds the dense slice): such a reply goes in frames
-    area = areas.for_peer(peer) if areas is not None and reply.segments and not any(
-        type(s.data) is Rows for s in reply.segments) else None
+    area = areas.for_peer(peer) if areas is not None and reply.segments else None
+    if area is not None and any(type(s.data) is Rows for s in reply.segments):
+        area = None  # rows travel as frames only (an area holds the dense slice)
     if area is not None:
         store.apply_pending()
         send(sock, reply, peer, local=(area.link, area.params))
         areas.sent(reply)
         return
+    one = headers if reply.type == PARAMS and len(reply.segments) == 1 else None
     if reply.type == PARAMS and store.sends_in_place(reply):
         buffer = store.buffer
         for part in in_parts(reply) if len(reply.segments) > 1 else [reply]:
             store.apply_pending(until=max(s.offset + s.data.shape[0] for s in part.segments))
-            store.sending(buffer, send_tracked(sock, part, peer))
+            store.sending(buffer, send_tracked(sock, part, peer, one))
         return
     store.apply_pending()
-    send(sock, reply, peer)
+    send(sock, reply, peer, cache=one)
 
 
 def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
-               sessions: Sessions, areas: Areas, busy: BusyPoll, save: _Saver) -> None:
+               sessions: Sessions, areas: Areas, busy: BusyPoll, save: _Saver,
+               headers: HeaderCache) -> None:
     """Receive one message (polling first with ``busy`` while messages come that often,
-    then waiting up to RCVTIMEO: zmq.Again when none came) and answer it."""
+    then waiting up to RCVTIMEO: zmq.Again when none came) and answer it; ``headers``:
+    ``_reply``'s."""
     idle = time.perf_counter()
     busy.wait(sock)
     msg = None
@@ -340,7 +345,7 @@ def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
                               save_seconds=round(save.seconds, 4),
                               reply_copies=state.store.inflight.copies,
                               busy_polls=busy.polls, busy_poll_hits=busy.hits)
-        _reply(sock, state, to, reply, areas)
+        _reply(sock, state, to, reply, areas, headers)
     try:
         state.settle()  # the push's bookkeeping, while its worker reads the reply
     except Exception:  # as in handle: a bug must not take the shard down

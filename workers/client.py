@@ -27,9 +27,9 @@ from asyncsgd.wire.compression import WIRE_DTYPES, Compressor
 from asyncsgd.wire.layout import TableSpec
 from asyncsgd.wire.protocol import (ACK, ATTACH, BYE, DTYPE_NAMES, ERROR, HEARTBEAT, HELLO,
                                     FRAME_BYTES, MAX_HEADER_BYTES, MAX_SEGMENT_ROWS,
-                                    MAX_SEGMENT_VALUES, PARAMS, PULL, PUSH, WELCOME, Code, Key,
-                                    Message, Packed, ParamsIntake, ProtocolError, Rows,
-                                    in_parts, split)
+                                    MAX_SEGMENT_VALUES, PARAMS, PULL, PUSH, WELCOME, Code,
+                                    HeaderCache, Key, Message, Packed, ParamsIntake,
+                                    ProtocolError, Rows, in_parts, split)
 from asyncsgd.wire.security import ClientKeys, await_handshake
 from asyncsgd.wire.sparse import MAX_MESSAGE_VALUES, apart, reply_mismatch, split_rows, widened
 from asyncsgd.wire.transport import (dealer, frame_limit, is_local, parse_endpoint, recv, send,
@@ -224,6 +224,9 @@ class PSClient:
         self.versions = [0] * len(self.shards)
         self._intake = ParamsIntake()  # PARAMS replies by (shard, seq), part by part
         self._grads, self._grads_key, self._grad_segments = None, None, []
+        # each shard's push header, packed but for its seq, clock and meta: a push of the
+        # gradient buffer's own segments packs just those (protocol.HeaderCache)
+        self._headers = [HeaderCache() for _ in self.shards]
         self.transport = transport
         self.areas = SharedAreas(len(self.shards), insist=transport == "shared")
         # ZeroMQ sockets are not thread-safe: whoever uses them holds this lock.
@@ -394,7 +397,8 @@ class PSClient:
             if pushing:
                 msg = self._msg(PUSH, clock=self.versions[i], shard=i,
                                 meta={**(meta or {}), Key.PULL: True, **wire},
-                                segments=[*(segments[i] if segments else ()), *extra])
+                                segments=[*segments[i], *extra] if segments and extra else
+                                segments[i] if segments else extra)
                 outstanding[(i, msg.seq)] = [msg, {ACK, PARAMS}]
             else:
                 msg = self._msg(PULL, clock=self.versions[i], shard=i, meta=dict(wire),
@@ -487,7 +491,8 @@ class PSClient:
 
     def _send(self, i: int, msg: Message, copy: bool = True) -> None:
         """A push goes through the shard's shared area when there is one; else, of more
-        than one frame, in parts, so the shard checks each on arrival."""
+        than one frame, in parts, so the shard checks each on arrival; else whole, its
+        header cached when it carries the gradient buffer's own segment."""
         area = self.areas[i]
         if msg.type == PUSH and area is not None:
             self._out(self.shards[i], msg, local=(area.link, area.grads))
@@ -496,6 +501,8 @@ class PSClient:
                 if j:
                     kill_at.reached(kill_at.BETWEEN_PARTS)
                 self._out(self.shards[i], part, copy=copy)
+        elif msg.type == PUSH and self.compressor is None:
+            self._out(self.shards[i], msg, copy=copy, cache=self._headers[i])
         else:
             self._out(self.shards[i], msg, copy=copy)
 

@@ -16,8 +16,8 @@ import numpy
 import zmq
 
 from ..errors import ConfigError
-from .protocol import (FRAME_BYTES, INT8, ITEMSIZE, MAX_HEADER_BYTES, TOPK, Message,
-                       ProtocolError, decode, encode, packed_bytes, wire_of)
+from .protocol import (FRAME_BYTES, INT8, ITEMSIZE, MAX_HEADER_BYTES, TOPK, HeaderCache,
+                       Message, ProtocolError, decode, encode, packed_bytes, wire_of)
 
 log = logging.getLogger(__name__)
 
@@ -139,14 +139,15 @@ def shared_frames(segments: list) -> list:
 
 
 def send(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None, copy: bool = True,
-         local: Optional[tuple] = None) -> bool:
+         local: Optional[tuple] = None, cache: Optional[HeaderCache] = None) -> bool:
     """Send ``msg`` (to ``peer`` on a ROUTER). False if the peer is gone or not keeping up.
 
     ``copy=False`` sends tensor frames without copying: only for buffers that stay
     unchanged until the peer has answered (a worker's gradients until the ACK).
     ``local``: ``(link, slot)``: the tensors go into that same-host area slot instead.
+    ``cache``: the sender's header for messages of this form (``protocol.HeaderCache``).
     """
-    frames = encode(msg, local)
+    frames = encode(msg, local, cache)
     if peer is not None:
         frames.insert(0, peer)
     return _send_parts(sock, frames, copy)
@@ -173,11 +174,12 @@ class Reading:
         return all(ref() is None for ref in self._refs)
 
 
-def send_tracked(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None
-                 ) -> Optional[Reading]:
+def send_tracked(sock: zmq.Socket, msg: Message, peer: Optional[bytes] = None,
+                 cache: Optional[HeaderCache] = None) -> Optional[Reading]:
     """Send ``msg`` with its large tensor frames uncopied; the ``Reading`` says when libzmq
-    is done reading them (None: nothing is still being read, or the message was dropped)."""
-    frames = encode(msg)
+    is done reading them (None: nothing is still being read, or the message was dropped).
+    ``cache``: as for ``send``."""
+    frames = encode(msg, cache=cache)
     parts = [peer, frames[0]] if peer is not None else [frames[0]]
     refs, frame = [], None
     for frame in frames[1:]:

@@ -1,0 +1,163 @@
+"""The fused common path (servers/fused.py) answers exactly as the general path: the same
+replies, parameters, counters, stats, audit and checkpoint, bit for bit, over a sequence of
+pushes with duplicates, stale pushes, refusals and a NaN push (pure ShardState)."""
+
+import pytest
+import torch
+
+from asyncsgd.servers.shard import ShardConfig, ShardState
+from asyncsgd.servers.store import ParamStore
+from asyncsgd.servers.zero_copy import ZeroCopyStore
+from asyncsgd.wire.protocol import (BYE, HEARTBEAT, PARAMS, PULL, PUSH, STATS, Key, Message,
+                                    Segment)
+
+SIZE = 8
+
+
+def _grad(step: int, n: int = SIZE) -> torch.Tensor:
+    """Small integers and halves: exact under lr 1, distinct per step."""
+    return (torch.arange(n, dtype=torch.float32) % 5 - 2 + step) / 2
+
+
+def _push(worker, seq, grad, clock, inc=1, shard=0, offset=0, pull=True, **meta):
+    return Message(type=PUSH, worker=worker, incarnation=inc, seq=seq, clock=clock,
+                   shard=shard, meta={**({Key.PULL: True} if pull else {}), **meta},
+                   segments=[Segment(offset, grad)])
+
+
+def _script(version):
+    """The messages, each made when it is sent (``version``: the shard's now), and how many
+    of them the fused path takes (None: unless the shard refuses NaN)."""
+    nan = _grad(9).clone()
+    nan[3] = float("nan")
+    yield lambda: _push("w1", 1, _grad(1), version()), 0  # first contact: general
+    for seq in range(2, 7):  # the common message
+        yield lambda seq=seq: _push("w1", seq, _grad(seq), version()), 1
+    yield lambda: _push("w1", 4, _grad(4), version()), 0  # a duplicate: not applied again
+    yield lambda: _push("w2", 1, _grad(11), 0), 0  # w2's first, stale
+    for seq in range(2, 5):  # stale pushes, computed on version 0
+        yield lambda seq=seq: _push("w2", seq, _grad(seq + 20), 0), 1
+    # A push in parts applied as its parts arrive (early.py): a whole push meanwhile takes
+    # the general path, which undoes it first; once it is committed, the fused one again
+    half = SIZE // 2
+    yield lambda: _push("w4", 1, _grad(42), version()), 0
+    yield lambda: _push("w3", 1, _grad(40), version()), 0
+    yield lambda: _push("w3", 2, _grad(41)[:half], version(), part=0, parts=2), 0
+    yield lambda: _push("w4", 2, _grad(43), version()), 0  # while w3's push is open
+    yield lambda: _push("w3", 2, _grad(41)[half:], version(), offset=half, part=1, parts=2), 0
+    yield lambda: _push("w3", 3, _grad(44)[:half], version(), part=0, parts=2), 0
+    yield lambda: _push("w3", 3, _grad(44)[half:], version(), offset=half, part=1, parts=2), 0
+    yield lambda: _push("w4", 3, _grad(45), version()), 1
+    yield lambda: _push("w1", 7, nan, version()), None  # refused: NaN (unless not checked)
+    yield lambda: _push("w1", 8, _grad(8), version(), offset=3), 0  # refused: out of range
+    yield lambda: _push("w1", 9, _grad(9), version(), shard=1), 0  # refused: another shard
+    yield lambda: _push("w1", 10, _grad(10), version(), compute=-1.0), 0  # refused: compute
+    yield lambda: _push("w1", 11, _grad(11), version(), loss=0.5, samples=32,
+                        traffic=[100, 200], compute=0.01), 1  # reported: train and traffic
+    yield lambda: _push("w1", 12, _grad(12), version() + 5), 1  # ahead: from a past life
+    yield lambda: _push("w1", 13, _grad(13), version(), pull=False), 0  # a push alone
+    yield lambda: _push("w1", 14, _grad(14).to(torch.bfloat16), version()), 0  # widened
+    yield lambda: _push("w1", 15, _grad(15), version(), pull_dtype="float16"), 0
+    yield lambda: _push("w1", 18, _grad(18), version()), 1  # travels as float32 again
+    yield lambda: _push("w1", 16, _grad(16), version(), part=0, parts=2), 0  # in parts
+    yield lambda: Message(type=PULL, worker="w1", incarnation=1, seq=19), 0
+    yield lambda: Message(type=HEARTBEAT, worker="w2", incarnation=1, seq=5), 0
+    yield lambda: Message(type=STATS, seq=1), 0
+    yield lambda: Message(type=BYE, worker="w2", incarnation=1, seq=6), 0
+    yield lambda: _push("w2", 7, _grad(7), version()), 0  # departed: readmitted in general
+    yield lambda: _push("w2", 8, _grad(8), version()), 1
+    yield lambda: _push("w1", 1, _grad(30), version(), inc=2), 0  # restarted: new incarnation
+    yield lambda: _push("w1", 2, _grad(31), version(), inc=2), 1
+    yield lambda: _push("w1", 12, _grad(12), version()), 0  # the old incarnation: refused
+    for seq in range(3, 12):  # past the dedupe window of 4
+        yield lambda seq=seq: _push("w1", seq, _grad(seq), version(), inc=2), 1
+    yield lambda: _push("w1", 4, _grad(4), version(), inc=2), 0  # out of the window: refused
+    yield lambda: _push("w1", 11, _grad(11), version(), inc=2), 0  # in it: a duplicate
+
+
+def _reply(peer, msg, store) -> tuple:
+    """Everything a reply says, its tensors as bytes (read once what is pending is applied:
+    the shard process applies it before it sends)."""
+    store.apply_pending()
+    return (peer, msg.type, msg.worker, msg.incarnation, msg.seq, msg.clock, msg.shard,
+            msg.meta, msg.token,
+            [(s.offset, s.data.dtype, s.data.numpy().tobytes()) for s in msg.segments])
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and \
+            a.numpy().tobytes() == b.numpy().tobytes()
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
+CONFIGS = [
+    dict(),
+    dict(rule="adam", lr=0.5, staleness_lr=True),
+    dict(max_grad_norm=20.0),  # steps up to ~14 within it, later ones refused
+    dict(reject_nonfinite=False),
+    dict(rule="momentum", lr_schedule="cosine:100"),
+]
+
+
+@pytest.mark.parametrize("store, later", [(ParamStore, False), (ZeroCopyStore, True)])
+@pytest.mark.parametrize("extra", CONFIGS, ids=lambda c: ",".join(c) or "default")
+def test_the_fused_path_answers_exactly_as_the_general_path(store, later, extra):
+    cfg = dict(index=0, start=0, end=SIZE, lr=1.0, heartbeat_timeout=50.0, dedupe_window=4)
+    cfg.update(extra)
+    states = [ShardState(ShardConfig(**cfg), torch.arange(SIZE, dtype=torch.float32),
+                         store=store, settle_later=later, fused=fused) for fused in (True, False)]
+    fused, general = states
+    assert fused.fused and not general.fused
+    audits = [[], []]
+    for state, audit in zip(states, audits):
+        state.audit = lambda *a, audit=audit: audit.append(a)
+    expected = 0
+    now = 1.0
+    for make, common in _script(lambda: general.version):
+        now += 0.25
+        before = fused.fused_pushes
+        got = [[_reply(p, r, s.store) for p, r in s.handle(b"peer", make(), now)]
+               for s in states]
+        assert _same(got[0], got[1]), got
+        if common is None:
+            common = not cfg.get("reject_nonfinite", True)
+        if common and (extra.get("max_grad_norm") is None or
+                       float(make().segments[0].data.norm()) <= extra["max_grad_norm"]):
+            expected += 1
+            assert fused.fused_pushes == before + 1 and got[0][0][1] == PARAMS
+            assert got[0][0][7][Key.ACK][Key.APPLIED] is True
+        else:
+            assert fused.fused_pushes == before
+        assert [s._unsettled is None for s in states] == [general._unsettled is None] * 2
+        assert fused.now == general.now and fused.policy.now == general.policy.now
+        for state in states:
+            state.settle()  # as the shard process does once the reply is out
+        assert _same(fused.params, general.params) and fused.version == general.version
+        assert fused.counters == general.counters and fused.staleness == general.staleness
+        assert _same(fused.stats(now), general.stats(now))
+    assert fused.fused_pushes == expected >= (8 if "max_grad_norm" in extra else 20)
+    assert general.fused_pushes == 0
+    assert audits[0] == audits[1] and len(audits[0]) == fused.counters["updates"]
+    assert _same(fused.stats(now), general.stats(now))
+    assert _same(fused.state_dict(), general.state_dict())
+    counters = fused.counters
+    early = "max_grad_norm" not in extra  # (a bound on the whole push: none start early)
+    assert (counters["early_undone"] >= 1) == early and (counters["early_pushes"] == 1) == early
+    assert counters["duplicates"] == 2 and counters["rejected"] >= 5
+    assert counters["nonfinite"] == (1 if cfg.get("reject_nonfinite", True) else 0)
+    if "max_grad_norm" not in extra:  # (its stale pushes are too large)
+        assert sum(fused.staleness[1:]) >= 4  # the stale pushes were counted stale
+
+
+def test_configurations_with_more_to_a_push_take_the_general_path():
+    def state(**kw):
+        return ShardState(ShardConfig(index=0, start=0, end=SIZE, **kw), torch.zeros(SIZE))
+
+    assert state().fused
+    for kw in (dict(consistency="ssp:1"), dict(consistency="sync"), dict(dc_lambda=0.04)):
+        assert not state(**kw).fused, kw
