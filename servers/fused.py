@@ -1,5 +1,4 @@
-"""The common message of an async shard in one pass: an admitted worker's push+pull of one
-dense segment.
+"""An async shard's common message in one pass: an admitted worker's one-segment push+pull.
 
 ``push_pull(state, peer, msg, now)`` answers it exactly as ``ShardState.handle`` would
 through ``_on_push``, ``_push_then_pull``, ``_check``, ``_push``, ``_apply`` and

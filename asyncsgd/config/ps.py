@@ -174,8 +174,9 @@ ServerConfig = settings(
          "(rescale and apply them) give the workers --clip-grad-norm instead.",
          type=click.FloatRange(min=0, min_open=True), show="no bound"),
     # Parts applied early pay only with a core to spare beside the shard's and the
-    # workers' threads: on 2 cores one trainer gained nothing (0.95-1.03x the whole-push
-    # path) and four lost 5-12 % (experiments/README.md, "Parts applied as they arrive").
+    # workers' threads: on 2 cores the whole-push path was 0.95-0.96x as fast with one
+    # trainer, i.e. parts early were 4-5 % slower, and 0.92x with four (experiments/README.md,
+    # "Parts applied as they arrive").
     knob("early_parts", str, "auto",
          "Apply each part of a push that travels in parts (over TCP, more than 4 MiB a "
          "shard) as it arrives, overlapping the update with the transfer; the push stays all "

@@ -17,6 +17,8 @@ from torch.overrides import TorchFunctionMode
 # nn.Linear: torch.empty; norms: torch.ones and torch.zeros)
 FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones, torch.rand, torch.randn,
                        torch.full, torch.arange, torch.eye})
+# Those whose positional arguments are the shape (torch.arange(a, b) is no shape (a, b))
+SHAPED = frozenset({torch.empty, torch.zeros, torch.ones, torch.rand, torch.randn})
 # In-place initializers that only draw or bound values (nn.init's normal_, uniform_,
 # trunc_normal_, kaiming_*, xavier_*): on a meta tensor there are no values to draw
 DRAWS = frozenset({"normal_", "uniform_", "clamp_", "clamp_min_", "clamp_max_", "erfinv_",
@@ -41,7 +43,7 @@ class OnMeta(TorchFunctionMode):
             if isinstance(target, torch.Tensor) and target.is_meta:
                 return target
         if func in FACTORIES and kwargs.get("device") is None and (
-                self.shapes is None or shape_asked(args) in self.shapes):
+                self.shapes is None or (func in SHAPED and shape_asked(args) in self.shapes)):
             kwargs = {**kwargs, "device": "meta"}
         return func(*args, **kwargs)
 
