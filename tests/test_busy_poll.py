@@ -195,17 +195,7 @@ def test_a_real_server_and_client_poll_by_default_and_not_when_told(server):
     srv = server("--task", "tasks_for_tests:index_counter", "--samples", 1000,
                  "--eval-every", 1000, "--no-exit-when-done")  # the first client's bye
     layout = Layout.of(index_counter(1000).build_model())       # does not end the run
-    params, total = torch.zeros(layout.total), torch.zeros(layout.total)
-    polls = {}
-    for worker, budget in (("polls", BUSY_POLL_US), ("sleeps", 0)):
-        with PSClient(srv.address, worker, layout.signature(), rank=0, world=1,
-                      server_timeout=20, transport="tcp", busy_poll_us=budget) as client:
-            for step in range(20):
-                grad = torch.randint(-4, 5, (layout.total,)).float()
-                client.push_pull(grad, params)
-                total += grad
-                assert torch.equal(params, -total), f"{worker}, step {step}: not exact"
-            polls[worker] = client.busy_poll.polls
+    polls = _polls_of_exact_steps(srv.address, layout, shards=1)
     assert polls["polls"] >= 1 and polls["sleeps"] == 0
     shard, = srv.stats()["shard_stats"]
     assert shard["busy_polls"] >= 1
@@ -218,18 +208,7 @@ def test_a_worker_of_two_shards_polls_for_both_replies_and_stays_exact(server):
     srv = server("--task", "tasks_for_tests:index_counter", "--samples", 1000, "--shards", 2,
                  "--eval-every", 1000, "--no-exit-when-done")
     layout = Layout.of(index_counter(1000).build_model())
-    params, total = torch.zeros(layout.total), torch.zeros(layout.total)
-    polls = {}
-    for worker, budget in (("polls", BUSY_POLL_US), ("sleeps", 0)):
-        with PSClient(srv.address, worker, layout.signature(), rank=0, world=1,
-                      server_timeout=20, transport="tcp", busy_poll_us=budget) as client:
-            assert len(client.shards) == 2
-            for step in range(20):
-                grad = torch.randint(-4, 5, (layout.total,)).float()
-                client.push_pull(grad, params)
-                total += grad
-                assert torch.equal(params, -total), f"{worker}, step {step}: not exact"
-            polls[worker] = client.busy_poll.polls
+    polls = _polls_of_exact_steps(srv.address, layout, shards=2)
     assert 1 <= polls["polls"] <= 20 and polls["sleeps"] == 0, polls
 
 
@@ -254,3 +233,21 @@ def test_a_real_server_and_client_do_not_poll_for_large_messages(server):
     assert polls <= 1, polls
     shard, = srv.stats()["shard_stats"]
     assert shard["busy_polls"] <= 2, shard["busy_polls"]
+
+
+def _polls_of_exact_steps(address: str, layout, shards: int) -> dict:
+    """The busy polls of two workers of ``address`` (one polling, one not) over 20 push+pull
+    steps each, whose parameters stay exactly minus the gradients' sum."""
+    params, total = torch.zeros(layout.total), torch.zeros(layout.total)
+    polls = {}
+    for worker, budget in (("polls", BUSY_POLL_US), ("sleeps", 0)):
+        with PSClient(address, worker, layout.signature(), rank=0, world=1,
+                      server_timeout=20, transport="tcp", busy_poll_us=budget) as client:
+            assert len(client.shards) == shards
+            for step in range(20):
+                grad = torch.randint(-4, 5, (layout.total,)).float()
+                client.push_pull(grad, params)
+                total += grad
+                assert torch.equal(params, -total), f"{worker}, step {step}: not exact"
+            polls[worker] = client.busy_poll.polls
+    return polls
