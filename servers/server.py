@@ -222,7 +222,12 @@ def _summary(cfg: ServerConfig, lr: float, obs: dict, front: Front, supervisor: 
     # --local-steps auto: each worker's H as shard 0 last set it (DyLU)
     dylu = {"local_steps": evaluator.latest[0]["local_steps"]} \
         if evaluator.latest and evaluator.latest[0].get("local_steps") else {}
-    return {**dc, **stale, **dylu, **_tables(evaluator.latest),
+    # --early-parts: pushes in parts applied as their parts came, and those undone (a part
+    # failed, or another write came first); summed over shards, nothing when none went early
+    early = {key: sum(s.get(f"early_{key}", 0) for s in evaluator.latest)
+             for key in ("pushes", "undone")}
+    early = {"early_parts": early} if early["pushes"] else {}
+    return {**dc, **stale, **dylu, **early, **_tables(evaluator.latest),
             "updates": obs["updates"], "staleness_p50": obs["staleness_p50"],
             "staleness_p99": obs["staleness_p99"], "staleness_hist": obs["staleness_hist"],
             "shards": len(supervisor.settings), "consistency": cfg.consistency,

@@ -1,6 +1,8 @@
 """Pushes larger than one frame travel in parts; each part is checked on arrival, and the
 push is still applied whole or not at all."""
 
+import json
+
 import pytest
 import torch
 
@@ -125,10 +127,14 @@ def test_large_pushes_in_parts_through_a_real_server_are_exact(server, transport
         shards = [srv.request(encode(Message(type=STATS, seq=1)), port=port).meta
                   for port in srv.stats()["shard_ports"]]
     assert [s["pushes"] for s in shards] == [4, 3] and [s["nonfinite"] for s in shards] == [0, 1]
+    srv.proc.wait(60)  # the client's goodbye ended the run: its summary sums the shards
+    summary = json.loads((srv.out / "summary.json").read_text())
     if (transport, early) == ("tcp", "on"):  # the refused push was undone on shard 1
         assert [(s["early_pushes"], s["early_undone"]) for s in shards] == [(4, 0), (3, 1)]
+        assert summary["early_parts"] == {"pushes": 7, "undone": 1}
     else:
         assert [s["early_pushes"] for s in shards] == [0, 0]
+        assert "early_parts" not in summary
     assert [s["areas_made"] for s in shards] == [int(transport == "shared")] * 2
     # through the areas: each shard's slice in 4 pushes (the refused one too) and out in
     # its replies' parameters (5 on shard 0, 4 on shard 1, which refused one); none on TCP
