@@ -295,16 +295,12 @@ class ShardState:
         if early is not None:
             if whole is not None and before is early.stream and not problem:
                 early.whole = whole  # its last part: applied now, committed by ``_apply``
-                seg = whole.segments[-1]
-                if not early.take(seg.offset, seg.data):
-                    self._undo_early()  # overlapping parts: the whole push is refused
+                self._take_early(whole.segments[-1])
                 return
             stream = self.streams.open.get(early.stream.first.worker)
             if stream is early.stream and not stream.failed:
                 if msg.worker == stream.first.worker and whole is None and not problem:
-                    seg = stream.segments[-1]
-                    if not early.take(seg.offset, seg.data):
-                        self._undo_early()
+                    self._take_early(stream.segments[-1])
                 return
             self._undo_early()  # then this part may start the next
         stream = self.streams.open.get(msg.worker)
@@ -317,7 +313,11 @@ class ShardState:
         self.rule.lr = self.schedule(self.version)
         scale = staleness_scale(self.version - msg.clock) if self.cfg.staleness_lr else 1.0
         self.early = EarlyPush(self.store, stream, self.rule.lr, scale)
-        seg = stream.segments[0]
+        self._take_early(stream.segments[0])
+
+    def _take_early(self, seg) -> None:
+        """Apply one checked part to the early push; a part overlapping one taken before
+        undoes it (the whole push is then refused, as a whole one would be)."""
         if not self.early.take(seg.offset, seg.data):
             self._undo_early()
 

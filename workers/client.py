@@ -397,6 +397,8 @@ class PSClient:
             if pushing:
                 msg = self._msg(PUSH, clock=self.versions[i], shard=i,
                                 meta={**(meta or {}), Key.PULL: True, **wire},
+                                # the gradient buffer's own list when nothing joins it:
+                                # _send's HeaderCache knows its segments by the list's identity
                                 segments=[*segments[i], *extra] if segments and extra else
                                 segments[i] if segments else extra)
                 outstanding[(i, msg.seq)] = [msg, {ACK, PARAMS}]
