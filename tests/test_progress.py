@@ -83,6 +83,30 @@ def test_the_bar_fills_by_the_budget_nearer_its_end_and_fits_one_terminal_line(m
     assert stream.getvalue().endswith("\n")
 
 
+def test_due_says_when_an_update_would_show_something(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    progress, stream = _log(total=1_000, log_every=5.0)
+    assert progress.due()  # nothing logged yet
+    progress.update(1, 10, 10.0)
+    assert stream.getvalue().count("\n") == 1 and not progress.due()
+    now[0] += 4.9
+    progress.update(2, 20, 10.0)  # not due: nothing written
+    assert stream.getvalue().count("\n") == 1 and progress.due(force=True)
+    now[0] += 0.1
+    assert progress.due()
+    progress.update(3, 30, 10.0)
+    assert stream.getvalue().count("\n") == 2
+    bar = Progress("single", 100, style="bar", stream=Terminal())
+    assert bar.due()
+    bar.update(1, 1, 1.0)
+    now[0] += 0.19
+    assert not bar.due()
+    now[0] += 0.01
+    assert bar.due()
+    assert not Progress("single", 100, style="off", stream=io.StringIO()).due(force=True)
+
+
 def test_a_real_runs_log_lines_have_its_eta_and_its_clock_starts_at_the_launch(cli_env,
                                                                                 tmp_path):
     """``asyncsgd single --max-seconds 3``: its first progress line comes after its start

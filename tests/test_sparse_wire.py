@@ -218,6 +218,21 @@ def test_a_lying_sparse_segment_is_refused_with_its_reason(segments, code, words
     assert [_bits(s.data.payload) for s in segs] == before  # the check changes nothing
 
 
+@pytest.mark.parametrize("ids, words", [([0, 19, 5], None), ([3, 20], "id 20 of table 0"),
+                                        ([-2, 3], "id -2 of table 0"), ([19], None)])
+def test_one_shard_of_one_table_holds_exactly_the_ids_in_range(ids, words):
+    """The one-shard path (a least and greatest id, no mask) refuses what the mask would."""
+    tables = TABLES[:1]  # 20 rows
+    asked = torch.tensor(ids, dtype=torch.int64)
+    for segs in (_push(rows_segment(0, asked, torch.ones(len(ids), 4))),  # a push's rows
+                 [ids_segment(0, asked)]):                                # a pull's ids
+        verdict = check_rows(segs, tables, shard=0, shards=1)
+        if words is None:
+            assert verdict is None
+        else:
+            assert verdict[0] == "out-of-range" and words in verdict[1], verdict
+
+
 def test_honest_rows_and_ids_pass_and_the_finite_scan_can_be_skipped():
     push = _push(rows_segment(0, torch.tensor([19, 1, 4]), torch.ones(3, 4)),
                  rows_segment(1, torch.tensor([1, 4]), torch.ones(2, 3), "float16"))

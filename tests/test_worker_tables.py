@@ -206,6 +206,17 @@ def test_ids_outside_a_fixed_table_are_named():
         check_ids([torch.tensor([0, rows]), torch.tensor([5])], layout, hashed=False)
 
 
+def test_ids_outside_a_single_fixed_table_are_named():
+    model = DLRM(ROWS, tables=1)  # the 26 features in one table of 26 x ROWS rows
+    rows = 26 * ROWS
+    layout = Layout.of(model, embedding_tables(model))
+    check_ids([torch.tensor([0, rows - 1])], layout, hashed=False)
+    check_ids([torch.tensor([], dtype=torch.int64)], layout, hashed=False)
+    for bad in (rows, -1):
+        with pytest.raises(ConfigError, match=f"id {bad} of table 'tables.0.weight'"):
+            check_ids([torch.tensor([3, bad, 4])], layout, hashed=False)
+
+
 def test_accumulated_micro_batches_share_one_local_weight():
     full = DLRM(ROWS)
     model = copy.deepcopy(full)

@@ -499,6 +499,8 @@ class _Loop:
         self._show()
 
     def _show(self, force: bool = False) -> None:
+        if not self.progress.due(force):  # called every push: no status built unless shown
+            return
         elapsed = self.elapsed()
         note = pace_note(self.pacer.computed, self.pacer.waited, self.pacer.span)
         if self.client.batch is not None:  # the batch the server gives it (--balance batch)

@@ -85,16 +85,23 @@ class Progress:
             done.append(samples / self.total)
         return min(1.0, max(0.0, *done)) if done else None
 
-    def update(self, t: float, samples: int, rate: float, force: bool = False) -> None:
+    def due(self, force: bool = False) -> bool:
+        """Whether ``update`` would draw or log now: a caller that builds its ``note`` every
+        step (a worker's) skips that work while nothing is shown."""
         if self.style == "off":
+            return False
+        last, every = (self._last_draw, 0.2) if self.style == "bar" else \
+            (self._last_log, self.log_every)
+        return force or time.monotonic() - last >= every
+
+    def update(self, t: float, samples: int, rate: float, force: bool = False) -> None:
+        if not self.due(force):
             return
-        now = time.monotonic()
         if self.style == "bar":
-            if force or now - self._last_draw >= 0.2:
-                self._last_draw = now
-                self._draw(t, samples, rate)
-        elif force or now - self._last_log >= self.log_every:
-            self._last_log = now
+            self._last_draw = time.monotonic()
+            self._draw(t, samples, rate)
+        else:
+            self._last_log = time.monotonic()
             self.stream.write(self.line(t, samples, rate) + "\n")
             self.stream.flush()
 

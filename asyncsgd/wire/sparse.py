@@ -98,8 +98,16 @@ def check_rows(segments: Sequence, tables: Sequence[TableSpec], shard: int, shar
     table_of = None if one else torch.repeat_interleave(torch.tensor(named), counts)
     bound = tables[named[0]].rows if one or hash_ids is not None else torch.repeat_interleave(
         torch.tensor([tables[t].rows for t in named]), counts)
-    mine = holds(ids, shard, shards, bound, hash_ids)
-    if not bool(mine.all()):
+    # one shard of a fixed table holds an id iff it is in range: its least and greatest id
+    # tell that in one op (the mask, of several, only to name an id that is not)
+    mine = None
+    if one and shards == 1 and hash_ids is None and len(ids):
+        low, high = torch.aminmax(ids)
+        if int(low) < 0 or int(high) >= bound:
+            mine = holds(ids, shard, shards, bound, hash_ids)
+    else:
+        mine = holds(ids, shard, shards, bound, hash_ids)
+    if mine is not None and not bool(mine.all()):
         at = int((~mine).nonzero()[0])
         table = named[0] if one else int(table_of[at])
         where = "" if hash_ids is not None else f" in [0, {tables[table].rows}) with id % " \
