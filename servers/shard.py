@@ -35,7 +35,7 @@ from .dylu import DyLU, read as read_dylu
 from .early import EarlyPush
 from .fused import finite as _finite, push_pull as fused_push_pull, serves as fused_serves
 from .rules import dc_asgd, make_rule, staleness_scale
-from .shard_tables import ShardTables, ids_of
+from .shard_tables import ShardTables, ids_of, rows_of
 from .store import ParamStore
 from .streams import PushStreams
 
@@ -542,11 +542,13 @@ class ShardState:
 
     # ---- pushes ---------------------------------------------------------------------
 
-    def _check(self, msg: Message, finite: bool = True, norm: bool = True) -> Optional[tuple]:
+    def _check(self, msg: Message, finite: bool = True, norm: bool = True,
+               ids: bool = True) -> Optional[tuple]:
         """(code, detail) when the push must be refused, checked before anything is applied.
 
         ``finite`` False skips the NaN/Inf scan of a push whose parts passed it on
-        arrival; ``norm`` False skips the gradient-norm bound (a part alone has none).
+        arrival; ``norm`` False skips the gradient-norm bound (a part alone has none);
+        ``ids`` False skips the ids it asks back, which ``_check_ids`` just checked.
         """
         # Checked here, before anything is applied: the rule's apply() trusts these. The
         # spans first, from the descriptors: a packed segment is expanded (allocated) only
@@ -572,7 +574,7 @@ class ShardState:
             if any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:])):
                 return Code.BAD_DESCRIPTOR, "segments must not overlap"
         # Row values are always scanned: a table applies no NaN, whatever --reject-nonfinite
-        problem = self.tables.check(rows, finite=finite)
+        problem = self.tables.check(rows if ids else rows_of(rows), finite=finite)
         if problem:
             if problem[0] == Code.NON_FINITE:
                 self.counters["nonfinite"] += 1
@@ -597,7 +599,10 @@ class ShardState:
                                         f"exceeds --max-grad-norm {self.cfg.max_grad_norm}")
         return None
 
-    def _push(self, record: WorkerRecord, msg: Message, checked: bool = False) -> list:
+    def _push(self, record: WorkerRecord, msg: Message, checked: bool = False,
+              ids_checked: bool = False) -> list:
+        """Apply (or hold, or refuse) a push; ``checked``: its parts passed the NaN/Inf scan
+        on arrival; ``ids_checked``: the ids it asks back passed ``_check_ids``."""
         peer = record.peer
         if msg.seq in record.waiting:  # a retry of a push waiting for its round: answered then
             self.counters["duplicates"] += 1
@@ -616,7 +621,8 @@ class ShardState:
                 f"push {msg.seq} is at or below {record.window.floor}, the oldest sequence "
                 f"number shard {self.cfg.index} has forgotten: it cannot tell whether it was "
                 "applied, so it applies nothing"), msg)
-        problem = self._check(msg, finite=not checked) or self._note_speed(record, msg.meta)
+        problem = self._check(msg, finite=not checked, ids=not ids_checked) or \
+            self._note_speed(record, msg.meta)
         if problem:
             return self.refuse(peer, *problem, msg)
         weight = 1.0
@@ -720,7 +726,7 @@ class ShardState:
         problem = self._check_ids(msg)
         if problem:
             return self.refuse(record.peer, *problem, msg)
-        replies = self._push(record, msg, checked)
+        replies = self._push(record, msg, checked, ids_checked=True)
         if self.policy.answers_at_once and len(replies) == 1 and replies[0][1].type == ACK:
             # The common case, without the general matching below: nothing is held, so
             # the push's one ACK and the parameters always go out together.
