@@ -20,9 +20,9 @@ from asyncsgd.wire.protocol import (FRAME_BYTES, MAX_SEGMENT_ROWS, MAX_SEGMENT_V
                                     PULL, PUSH,
                                     VERSION, Message, ProtocolError, Rows, Segment, decode,
                                     encode, in_parts)
-from asyncsgd.wire.sparse import (MAX_MESSAGE_VALUES, apart, check_rows, ids_segment,
-                                  reply_mismatch, rows_reply, rows_segment, split_rows,
-                                  widened)
+from asyncsgd.wire.sparse import (MAX_MESSAGE_VALUES, apart, by_table, check_rows, ids_segment,
+                                  reply_mismatch, rows_reply, rows_segment, sorted_ids,
+                                  split_rows, unique_ids, widened)
 
 TABLES = [TableSpec("emb.0.weight", 20, 4), TableSpec("emb.1.weight", 7, 3)]
 
@@ -268,6 +268,21 @@ def test_a_hashed_id_space_holds_any_id_its_hash_sends_to_the_shard():
                          hash_ids=parity)
     assert verdict[0] == "out-of-range" and "id 2 of table 0 is not shard 0's" == \
         verdict[1], verdict
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 50, 832, 30_000])
+def test_the_numpy_sorts_give_torchs_answers(n):
+    """sorted_ids, unique_ids and by_table (numpy's sorts, faster on one thread) equal the
+    torch ops they stand for, repeats and negative ids included."""
+    g = torch.Generator().manual_seed(n)
+    ids = torch.randint(-5, 400, (n,), generator=g)
+    table_of = torch.randint(0, 26, (n,), generator=g)
+    assert torch.equal(sorted_ids(ids), ids.sort().values)
+    assert torch.equal(unique_ids(ids), torch.unique(ids, sorted=True))
+    by_id = torch.argsort(ids, stable=True)
+    order = by_id[torch.argsort(table_of[by_id], stable=True)]
+    got_ids, got_tables = by_table(ids, table_of)
+    assert torch.equal(got_ids, ids[order]) and torch.equal(got_tables, table_of[order])
 
 
 def test_a_fixed_table_is_cut_by_id_modulo_shards():

@@ -19,7 +19,7 @@ from asyncsgd.core.sparse_ids import shard_of
 from asyncsgd.core.models import lookup_ids, with_lookup_ids
 from asyncsgd.errors import ConfigError
 from asyncsgd.wire.layout import Layout
-from asyncsgd.wire.sparse import by_table
+from asyncsgd.wire.sparse import by_table, unique_ids
 
 # EmbeddingBag modes whose result a remap of the ids keeps: each bag reduces the rows its
 # ids name, and the local weight holds exactly those rows (tested for all three)
@@ -189,7 +189,7 @@ def unique_per_table(ids: Sequence[torch.Tensor]) -> list:
     """Per table, its unique ``ids`` sorted: one sort of all tables' ids by (table, id)
     rather than a torch.unique per table (26 of them a step for ctr)."""
     if len(ids) < 2:
-        return [torch.unique(one, sorted=True) for one in ids]
+        return [unique_ids(one) for one in ids]
     every = torch.cat(list(ids))
     table_of = torch.repeat_interleave(torch.arange(len(ids)),
                                        torch.tensor([len(one) for one in ids]))
