@@ -368,6 +368,17 @@ def test_lfu_refuses_more_rows_at_once_than_it_holds_before_anything():
     assert reply.meta["code"] == "too-large" and everything(shard) == before
 
 
+def test_lfu_refuses_more_ids_asked_back_at_once_than_it_holds_before_anything():
+    """A push that pulls has its asked ids checked once (``_check_ids``), lfu's bound
+    included: more than the table holds is refused before its rows are applied."""
+    shard = hashed(evict=("lfu", 3))
+    before = everything(shard)
+    (reply,) = handle(shard, push(1, [(0, hashed_ids(2), torch.ones(2, 4))], torch.ones(DENSE),
+                                  pull=True, ids=[(0, hashed_ids(4, start=7))], shard=0))
+    assert reply.meta["code"] == "too-large" and reply.meta["error"].startswith("4 rows of table 0")
+    assert everything(shard) == before
+
+
 # ---- a shard whose dense slice is empty (more shards than dense values) ---------------------
 
 def tables_only(mode="async", workers=1, dense_rule="sgd"):

@@ -285,6 +285,23 @@ def test_the_numpy_sorts_give_torchs_answers(n):
     assert torch.equal(got_ids, ids[order]) and torch.equal(got_tables, table_of[order])
 
 
+def test_the_numpy_sorts_read_any_view_and_many_tables():
+    """Ids viewed from a read-only buffer (as decoded from a frame) or strided, and table
+    numbers past 16 bits (no radix key): the same answers as torch's, in fresh memory."""
+    raw = torch.tensor([9, -3, 9, 2 ** 62, 0, -3], dtype=torch.int64).numpy().tobytes()
+    frozen = torch.frombuffer(raw, dtype=torch.int64)
+    strided = torch.arange(40, dtype=torch.int64).flip(0)[::3]
+    for ids in (frozen, strided):
+        assert torch.equal(sorted_ids(ids), ids.sort().values)
+        assert torch.equal(unique_ids(ids), torch.unique(ids, sorted=True))
+        assert unique_ids(ids).data_ptr() != ids.data_ptr()
+    table_of = torch.tensor([40_000, 3, 40_000, 3, 70_000, 3], dtype=torch.int64)
+    by_id = torch.argsort(frozen, stable=True)
+    order = by_id[torch.argsort(table_of[by_id], stable=True)]
+    got_ids, got_tables = by_table(frozen, table_of)
+    assert torch.equal(got_ids, frozen[order]) and torch.equal(got_tables, table_of[order])
+
+
 def test_a_fixed_table_is_cut_by_id_modulo_shards():
     ids = torch.arange(-1, 11)
     assert holds(ids, 2, 3, rows=10).nonzero().flatten().add(-1).tolist() == [2, 5, 8]
