@@ -99,13 +99,10 @@ def check_rows(segments: Sequence, tables: Sequence[TableSpec], shard: int, shar
     table_of = None if one else torch.repeat_interleave(torch.tensor(named), counts)
     bound = tables[named[0]].rows if one or hash_ids is not None else torch.repeat_interleave(
         torch.tensor([tables[t].rows for t in named]), counts)
-    # one shard of a fixed table holds an id iff it is in range: its least and greatest id
-    # tell that in one op (the mask, of several, only to name an id that is not)
-    mine = None
-    if one and shards == 1 and hash_ids is None and len(ids):
-        low, high = torch.aminmax(ids)
-        if int(low) < 0 or int(high) >= bound:
-            mine = holds(ids, shard, shards, bound, hash_ids)
+    # one shard of a fixed table holds exactly the ids in range (``within``, one op); the
+    # mask, of several ops, is built for the others, or to name an id out of range
+    if one and shards == 1 and hash_ids is None and within(ids, bound):
+        mine = None
     else:
         mine = holds(ids, shard, shards, bound, hash_ids)
     if mine is not None and not bool(mine.all()):
@@ -157,6 +154,16 @@ def unique_ids(ids: torch.Tensor) -> torch.Tensor:
     if len(ids_s) > 1:
         ids_s = ids_s[numpy.concatenate(([True], ids_s[1:] != ids_s[:-1]))]
     return torch.from_numpy(ids_s)
+
+
+def within(ids: torch.Tensor, rows: int) -> bool:
+    """Whether every one of ``ids`` is in [0, ``rows``): by the least and the greatest, in
+    one op (the shard's check, the worker's of one table: 1.9 against 15.8 us for 650 ids by
+    a mask)."""
+    if not len(ids):
+        return True
+    low, high = torch.aminmax(ids)
+    return int(low) >= 0 and int(high) < rows
 
 
 def by_table(ids: torch.Tensor, table_of: torch.Tensor) -> tuple:
