@@ -41,7 +41,10 @@ worker's step), peak RSS of each process, the test AUC after the epoch, and the 
 seconds and samples until the AUC first reached the task's target; medians over
 ``--repeats`` runs (seeds 0, 1, ...: data order and dense init; the data are the task's),
 run in turn so that the machine's drift hits every row alike, with the AUC's range. The
-sparse PS's own row comes from ``run_asyncsgd`` with its flags (``mode_args``).
+sparse PS's own rows come from ``run_asyncsgd`` with their flags (``ASYNCSGD_RUNS``):
+``asyncsgd-sparse`` (one push a step), ``asyncsgd-local`` (a push every ``--local-steps``
+H steps, asynchronous Local SGD), ``asyncsgd-hybrid`` (``--dense sync``) and ``single``
+(one process, the AUC reference).
 
 Prints a table; writes ``experiments/results/sparse_ps.md`` and ``.json`` (not with
 ``--quick`` or ``--no-save``).
@@ -83,14 +86,19 @@ from rpc_ps import (EXIT_TIMEOUT_S, Owned, _init_rpc, free_port,  # noqa: E402
 
 NAME = "sparse_ps"
 FEATURES, DIM = ctr_data.CATEGORICAL, 16
-BASELINES = ("asyncsgd-sparse", "asyncsgd-hybrid", "single", "ddp_rpc", "asyncsgd-dense",
-             "torchrec")
+BASELINES = ("asyncsgd-sparse", "asyncsgd-local", "asyncsgd-hybrid", "single", "ddp_rpc",
+             "asyncsgd-dense", "torchrec")
 # compare's extra flags of each asyncsgd row: the server's then every worker's. The ctr task
 # declares its tables, which a parameter server serves by row unless told --embeddings dense.
 # (mode, --mode-args): the hybrid is ps-sync (--dense sync), whose round sums the 2 workers'
 # dense gradients at the task's lr, as one process takes 2 steps; rows apply on arrival.
+# asyncsgd-local: asynchronous Local SGD, each worker H steps (--local-steps, sparse_ps's
+# option) on the rows of its next H batches and the dense part at the task's lr, then one
+# push of the pseudo-gradient, which the shards apply as it is (sgd, lr 1).
+LOCAL_STEPS = 16
 ASYNCSGD_RUNS = {
     "asyncsgd-sparse": ("ps-async", ()),
+    "asyncsgd-local": ("ps-async", ("ps-async=--lr 1", "worker=--local-steps {H}")),
     "asyncsgd-hybrid": ("ps-sync", ("ps-sync=--sync-reduce sum",)),
     "asyncsgd-dense": ("ps-async", ("ps-async=--embeddings dense",
                                     "worker=--embeddings dense")),
@@ -368,7 +376,8 @@ def _role(argv: list) -> str:
 
 
 def run_asyncsgd(label: str, setting: Setting, out: Path, mode: str = "ps-async",
-                 mode_args=(), flags=(), timeout: float = TRAIN_TIMEOUT_S) -> dict:
+                 mode_args=(), flags=(), timeout: float = TRAIN_TIMEOUT_S,
+                 steps_per_update: int = 1) -> dict:
     """One asyncsgd run through its CLI, ``asyncsgd compare --modes MODE --procs 2
     --epochs 1`` on ``setting``, read back from its run directory.
 
@@ -376,7 +385,8 @@ def run_asyncsgd(label: str, setting: Setting, out: Path, mode: str = "ps-async"
     ``'worker=--threads 1'``); ``flags``: more compare flags. The sparse parameter
     server's row is this function with the flags that turn it on. Bytes per step: the
     bytes of every push and pull, over the wire and through shared memory, over the
-    server's updates (each one worker's step)."""
+    server's updates (each one worker's step, or ``steps_per_update`` of them: a worker's
+    --local-steps)."""
     target = setting.target or load_task(setting.task, samples=setting.samples).default_target
     argv = [sys.executable, "-m", "asyncsgd", "compare", "--task", setting.task,
             "--samples", str(setting.samples), "--modes", mode, "--procs", str(TRAINERS),
@@ -398,9 +408,6 @@ def run_asyncsgd(label: str, setting: Setting, out: Path, mode: str = "ps-async"
     run_dir = next(p for p in sorted(out.iterdir()) if (p / "summary.json").is_file())
     run = Run.read(run_dir)
     summary, events = run.summary, run.events
-    start = first_progress(events)["t"]
-    evals = [{"train_s": e["t"] - start, "samples": e["samples"], "auc": e["auc"],
-              "loss": e["loss"]} for e in events if e.get("event") == "eval"]
     moved = (summary.get("bytes") or 0) + (summary.get("shared_bytes") or 0)  # single: None
     # From the first to the last training report: start-up, the final evaluation and the
     # shutdown left out, as ddp_rpc's train time leaves them out (the final evaluation pulls
@@ -410,9 +417,15 @@ def run_asyncsgd(label: str, setting: Setting, out: Path, mode: str = "ps-async"
     between = train_throughput(events)
     steady = between or steady_throughput(events)
     samples_per_s = steady or summary["samples_per_second"]
+    # Training began before its first report (a second of it, or a push of H local steps,
+    # later): back from that report at the measured rate, so the time to target counts it
+    first = first_progress(events)
+    start = first["t"] - first["samples"] / samples_per_s
+    evals = [{"train_s": max(0.0, e["t"] - start), "samples": e["samples"], "auc": e["auc"],
+              "loss": e["loss"]} for e in events if e.get("event") == "eval"]
     return _row(label, setting, samples=summary["samples"],
                 train_seconds=summary["samples"] / samples_per_s, evals=evals,
-                bytes_per_step=moved / max(summary.get("updates") or 1, 1),
+                bytes_per_step=moved / max(summary.get("updates") or 1, 1) / steps_per_update,
                 bytes_detail={"wire": summary["bytes"], "shared": summary.get("shared_bytes", 0),
                               "updates": summary.get("updates")},
                 bytes_measured=True, startup_s=start, default_target=target,
@@ -582,8 +595,11 @@ def run_one(baseline: str, setting: Setting, args, runs: Path, tmp: Path, ctx) -
                        f"{DENSE_UP_TO:,} rows per feature it does not fit")
     else:
         mode, mode_args = ASYNCSGD_RUNS[baseline]
+        local = baseline == "asyncsgd-local"
+        mode_args = tuple(a.format(H=args.local_steps) for a in mode_args)
         row = run_asyncsgd(baseline, setting, runs / f"{baseline}-{setting.rows}-s{setting.seed}",
-                           mode=mode, mode_args=mode_args)
+                           mode=mode, mode_args=mode_args,
+                           steps_per_update=args.local_steps if local else 1)
     row["wall_s"] = time.monotonic() - t0
     print(f"{baseline} rows={setting.rows:,} seed {setting.seed}: " + (
         row["skipped"] if "skipped" in row else
@@ -605,6 +621,8 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=None, help="generated samples per size")
     ap.add_argument("--batch", type=int, default=32,
                     help="samples per step of each worker/trainer (the task's: 32)")
+    ap.add_argument("--local-steps", type=int, default=LOCAL_STEPS,
+                    help=f"asyncsgd-local's H (default {LOCAL_STEPS})")
     ap.add_argument("--eval-every", type=int, default=None,
                     help="steps of one worker between evaluations (default 100, --quick 20)")
     ap.add_argument("--torchrec-python", default=TORCHREC_PYTHON,

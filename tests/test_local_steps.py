@@ -14,7 +14,7 @@ import torch
 from asyncsgd.core.signature import PS_PARTITION_SEED
 from asyncsgd.core.tasks import epoch_order, load_task, partition_indices
 from asyncsgd.run.checkpoint import load_checkpoint
-from conftest import finish, worker
+from conftest import finish, read_json, worker
 from test_rules import DelayedNesterovReference
 
 TASK = "tasks_for_tests:regression"
@@ -121,3 +121,40 @@ def test_local_steps_and_push_every_are_one_or_the_other(run_cli_here):
     res = run_cli_here("worker", "--local-steps", 4, "--push-every", 2, "--server-timeout", 1)
     assert res.returncode == 2
     assert "--local-steps 4 and --push-every 2: choose one" in res.stderr
+
+
+@pytest.mark.parametrize("dense", [(), ("--dense", "sync", "--sync-reduce", "sum")])
+def test_local_steps_with_tables_served_by_row_push_each_windows_rows_once(
+        server, cli_env, dense):
+    """tasks_for_tests:table_counter (a 48-row table served by row, one dense scalar), 2
+    workers, H = 4 at local lr 1, the shards' sgd at lr 1: every row ends at minus the times
+    it was trained (-2) and the scalar at -96, so the loss is exactly -98, asynchronous or
+    with the dense part in rounds that add the workers' pseudo-gradients (Persia's hybrid:
+    rows apply on arrival). Each worker's 6 steps (3 batches of 8 an epoch) are 2 windows:
+    4 batches touching 24 distinct rows (the epoch's 24 and the next epoch's first 8
+    again), then 2 touching 16. Rows pulled and pushed: 2 x (24 + 16) = 80, against 96 a
+    step at a time; each window's rows came with the push before it (the first with a
+    pull), so no more were pulled."""
+    args = ("--task", "tasks_for_tests:table_counter", "--samples", 48)
+    srv = server(*args, "--lr", 1, "--workers", 2, *dense)
+    procs = [worker(cli_env, srv.address, r, 2, *args, "--epochs", 2, "--local-steps", 4,
+                    "--local-lr", 1) for r in range(2)]
+    for code, out, err in finish(procs):
+        assert code == 0, err
+        assert "6 steps, 2 pushes" in out, out
+    assert srv.wait()[0] == 0
+    summary = read_json(srv.out / "summary.json")
+    assert summary["final_loss"] == -98.0, summary
+    updates = 2 if dense else 4  # a round of 2 pushes is one update
+    assert (summary["rows_pulled"], summary["rows_pushed"], summary["updates"]) == \
+        (80, 80, updates)
+
+
+def test_local_steps_with_tables_need_the_batches_known_ahead(server, cli_env):
+    """--data-dispatch dynamic hands a worker one batch at a time: a window of H batches'
+    rows cannot be pulled ahead, and the worker says so in one line."""
+    args = ("--task", "tasks_for_tests:table_counter", "--samples", 48)
+    srv = server(*args, "--lr", 1, "--workers", 1, "--data-dispatch", "dynamic")
+    (code, _, err), = finish([worker(cli_env, srv.address, 0, 1, *args, "--local-steps", 4)])
+    assert code != 0
+    assert "--data-dispatch dynamic hands batches out one at a time" in err, err

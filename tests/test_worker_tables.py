@@ -16,7 +16,7 @@ from asyncsgd.core.models import DLRM, binary_logloss, embedding_tables
 from asyncsgd.core.sparse_ids import hash_id
 from asyncsgd.errors import ConfigError
 from asyncsgd.wire.layout import Layout
-from asyncsgd.workers.tables import BatchTables, check_ids, route, unique_per_table
+from asyncsgd.workers.tables import BatchTables, LocalRows, check_ids, route, unique_per_table
 
 ROWS = 60
 
@@ -236,6 +236,70 @@ def test_accumulated_micro_batches_share_one_local_weight():
         assert torch.allclose(values, dense_grad(named[spec.name])[i], atol=1e-7)
 
 
+def test_local_steps_on_a_windows_rows_are_the_whole_models_sgd_steps():
+    """--local-steps: 3 batches trained on the rows of their window (the union of their
+    ids), each step ``rows -= lr * grad``, push as pseudo-gradient exactly what 3 SGD steps
+    of the whole model move those rows by, bit for bit, and no other row; a row the window
+    pulled whose steps moved it not at all is not pushed."""
+    lr, full = 0.5, DLRM(ROWS)
+    model = copy.deepcopy(full)
+    batches = [ctr_batch(n=16, seed=s) for s in (1, 2, 3)]
+    layout = Layout.of(model, embedding_tables(model))
+    tables = BatchTables(model, layout)
+    window = tuple(torch.cat(parts) for parts in zip(*(inputs for inputs, _ in batches)))
+    ids = tables.ids_of(window)
+    named = dict(full.named_parameters())
+    start = {n: p.detach().clone() for n, p in named.items()}
+    local = LocalRows(ids, [start[s.name][i] for s, i in zip(layout.tables, ids)],
+                      torch.device("cpu"))
+    served = {spec.name for spec in layout.tables}
+    dense = {n: p for n, p in model.named_parameters() if n not in served}
+    for inputs, targets in batches:
+        tables.begin(local.ids, local.rows, torch.device("cpu"))
+        for p in dense.values():
+            p.grad = None
+        ours = binary_logloss(model(*inputs), targets)
+        ours.backward()
+        tables.settle()
+        local.step(tables, lr)
+        with torch.no_grad():
+            for p in dense.values():
+                p.sub_(p.grad, alpha=lr)
+        for p in full.parameters():
+            p.grad = None
+        want = binary_logloss(full(*inputs), targets)
+        want.backward()
+        assert ours.item() == want.item()  # each step sees the whole model's rows
+        with torch.no_grad():
+            for p in full.parameters():
+                p.sub_(dense_grad(p), alpha=lr)
+    pushed = local.pseudo_gradients()
+    for spec, window_ids, (got_ids, values) in zip(layout.tables, ids, pushed):
+        moved = start[spec.name] - named[spec.name].detach()
+        assert torch.equal(values, moved[got_ids]), spec.name
+        rest = torch.ones(spec.rows, dtype=torch.bool)
+        rest[got_ids] = False
+        assert not bool(moved[rest].any()), f"{spec.name}: a row left out of the push moved"
+        assert set(got_ids.tolist()) <= set(window_ids.tolist())
+    # some rows of the window are pushed only once though several batches looked them up
+    assert sum(len(i) for i, _ in pushed) < sum(len(tables.ids_of(inputs)[t])
+                                                for inputs, _ in batches
+                                                for t in range(len(layout.tables)))
+
+
+def test_a_windows_row_that_did_not_move_is_not_pushed():
+    model = nn.Embedding(10, 2, sparse=True)
+    layout = Layout.of(model, embedding_tables(model))
+    tables = BatchTables(model, layout)
+    local = LocalRows([torch.tensor([1, 4, 7])], [torch.ones(3, 2)], torch.device("cpu"))
+    tables.begin(local.ids, local.rows, torch.device("cpu"))
+    model(torch.tensor([4, 4])).sum().backward()
+    tables.settle()
+    local.step(tables, 0.25)
+    (ids, values), = local.pseudo_gradients()
+    assert ids.tolist() == [4] and values.tolist() == [[0.5, 0.5]]
+
+
 def test_functional_lookups_are_not_tables_the_worker_can_serve():
     # a table used through F.embedding directly never reaches a module's hook
     class Raw(nn.Module):
@@ -254,8 +318,9 @@ def test_functional_lookups_are_not_tables_the_worker_can_serve():
 # -- the worker's settings ------------------------------------------------------------
 
 @pytest.mark.parametrize("given,words", [
-    (dict(local_steps="4"), "--local-steps and --push-every"),
-    (dict(push_every=2), "--local-steps and --push-every"),
+    (dict(local_steps="4", inner_optimizer="adamw"), "plain SGD.*given adamw, 0.0"),
+    (dict(local_steps="4", inner_weight_decay=0.1), "plain SGD.*given sgd, 0.1"),
+    (dict(push_every=2), "--push-every sums gradients"),
     (dict(transport="shared"), "--transport shared"),
 ])
 def test_a_worker_refuses_in_one_line_what_tables_served_by_row_cannot_do(given, words):

@@ -163,6 +163,40 @@ class BatchTables:
             hook.remove()
 
 
+class LocalRows:
+    """--local-steps with tables served by row: the rows of the ids of the next H batches
+    (``ids``, per table its unique sorted ids), pulled once, stood in for the tables at each
+    of those steps (``BatchTables.begin``) and stepped in place by plain SGD, as the dense
+    parameters by the inner optimizer; the push then carries their pseudo-gradient, pulled
+    minus local rows, as the dense part's. A window of H batches touches fewer rows than H
+    batches apart: ids a window repeats are pulled and pushed once."""
+
+    def __init__(self, ids: Sequence[torch.Tensor], rows: Sequence[torch.Tensor],
+                 device: torch.device):
+        self.ids = list(ids)
+        # copies: the pulled rows may be views of a received frame
+        self.pulled = [r.to(device, torch.float32, copy=True) for r in rows]
+        self.rows = [r.clone() for r in self.pulled]
+
+    def step(self, tables: BatchTables, lr: float) -> None:
+        """``rows -= lr * grad`` per table, after the step's backward (and ``settle``, so
+        each gradient is dense [len(ids), dim], zero on the rows the batch did not touch)."""
+        with torch.no_grad():
+            for local, module in zip(self.rows, tables.modules):
+                local.sub_(module.weight.grad, alpha=lr)
+
+    def pseudo_gradients(self) -> list:
+        """Per table ``(ids, pulled - local)`` on the CPU, for the rows that moved: a row
+        whose steps summed to nothing is not pushed (sgd and adagrad leave it as it is)."""
+        out = []
+        for ids, pulled, local in zip(self.ids, self.pulled, self.rows):
+            delta = (pulled - local).cpu()
+            moved = delta.ne(0).any(1)
+            out.append((ids.cpu(), delta) if bool(moved.all()) else
+                       (ids.cpu()[moved], delta[moved]))
+        return out
+
+
 def _device(inputs: Sequence[torch.Tensor]) -> torch.device:
     for tensor in inputs:
         if isinstance(tensor, torch.Tensor):

@@ -44,7 +44,7 @@ from asyncsgd.wire.transport import is_local, parse_endpoint
 
 from .client import PSClient, ServerFinished, ServerUnavailable
 from .meta_tables import build_without_tables
-from .tables import BatchTables, check_ids
+from .tables import BatchTables, LocalRows, check_ids
 
 log = logging.getLogger(__name__)
 # --data-dispatch dynamic: seconds between asks for rows while others still hold the last
@@ -206,10 +206,15 @@ def run_worker(cfg: WorkerConfig, seen: Optional[list] = None,
 def check_tables(cfg: WorkerConfig, local_steps: bool) -> None:
     """Refuse, in one line each, what a worker cannot do with tables served row by row."""
     fix = "or serve the tables whole with --embeddings dense (server and workers)"
-    if local_steps or cfg.push_every > 1:
-        raise ConfigError("--local-steps and --push-every take local steps on parameters "
-                          "this worker holds, but it holds only each batch's rows of the "
-                          f"task's embedding tables: drop them, {fix}")
+    if cfg.push_every > 1:
+        raise ConfigError("--push-every sums gradients over local steps on parameters this "
+                          "worker holds, but it holds only each batch's rows of the task's "
+                          f"embedding tables: use --local-steps H instead, {fix}")
+    if local_steps and (cfg.inner_optimizer != "sgd" or cfg.inner_weight_decay):
+        raise ConfigError(f"--local-steps with tables served by row steps the rows it pulled "
+                          f"with plain SGD, which keeps no state per row: use --inner-optimizer "
+                          f"sgd without --inner-weight-decay (given {cfg.inner_optimizer}, "
+                          f"{cfg.inner_weight_decay}), {fix}")
     if cfg.amp == "fp16":
         raise ConfigError(f"--amp fp16 scales gradients the tables' rows are pushed without "
                           f"(their local weights change every step): use --amp bf16, {fix}")
@@ -233,6 +238,10 @@ class _Loop:
         self.tables = tables
         self.ahead: Optional[tuple] = None
         self._upcoming: Optional[Callable[[], Optional[torch.Tensor]]] = None
+        # With --local-steps: the rows of the next H batches' ids (``_window``), pulled with
+        # the push before them and stepped in place here until the next push
+        self._window: Optional[Callable[[int], Optional[torch.Tensor]]] = None
+        self.local_rows: Optional[LocalRows] = None
         self.device = torch.device(cfg.device)
         self.pacer = Pacer(pacing, rank, cfg.seed,
                            torch.cuda.synchronize if self.device.type == "cuda" else None)
@@ -310,9 +319,17 @@ class _Loop:
         per_epoch = -(-len(self.part) // self.step_rows)
         self._order = (None, None)  # the batches of epoch ``ordered``: (ordered, order)
         last = per_epoch * self.epochs
-        # the next batch, known before this one is pushed: its rows come with the push
-        self._upcoming = lambda: self._batch_at(self.position, per_epoch) \
-            if self.position < last else None
+
+        def window(start: int) -> Optional[torch.Tensor]:
+            """The rows of the batches a push at ``start`` covers: one, or H with local
+            steps (fewer at the end); None past the last."""
+            batches = [self._batch_at(p, per_epoch)
+                       for p in range(start, min(last, start + max(1, self.H)))]
+            return torch.cat(batches) if batches else None
+
+        # the next batches, known before this one is pushed: their rows come with the push
+        self._window = window
+        self._upcoming = lambda: window(self.position)
         while self.position < last:
             if self.out_of_time():
                 return self._finish()
@@ -406,7 +423,7 @@ class _Loop:
         grads = self.flat_grads if self.gpu_grads is None else self.gpu_grads
         grads.zero_()
         if self.tables is not None:
-            self.tables.begin(*self._rows_for(index), self.device)
+            self._begin_tables(index)
         loss = accumulate(index, self.cfg.accumulate, self._loss, self.precision.backward)
         if self.tables is not None:
             self.tables.settle()  # dense row gradients: clipped with the others
@@ -428,6 +445,8 @@ class _Loop:
             self.loss_sum, self.loss_steps = self.loss_sum + value, self.loss_steps + 1
         if self.inner is not None:
             self.inner.step()  # on flat_params, from flat_grads
+            if self.local_rows is not None:
+                self.local_rows.step(self.tables, self.local_lr)
             self.local_done += 1
             if self.local_done < self.H:
                 self._load()
@@ -449,6 +468,22 @@ class _Loop:
         ids = self.tables.ids_of(inputs)
         check_ids(ids, self.layout, self.client.hashed)
         return ids
+
+    def _begin_tables(self, index: torch.Tensor) -> None:
+        """The tables' local weights for the step on ``index``: its batch's rows, or with
+        local steps the rows of the window it opens (or is in)."""
+        if self.inner is None:
+            self.tables.begin(*self._rows_for(index), self.device)
+            return
+        if self.local_rows is None:  # the first step since a push: a window opens
+            if self._window is None:
+                raise ConfigError("--local-steps with tables served by row pulls the rows of "
+                                  "the next H batches at once, but --data-dispatch dynamic "
+                                  "hands batches out one at a time: drop one of them")
+            self.local_rows = LocalRows(*self._rows_for(self._window(self.position - 1)),
+                                        self.device)
+            self.anchor.copy_(self.flat_params)  # a pull there brought new dense parameters
+        self.tables.begin(self.local_rows.ids, self.local_rows.rows, self.device)
 
     def _rows_for(self, index: torch.Tensor) -> tuple:
         """(ids, rows) of the batch ``index``: those the previous push brought back, or
@@ -485,8 +520,11 @@ class _Loop:
         else:
             upcoming = self._upcoming() if self._upcoming is not None else None
             want = self._ids_of(upcoming) if upcoming is not None else None
+            pushed = (self.tables.gradients() if self.local_rows is None
+                      else self.local_rows.pseudo_gradients())
+            self.local_rows = None
             rows = self.client.push_pull(grads, self.flat_params, meta, compute=self.computed,
-                                         rows=self.tables.gradients(), want=want)
+                                         rows=pushed, want=want)
             self.ahead = (upcoming, want, rows) if want is not None else None
         self.computed, self.local_done = 0.0, 0
         if self.auto and self.client.local_steps:

@@ -330,7 +330,9 @@ LOCAL_STEPS = knob(
     "--consistency sync; async: asynchronous Local SGD). The inner optimizer keeps its state "
     "across rounds. 1: push every gradient. auto:H (DyLU): shard 0 sizes each worker's H "
     "to its measured steps a second, the fastest running H, so sync rounds find every "
-    "worker ready together and async pushes come at one rate (e.g. auto:8; plain auto: 8).",
+    "worker ready together and async pushes come at one rate (e.g. auto:8; plain auto: 8). "
+    "Tables served by row: a worker pulls the rows of its next H batches with its push and "
+    "steps them by plain SGD (--inner-optimizer sgd), pushing each row once a window.",
     type=LOCAL_STEPS_VALUE, metavar="H|auto[:H]", per_command={
         "ddp": "Post-local SGD with PyTorch's own pieces (post_localSGD_hook and the periodic "
                "model averager that PostLocalSGDOptimizer runs): after --local-warmup steps "
