@@ -593,7 +593,9 @@ def _run(argv: Optional[list], command: bool = False) -> int:
         return code if isinstance(code, int) else 0  # click returns ctx.exit(code) here
     except click.exceptions.Exit as exc:
         return exc.exit_code
-    except click.Abort:
+    except click.Abort as exc:
+        if isinstance(exc.__cause__, EOFError):  # click's name for an EOFError: a fault, not ^C
+            raise exc.__cause__ from None
         click.echo("interrupted", err=True)
         return interrupted_exit_code()
     except click.ClickException as exc:

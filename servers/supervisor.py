@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 # at once. 60 s was once too little: a ray-job's shard beside 4 busy processes on 2 cores.
 SHARD_READY_SECONDS = 600
 SHARD_NOTE_SECONDS = 30
+SHARD_EXIT_SECONDS = 10  # for a shard whose pipe closed to finish exiting (its exit code)
 
 
 class ShardSupervisor:
@@ -120,7 +121,14 @@ class ShardSupervisor:
                 raise WorkerError(i, f"shard {i} did not start within {SHARD_READY_SECONDS} s")
             log.warning("shard %d is still starting after %d s (a busy machine?); waiting up "
                         "to %d s", i, waited, SHARD_READY_SECONDS)
-        port = self.ready[i].recv()
+        try:
+            port = self.ready[i].recv()
+        except EOFError:  # it exited before it listened: its error, not an EOFError
+            self.group.processes[i].join(SHARD_EXIT_SECONDS)
+            self.group.check()
+            raise WorkerError(i, f"shard {i} exited before it listened, without an error "
+                                 "of its own (was it killed? see the system log for the "
+                                 "out-of-memory killer)") from None
         self.settings[i] = dataclasses.replace(self.settings[i], port=port)
         return port
 

@@ -53,3 +53,19 @@ def test_sigkill_during_saves_leaves_a_loadable_checkpoint(tmp_path, cli_env):
     assert leftovers == []
     record_figure("checkpoint SIGKILL during save", kills=kills, kills_mid_save=mid_save,
                   unloadable_checkpoints=0)
+
+
+def test_a_shard_that_fails_as_it_starts_is_named_with_its_error(tmp_path, run_cli):
+    """A resumed run whose shard checkpoint is corrupt: the shard raises before it listens,
+    its pipe to the server closes, and the server reports the shard's error and exits 1
+    (it said "interrupted" and exited 130 before, as if stopped by Ctrl-C)."""
+    out = tmp_path / "run"
+    args = ("--task", "tasks_for_tests:dense_counter", "--workers", 1, "--progress", "off")
+    first = run_cli("ps-server", *args, "--out", out, "--max-seconds", 2, "--eval-every", 0.5)
+    assert first.returncode == 0, first.stderr
+    (out / "shard-0.pt").write_bytes(b"not a checkpoint")
+    res = run_cli("ps-server", "--resume", out, "--progress", "off", "--max-seconds", 2)
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.startswith("error: shard 0 raised an exception"), res.stderr
+    assert "shard-0.pt is not a readable checkpoint" in res.stderr
+    assert "interrupted" not in res.stderr

@@ -433,3 +433,18 @@ def test_a_target_the_metric_cannot_reach_leaves_no_run_directory(run_cli_here, 
                   "--out", tmp_path / "runs" / "x")
     one_line_error(res, "--target")
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_eof_error_inside_a_command_is_a_fault_not_an_interruption(run_cli_here,
+                                                                     monkeypatch):
+    """click turns an EOFError raised by a command into Abort, as it does Ctrl-C: a pipe
+    that closed under the command (a shard that died before it listened) was reported as
+    "interrupted" with the exit status of Ctrl-C. It reaches the caller as an EOFError."""
+    import asyncsgd.ps
+
+    def closed(**_):
+        raise EOFError("a pipe closed")
+
+    monkeypatch.setattr(asyncsgd.ps, "serve", closed)
+    with pytest.raises(EOFError, match="a pipe closed"):
+        run_cli_here("ps-server", "--task", "tasks_for_tests:dense_counter")
