@@ -377,7 +377,7 @@ def _role(argv: list) -> str:
 
 def run_asyncsgd(label: str, setting: Setting, out: Path, mode: str = "ps-async",
                  mode_args=(), flags=(), timeout: float = TRAIN_TIMEOUT_S,
-                 steps_per_update: int = 1) -> dict:
+                 steps_per_update: int = 1, keep_checkpoints: bool = False) -> dict:
     """One asyncsgd run through its CLI, ``asyncsgd compare --modes MODE --procs 2
     --epochs 1`` on ``setting``, read back from its run directory.
 
@@ -386,7 +386,8 @@ def run_asyncsgd(label: str, setting: Setting, out: Path, mode: str = "ps-async"
     server's row is this function with the flags that turn it on. Bytes per step: the
     bytes of every push and pull, over the wire and through shared memory, over the
     server's updates (each one worker's step, or ``steps_per_update`` of them: a worker's
-    --local-steps)."""
+    --local-steps). Its checkpoints (the server's and each shard's, 1.3 GB a run at 10^7
+    rows) are deleted once the row is read, unless ``keep_checkpoints``."""
     target = setting.target or load_task(setting.task, samples=setting.samples).default_target
     argv = [sys.executable, "-m", "asyncsgd", "compare", "--task", setting.task,
             "--samples", str(setting.samples), "--modes", mode, "--procs", str(TRAINERS),
@@ -408,6 +409,9 @@ def run_asyncsgd(label: str, setting: Setting, out: Path, mode: str = "ps-async"
     run_dir = next(p for p in sorted(out.iterdir()) if (p / "summary.json").is_file())
     run = Run.read(run_dir)
     summary, events = run.summary, run.events
+    if not keep_checkpoints:  # ~1.3 GB a run at 10^7 rows: 15 runs left 19 GB here
+        for checkpoint in out.rglob("*.pt"):
+            checkpoint.unlink()
     moved = (summary.get("bytes") or 0) + (summary.get("shared_bytes") or 0)  # single: None
     # From the first to the last training report: start-up, the final evaluation and the
     # shutdown left out, as ddp_rpc's train time leaves them out (the final evaluation pulls
@@ -599,7 +603,8 @@ def run_one(baseline: str, setting: Setting, args, runs: Path, tmp: Path, ctx) -
         mode_args = tuple(a.format(H=args.local_steps) for a in mode_args)
         row = run_asyncsgd(baseline, setting, runs / f"{baseline}-{setting.rows}-s{setting.seed}",
                            mode=mode, mode_args=mode_args,
-                           steps_per_update=args.local_steps if local else 1)
+                           steps_per_update=args.local_steps if local else 1,
+                           keep_checkpoints=args.keep_checkpoints)
     row["wall_s"] = time.monotonic() - t0
     print(f"{baseline} rows={setting.rows:,} seed {setting.seed}: " + (
         row["skipped"] if "skipped" in row else
@@ -628,6 +633,9 @@ def main() -> int:
     ap.add_argument("--torchrec-python", default=TORCHREC_PYTHON,
                     help="the interpreter of a venv with torchrec and fbgemm-gpu-cpu")
     ap.add_argument("--runs", default=None, help="where asyncsgd's run directories go")
+    ap.add_argument("--keep-checkpoints", action="store_true",
+                    help="keep each asyncsgd run's checkpoints (deleted once read: a run on "
+                         "the 10^7-row table leaves 1.3 GB)")
     ap.add_argument("--repeats", type=int, default=None,
                     help="runs of every row, seeds 0, 1, ...; medians reported (default 3, "
                          "--quick 1)")
