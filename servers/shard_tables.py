@@ -72,7 +72,8 @@ class ShardTables:
                 kind, cap = self.tables[t].evict
                 if creates and kind == "lfu" and n > cap:
                     return Code.TOO_LARGE, (f"{n} rows of table {t} in one message, above its "
-                                            f"--evict lfu:{cap}")
+                                            f"--evict lfu:{cap} (a worker's --local-steps H "
+                                            "asks for the rows of H batches at once)")
         return None
 
     def values(self, segments: Sequence) -> list:

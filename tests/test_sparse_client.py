@@ -331,6 +331,65 @@ def test_the_worker_pulls_each_batchs_rows_with_the_previous_push(tmp_path):
     assert result.stats["rows_pulled"] == total == result.stats["rows_pushed"]
 
 
+class MovingServer(PlayedServer):
+    """A played server whose dense parameters move by 1000 after every message, as other
+    workers' pushes would move them; ``dense_pushed``: each push's dense values."""
+
+    def __init__(self, *args, **kw):
+        self.dense_pushed = []
+        super().__init__(*args, **kw)
+
+    def _shard(self, i, peer, msg):
+        if msg.type == PUSH:
+            self.dense_pushed.append(torch.cat([s.data for s in apart(msg.segments)[0]]))
+        super()._shard(i, peer, msg)
+        self.params += 1000
+
+
+def train_table_counter(**given):
+    """The real worker loop, one epoch of tasks_for_tests:table_counter at local lr 1,
+    against a MovingServer of one shard: (its result, the server)."""
+    from asyncsgd.config import WorkerConfig, make_config
+    from asyncsgd.core.tasks import task_of
+    from asyncsgd.workers.worker import run_worker
+
+    given = dict(task="tasks_for_tests:table_counter", epochs=1, progress="off", local_lr=1.0,
+                 heartbeat=0.5, server_timeout=10, **given)
+    task = task_of(make_config(WorkerConfig, None, given))
+    model = task.build_model(0)
+    server = MovingServer(Layout.of(model, task.served_tables(model)), shards=1)
+    try:
+        return run_worker(make_config(WorkerConfig, None,
+                                      {**given, "server": server.endpoint})), server
+    finally:
+        server.close()
+
+
+def test_a_window_pulled_on_its_own_measures_its_change_from_that_pull():
+    """--local-steps with tables: no push brought the first window's rows, so a pull of its
+    own does, and brings newer dense parameters with them; the pseudo-gradient is measured
+    from those. table_counter's scalar has the batch size (8) for gradient whatever its
+    value, so at local lr 1 a window of 4 steps pushes exactly 32 and the last of 2 steps
+    16, not 32 minus the 1000 the parameters moved between the start's pull and the
+    window's."""
+    result, server = train_table_counter(samples=48, local_steps="4")
+    assert (result.steps, result.pushes) == (6, 2)
+    assert [d.tolist() for d in server.dense_pushed] == [[32.0], [16.0]]
+    kinds = [kind for _, kind, _, _ in server.requests]
+    assert kinds == [PULL, PULL, PUSH, PUSH]  # the start's, the first window's, 2 pushes
+
+
+def test_the_push_of_a_worker_out_of_time_asks_for_no_rows():
+    """--max-seconds ends a worker inside a window (H = 8, 0.5 s a step, 2 s): its last
+    push carries the steps it took and asks for no rows, which nothing would train on."""
+    result, server = train_table_counter(samples=96, local_steps="8", delay="const:500ms",
+                                         max_seconds=2)
+    assert 1 <= result.steps < 8 and result.pushes == 1, result
+    assert [d.tolist() for d in server.dense_pushed] == [[8.0 * result.steps]]
+    kind, wanted = server.requests[-1][1:3]
+    assert kind == PUSH and wanted == {}
+
+
 def test_a_push_left_unanswered_is_sent_again_with_the_same_rows(played):
     server, client, layout = played(Model(), shards=1, drop_first=True)
     push = [(ids(1, 2, 7), torch.randn(3, DIM)), (ids(5), torch.randn(1, DIM))]

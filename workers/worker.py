@@ -506,7 +506,9 @@ class _Loop:
         with self.precision.autocast():
             return self.task.loss_fn(self.model(*inputs), targets.to(self.device))
 
-    def _push(self) -> None:
+    def _push(self, ahead: bool = True) -> None:
+        """Push what the steps since the last push made; ``ahead``: ask for the next
+        batches' rows with it (not as the worker finishes: nothing would train on them)."""
         meta = {Key.LOSS: self.loss_sum / max(1, self.loss_steps), Key.SAMPLES: self.unpushed,
                 Key.TRAFFIC: self._traffic(), Key.COMPUTE: self.computed}
         if self.auto:  # what shard 0 sizes this worker's H by (PROTOCOL.md, DyLU)
@@ -518,7 +520,7 @@ class _Loop:
         if self.tables is None:
             self.client.push_pull(grads, self.flat_params, meta, compute=self.computed)
         else:
-            upcoming = self._upcoming() if self._upcoming is not None else None
+            upcoming = self._upcoming() if ahead and self._upcoming is not None else None
             want = self._ids_of(upcoming) if upcoming is not None else None
             pushed = (self.tables.gradients() if self.local_rows is None
                       else self.local_rows.pseudo_gradients())
@@ -595,7 +597,7 @@ class _Loop:
 
     def _finish(self) -> WorkerResult:
         if self.unpushed:  # local steps since the last push (--push-every): don't lose them
-            self._push()
+            self._push(ahead=False)
         self._show(force=True)
         self.client.bye()
         return self.result()
