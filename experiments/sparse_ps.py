@@ -520,7 +520,9 @@ def _mb(n) -> str:
 def summarize(rows: list) -> list:
     """One row per (baseline, size) over its repeats: medians of samples/s, bytes per step,
     AUC and train seconds to target (over the repeats that reached it), the AUC's min and
-    max, each process's peak RSS over every repeat, and every repeat's row in ``runs``."""
+    max, each process's peak RSS over every repeat, and every repeat's row in ``runs``.
+    Where ddp_rpc ran at the same size: ``vs_ddp_rpc``, the ratio of the samples/s
+    medians, and ``vs_ddp_rpc_each``, each repeat's against ddp_rpc's of the same seed."""
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["baseline"], r["rows"]), []).append(r)
@@ -539,27 +541,40 @@ def summarize(rows: list) -> list:
             for name, value in r["rss"].items():
                 rss[name] = max(rss.get(name, 0), value)
         first = {k: v for k, v in done[0].items() if k not in ("evals", "repeat", "wall_s")}
+        rates = [r["samples_per_second"] for r in done]
         out.append({**first, "repeats": len(done),
-                    "samples_per_second": statistics.median(
-                        r["samples_per_second"] for r in done),
+                    "samples_per_second": statistics.median(rates),
+                    "samples_per_second_min": min(rates), "samples_per_second_max": max(rates),
                     "bytes_per_step": statistics.median(r["bytes_per_step"] for r in done),
                     "final_auc": statistics.median(aucs), "auc_min": min(aucs),
                     "auc_max": max(aucs), "reached_target": len(reached),
                     "train_seconds_to_target": statistics.median(reached) if reached else None,
                     "samples_to_target": statistics.median(samples_to) if samples_to else None,
                     "rss": rss, "runs": runs})
+    for row in out:  # against ddp_rpc, the pattern issue 41's speed target names
+        rpc = next((r for r in out if r["baseline"] == "ddp_rpc" and r["rows"] == row["rows"]
+                    and "skipped" not in r), None)
+        if rpc is None or "skipped" in row or row is rpc:
+            continue
+        row["vs_ddp_rpc"] = row["samples_per_second"] / rpc["samples_per_second"]
+        theirs = {r["setting"]["seed"]: r["samples_per_second"] for r in rpc["runs"]
+                  if "skipped" not in r}
+        row["vs_ddp_rpc_each"] = [r["samples_per_second"] / theirs[r["setting"]["seed"]]
+                                  for r in row["runs"] if "skipped" not in r
+                                  and r["setting"]["seed"] in theirs]
     return out
 
 
 def table(summary: list) -> str:
     """The markdown table of ``summarize``'s rows."""
-    lines = ["| baseline | table rows | samples/s | bytes per step (MiB) | peak RSS per process "
-             "(MiB) | AUC after 1 epoch | train s to target | samples to target |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| baseline | table rows | samples/s | × ddp_rpc (each repeat) | bytes per step "
+             "(MiB) | peak RSS per process (MiB) | AUC after 1 epoch | train s to target | "
+             "samples to target |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
         if "skipped" in r:
             lines.append(f"| {r['baseline']} | {r['table_rows']:,} | skipped: {r['skipped']} "
-                         "| | | | | |")
+                         "| | | | | | |")
             continue
         rss = ", ".join(f"{name} {_mb(v)}" for name, v in r["rss"].items())
         auc_ = f"{r['final_auc']:.4f}"
@@ -567,8 +582,16 @@ def table(summary: list) -> str:
             auc_ += f" ({r['auc_min']:.4f}–{r['auc_max']:.4f})"
         to, samples_to = r["train_seconds_to_target"], r["samples_to_target"]
         reached = f", {r['reached_target']}/{r['repeats']} reached" if r["repeats"] > 1 else ""
+        rate = f"{r['samples_per_second']:,.0f}"
+        if r["repeats"] > 1:
+            rate += f" ({r['samples_per_second_min']:,.0f}–{r['samples_per_second_max']:,.0f})"
+        vs = "—"
+        if "vs_ddp_rpc" in r:
+            vs = f"{r['vs_ddp_rpc']:.2f}×"
+            if len(r["vs_ddp_rpc_each"]) > 1:
+                vs += " (" + ", ".join(f"{x:.2f}" for x in r["vs_ddp_rpc_each"]) + ")"
         lines.append(
-            f"| {r['baseline']} | {r['table_rows']:,} | {r['samples_per_second']:,.0f} | "
+            f"| {r['baseline']} | {r['table_rows']:,} | {rate} | {vs} | "
             f"{_mb(r['bytes_per_step'])}{'' if r['bytes_measured'] else ' (computed)'} | "
             f"{rss} | {auc_} | {'—' if to is None else f'{to:.1f}'} (AUC "
             f"{r['target']:g}{reached}) | {'—' if samples_to is None else f'{samples_to:,.0f}'} |")

@@ -36,3 +36,29 @@ def test_the_ddp_rpc_baseline_trains_and_reports(tmp_path, cli_env):
     assert row["bytes_detail"]["vectors"] == 32 * 26 * 16 * 4
     assert row["bytes_per_step"] == sum(row["bytes_detail"].values())
     assert "| ddp_rpc |" in res.stdout
+
+
+def test_the_table_gives_each_row_against_ddp_rpc_repeat_by_repeat():
+    """summarize and table on made rows: the samples/s median with its range, and the ratio
+    to ddp_rpc of the medians and of each seed's pair (the pairs are not the medians')."""
+    sys.path.insert(0, str(EXPERIMENTS))
+    try:
+        import sparse_ps
+    finally:
+        sys.path.remove(str(EXPERIMENTS))
+
+    def row(baseline, seed, rate):
+        setting = sparse_ps.Setting(10, 100, seed=seed)
+        return sparse_ps._row(baseline, setting, samples=rate, train_seconds=1.0,
+                              evals=[{"train_s": 1.0, "samples": rate, "auc": 0.7,
+                                      "loss": 0.5}], default_target=0.9, rss={"p": 1},
+                              bytes_per_step=1, bytes_measured=True)
+
+    rows = [row("asyncsgd-local", s, r) for s, r in enumerate((30, 20, 40))] + \
+        [row("ddp_rpc", s, r) for s, r in enumerate((10, 10, 20))]
+    local, rpc = sparse_ps.summarize(rows)
+    assert local["vs_ddp_rpc"] == 3.0 and local["vs_ddp_rpc_each"] == [3.0, 2.0, 2.0]
+    assert "vs_ddp_rpc" not in rpc
+    text = sparse_ps.table([local, rpc])
+    assert "| asyncsgd-local | 260 | 30 (20–40) | 3.00× (3.00, 2.00, 2.00) |" in text
+    assert "| ddp_rpc | 260 | 10 (10–20) | — |" in text
