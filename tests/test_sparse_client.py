@@ -45,6 +45,7 @@ class PlayedServer:
                  whole: bool = False, drop_first: bool = False):
         self.layout, self.lie, self.id_space, self.whole = layout, lie, id_space, whole
         self.drop_first = drop_first  # leave the first push unanswered: the client re-sends
+        self.ack_extra: dict = {}  # more fields of every push's acknowledgement
         self.ctx = zmq.Context()
         self.front, self.endpoint = router(self.ctx, "tcp://127.0.0.1:0")
         self.ranges = layout.shard_ranges(shards)
@@ -138,7 +139,7 @@ class PlayedServer:
             segments.append(seg)
         meta = {Key.VERSION: 1}
         if msg.type == PUSH:
-            meta[Key.ACK] = {Key.APPLIED: True, Key.STALENESS: 0}
+            meta[Key.ACK] = {Key.APPLIED: True, Key.STALENESS: 0, **self.ack_extra}
         reply = Message(type=PARAMS, seq=msg.seq, shard=i, meta=meta, segments=segments)
         for part in in_parts(reply) if len(segments) > 1 and not self.whole else [reply]:
             send(sock, part, peer)
@@ -346,9 +347,10 @@ class MovingServer(PlayedServer):
         self.params += 1000
 
 
-def train_table_counter(**given):
+def train_table_counter(ack_extra=None, **given):
     """The real worker loop, one epoch of tasks_for_tests:table_counter at local lr 1,
-    against a MovingServer of one shard: (its result, the server)."""
+    against a MovingServer of one shard (``ack_extra``: more fields of its push
+    acknowledgements): (its result, the server)."""
     from asyncsgd.config import WorkerConfig, make_config
     from asyncsgd.core.tasks import task_of
     from asyncsgd.workers.worker import run_worker
@@ -358,6 +360,7 @@ def train_table_counter(**given):
     task = task_of(make_config(WorkerConfig, None, given))
     model = task.build_model(0)
     server = MovingServer(Layout.of(model, task.served_tables(model)), shards=1)
+    server.ack_extra = ack_extra or {}
     try:
         return run_worker(make_config(WorkerConfig, None,
                                       {**given, "server": server.endpoint})), server
@@ -377,6 +380,19 @@ def test_a_window_pulled_on_its_own_measures_its_change_from_that_pull():
     assert [d.tolist() for d in server.dense_pushed] == [[32.0], [16.0]]
     kinds = [kind for _, kind, _, _ in server.requests]
     assert kinds == [PULL, PULL, PUSH, PUSH]  # the start's, the first window's, 2 pushes
+
+
+def test_a_window_that_shrinks_at_a_push_trains_on_the_rows_that_push_brought():
+    """--local-steps auto:4 (DyLU): shard 0's first acknowledgement sets H to 2, after the
+    push had asked for the rows of 4 batches. The 2-batch window is their first half, so
+    it trains on those rows with no pull of its own: 2 pulls (the start's, the first
+    window's) and 5 pushes over 12 batches, of 4, 2, 2, 2 and 2 steps (8 a step)."""
+    result, server = train_table_counter(samples=96, local_steps="auto:4",
+                                         ack_extra={Key.LOCAL_STEPS: 2})
+    assert (result.steps, result.pushes) == (12, 5)
+    assert [d.tolist() for d in server.dense_pushed] == [[32.0], [16.0], [16.0], [16.0],
+                                                          [16.0]]
+    assert [kind for _, kind, _, _ in server.requests] == [PULL, PULL] + [PUSH] * 5
 
 
 def test_the_push_of_a_worker_out_of_time_asks_for_no_rows():

@@ -480,8 +480,11 @@ class _Loop:
                 raise ConfigError("--local-steps with tables served by row pulls the rows of "
                                   "the next H batches at once, but --data-dispatch dynamic "
                                   "hands batches out one at a time: drop one of them")
-            self.local_rows = LocalRows(*self._rows_for(self._window(self.position - 1)),
-                                        self.device)
+            key = self._window(self.position - 1)
+            if self.ahead is not None and len(key) < len(self.ahead[0]) and \
+                    torch.equal(self.ahead[0][:len(key)], key):
+                key = self.ahead[0]  # H fell at the push (DyLU): its rows cover this window
+            self.local_rows = LocalRows(*self._rows_for(key), self.device)
             self.anchor.copy_(self.flat_params)  # a pull there brought new dense parameters
         self.tables.begin(self.local_rows.ids, self.local_rows.rows, self.device)
 
