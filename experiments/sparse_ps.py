@@ -1,6 +1,6 @@
 """Sparse embedding tables on ctr: the baselines a sparse parameter server is measured against.
 
-    python experiments/sparse_ps.py                    # every baseline and size, 3 repeats, ~6 min
+    python experiments/sparse_ps.py                    # 7 rows x 3 sizes x 3 repeats
     python experiments/sparse_ps.py --quick            # tiny sizes, < 60 s, --no-save implied
     python experiments/sparse_ps.py --only ddp_rpc --rows 384616   # the 10^7-row table
 
