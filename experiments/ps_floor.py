@@ -30,19 +30,25 @@ sends: the worker's gradient frames of 64 KiB or more go out as ``zmq.Frame``
 objects made once (``shared_frames``), smaller ones copied, and the server's
 reply frames uncopied from the parameters.
 
-And it does it in the fastest order: the gradient goes out as one message per
-4 MiB frame, the server checks each frame as it arrives, and either applies and
-answers it at once (so both directions are on the wire together) or, once the
-last has come, applies and answers each in turn (asyncsgd's order); a push of
-several frames is measured both ways and the faster counts. The worker copies
-each answer as it comes. It keeps no bookkeeping, no dedupe, no staleness, no
-liveness, and applied on arrival it is not all-or-nothing (a bad frame late in a
-push would leave the earlier ones applied: a correct server stages the range,
-or checks every part before applying any, as the other order does), so no
-correct server that sends as it does can beat it: it bounds what any speed
-target can ask of asyncsgd on a machine. ``ps_throughput.py`` runs it beside
-raw pyzmq and asyncsgd in the same loop and checks it is never the slower
-(results: experiments/README.md).
+And it does it in the fastest order a correct server may: the gradient goes out
+as one message per 4 MiB frame, the server checks each frame as it arrives, and
+once the last has passed, either applies and answers each in turn (asyncsgd's
+order) or swaps in a second buffer the parts were applied to as they came
+(``--early-parts on``'s); a push of several frames is measured both ways and the
+faster counts. The worker copies each answer as it comes. It keeps no
+bookkeeping, no dedupe, no staleness, no liveness, so no correct server that
+sends as it does can beat it: it bounds what any speed target can ask of
+asyncsgd on a machine. ``ps_throughput.py`` runs it beside raw pyzmq and
+asyncsgd in the same loop and checks it is never the slower (results:
+experiments/README.md).
+
+A third order is measured and reported apart, not counted as the floor: each
+part applied and answered as it arrives, so both directions are on the wire
+together. It is not all-or-nothing: a bad frame late in a push would leave the
+earlier ones applied, and their new values sent. Every correct server holds its
+answer until the whole push has passed (a push is "applied whole": tests/PROMISES.md,
+asyncsgd/wire/PROTOCOL.md), so that order shows what giving up the promise would buy
+(experiments/README.md, "Parameter-server round trips").
 """
 
 from __future__ import annotations
@@ -99,10 +105,21 @@ def _received(sock: zmq.Socket, busy: BusyPoll) -> list:
     return frames
 
 
-def _serve(conn, nbytes: int, batched: bool = False) -> None:
-    """The floor's server. ``batched``: each part is checked as it arrives but applied and
-    answered once the push's last has come (asyncsgd's all-or-nothing order), rather than
-    applied and answered on arrival."""
+ORDERS = ("on arrival", "checked, then applied", "staged")  # a push of several parts
+
+
+def _serve(conn, nbytes: int, order: str = "on arrival") -> None:
+    """The floor's server. ``order``, for a push of several parts: each part is checked as
+    it arrives, then
+
+    - ``on arrival``: applied and answered at once (not all-or-nothing: a later part that
+      fails leaves the earlier ones applied and sent);
+    - ``checked, then applied``: once the last has passed, each part is applied and its
+      answer sent in turn (asyncsgd's order when parts are not applied early);
+    - ``staged``: applied on arrival into a second buffer, which becomes the parameters
+      once the last has passed, and then answered (asyncsgd's ``--early-parts on``)."""
+    if order not in ORDERS:
+        raise ValueError(f"order {order!r}: one of {ORDERS}")
     # the threads ps-server gives its one shard: the cores shared by it and the front
     # (servers/supervisor.py); with fewer, a 16-core host's shard sums and applies faster
     torch.set_num_threads(max(1, available_cores() // 2))
@@ -113,9 +130,13 @@ def _serve(conn, nbytes: int, batched: bool = False) -> None:
     try:
         conn.send(sock.bind_to_random_port("tcp://127.0.0.1"))
         conn.close()
-        params = torch.zeros(nbytes // 4)
-        views = [memoryview(params[i:i + FRAME // 4].numpy()).cast("B")
-                 for i in range(0, len(params), FRAME // 4)]
+        step = FRAME // 4
+        params, staged = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
+
+        def views_of(t):
+            return [memoryview(t[i:i + step].numpy()).cast("B") for i in range(0, len(t), step)]
+
+        views, staged_views = views_of(params), views_of(staged)
         checked = []  # (part, gradient, its frame: kept alive while the view is read)
         while True:
             peer, head, *frames = _received(sock, busy)
@@ -130,12 +151,21 @@ def _serve(conn, nbytes: int, batched: bool = False) -> None:
             grad = torch.frombuffer(frames[0].buffer, dtype=torch.float32)
             if not math.isfinite(float(grad.sum())):
                 raise RuntimeError("non-finite gradient")
-            checked.append((part, grad, frames[0]))
-            if batched and len(checked) < header["parts"]:
+            lo = part * step
+            if order == "staged" and header["parts"] > 1:
+                torch.sub(params[lo:lo + len(grad)], grad, alpha=LR,
+                          out=staged[lo:lo + len(grad)])
+                checked.append((part, None, None))
+            else:
+                checked.append((part, grad, frames[0]))
+            if order != "on arrival" and len(checked) < header["parts"]:
                 continue
+            if order == "staged" and header["parts"] > 1:  # every part passed: the swap
+                params, staged, views, staged_views = staged, params, staged_views, views
             for part, grad, _ in checked:
-                lo = part * (FRAME // 4)
-                params[lo:lo + len(grad)].sub_(grad, alpha=LR)
+                lo = part * step
+                if grad is not None:
+                    params[lo:lo + len(grad)].sub_(grad, alpha=LR)
                 reply = msgpack.packb({"t": "params", "s": header["s"], "part": part,
                                        "version": header["s"]})
                 _send(sock, [peer, reply, views[part]])
@@ -210,20 +240,23 @@ def _round_trips(port: int, nbytes: int, seconds: float) -> list:
 
 
 def measure_floor(nbytes: int, seconds: float = 2.0) -> dict:
-    """Median round trip of the minimal parameter server for ``nbytes`` of float32: of a
-    push of several parts, the faster of its two orders (each part applied and answered
-    on arrival, or all once the last has come), measured one after the other: a floor
-    must be below a server of either order."""
-    best = None
-    for batched in ([False, True] if nbytes > FRAME else [False]):
-        durations = time_against_server(_serve, (nbytes, batched), "ps-floor server",
+    """Median round trip of the minimal parameter server for ``nbytes`` of float32. A push
+    of several parts is measured in each order (``ORDERS``), one after the other: the
+    floor is the faster of the two all-or-nothing ones, which every correct server must
+    be (``ms_per_round_trip``); ``on_arrival_ms``: what giving that up would buy."""
+    orders = ORDERS if nbytes > FRAME else ORDERS[:1]
+    timed = {}
+    for order in orders:
+        durations = time_against_server(_serve, (nbytes, order), "ps-floor server",
                                         lambda port: _round_trips(port, nbytes, seconds))
-        median = statistics.median(durations)
-        if best is None or median < best["ms_per_round_trip"] / 1e3:
-            best = {"nbytes": nbytes, "ms_per_round_trip": median * 1e3,
-                    "round_trips": len(durations), "gbps": 2 * nbytes / median / 1e9,
-                    "order": "all parts, then each" if batched else "each part on arrival"}
-    return best
+        timed[order] = (statistics.median(durations), len(durations))
+    correct = [o for o in orders if o != "on arrival"] or orders  # one part: one order
+    best = min(correct, key=lambda o: timed[o][0])
+    median, count = timed[best]
+    return {"nbytes": nbytes, "ms_per_round_trip": median * 1e3, "round_trips": count,
+            "gbps": 2 * nbytes / median / 1e9, "order": best,
+            "orders_ms": {o: t * 1e3 for o, (t, _) in timed.items()},
+            "on_arrival_ms": timed["on arrival"][0] * 1e3}
 
 
 def main() -> int:
@@ -232,9 +265,11 @@ def main() -> int:
     args = ap.parse_args()
     for label, nbytes in SIZES:
         raw = measure_raw(nbytes, FRAME, args.seconds)["ms_per_round_trip"]
-        floor = measure_floor(nbytes, args.seconds)["ms_per_round_trip"]
-        print(f"{label:>6}: raw pyzmq (4 MiB frames) {raw:8.3f} ms   floor {floor:8.3f} ms   "
-              f"floor - raw {1000 * (floor - raw):8.0f} µs")
+        floor = measure_floor(nbytes, args.seconds)
+        ms = floor["ms_per_round_trip"]
+        orders = "   ".join(f"{o} {t:.3f} ms" for o, t in floor["orders_ms"].items())
+        print(f"{label:>6}: raw pyzmq (4 MiB frames) {raw:8.3f} ms   floor {ms:8.3f} ms   "
+              f"floor - raw {1000 * (ms - raw):8.0f} µs   ({orders})")
     return 0
 
 

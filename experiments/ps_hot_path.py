@@ -46,6 +46,10 @@ try:  # cached headers (issue 42); older code encodes every message whole
     from asyncsgd.wire.protocol import HeaderCache
 except ImportError:
     HeaderCache = None
+try:  # the shard loop's headers per part; before it, one HeaderCache
+    from asyncsgd.wire.protocol import PartsCache
+except ImportError:
+    PartsCache = HeaderCache
 
 PEER = b"\x00peer"
 TOKEN = "0123456789abcdef0123456789abcdef"
@@ -122,7 +126,7 @@ def loop_times(elements: int, iterations: int, blocks: int, fused) -> list:
     args = [shard, loop.state, Gatekeeper(ctx, None), sessions, Areas(elements, 8),
             BusyPoll(0.0), shard_process._Saver(loop.state, 0)]
     if "headers" in inspect.signature(shard_process._serve_one).parameters:
-        args.append(HeaderCache())
+        args.append(PartsCache())
     cache = {"cache": HeaderCache()} if HeaderCache is not None else {}
     out = []
     try:

@@ -132,7 +132,7 @@ class ShardState:
         (``SparseTable``) of each of the layout's row-sparse tables (``table_specs``),
         of ``shards`` shards in all; ``hash_ids``: core.sparse_ids.hash_id in a hashed
         id space. ``fused``: the common message (an admitted worker's async push+pull of
-        one dense segment) takes ``fused.py``'s one pass, which answers exactly as the
+        float32, whole or in parts) takes ``fused.py``'s one pass, which answers exactly as the
         general path does; False: every message takes the general path (tests compare)."""
         if params.dim() != 1 or len(params) != cfg.end - cfg.start:
             raise ConfigError(f"shard {cfg.index}: {len(params)} initial values for range "
@@ -196,6 +196,7 @@ class ShardState:
                           PULL: self._on_pull, PUSH: self._on_push}
         self.fused = fused and fused_serves(self)
         self.fused_pushes = 0  # pushes answered by the fused path
+        self.fused_parts = 0  # parts of pushes in parts it took
 
     @property
     def params(self) -> torch.Tensor:

@@ -24,8 +24,8 @@ from asyncsgd.core.sparse_ids import hash_id
 from asyncsgd.wire.busy_poll import BUSY_POLL_US, BusyPoll
 from asyncsgd.wire.memory import keep_freed_memory
 from asyncsgd.wire.protocol import (ATTACH, BYE, MAX_HEADER_BYTES, MAX_SEGMENT_ROWS,
-                                    MAX_SEGMENT_VALUES, PARAMS, STATS, Code, HeaderCache, Key,
-                                    Message, ProtocolError, Rows, error_message, in_parts)
+                                    MAX_SEGMENT_VALUES, PARAMS, STATS, Code, Key, Message,
+                                    PartsCache, ProtocolError, Rows, error_message, in_parts)
 from asyncsgd.wire.security import Gatekeeper, ServerKeys
 from asyncsgd.wire.shared import AreaUnavailable, Areas
 from asyncsgd.wire.transport import frame_limit, recv_from, router, send, send_tracked
@@ -162,7 +162,7 @@ def shard_main(rank: int, settings: ShardProcessSettings, initial: tuple, ready,
         sock.setsockopt(zmq.RCVTIMEO, wait_ms)
         stopped = stop.numpy()
         busy = BusyPoll(settings.busy_poll_us / 1e6)
-        headers = HeaderCache()
+        headers = PartsCache()
         while not stopped[0]:
             with contextlib.suppress(zmq.Again):  # nothing came within the tick
                 _serve_one(sock, state, gate, sessions, areas, busy, save, headers)
@@ -278,12 +278,12 @@ def _drain(sock: zmq.Socket, state: ShardState, linger: float) -> None:
 
 
 def _reply(sock: zmq.Socket, state: ShardState, peer: bytes, reply: Message,
-           areas: Optional[Areas] = None, headers: Optional[HeaderCache] = None) -> None:
+           areas: Optional[Areas] = None, headers: Optional[PartsCache] = None) -> None:
     """Parameters go to a worker on this host through its shared area; to others without
     copying when the store allows it, a message per frame (so the worker copies one
     while the next is on the wire), each as soon as the update still pending on it is
-    applied; the rest once the update is complete. ``headers``: the header of a
-    one-frame PARAMS reply of the parameters' views, kept from one reply to the next."""
+    applied; the rest once the update is complete. ``headers``: the headers of PARAMS
+    replies of the parameters' views, whole or in parts, kept from one reply to the next."""
     if reply.shard < 0:  # errors too name the shard: a worker can tell another shard's answer
         reply.shard = state.cfg.index
     store: ZeroCopyStore = state.store
@@ -295,20 +295,23 @@ def _reply(sock: zmq.Socket, state: ShardState, peer: bytes, reply: Message,
         send(sock, reply, peer, local=(area.link, area.params))
         areas.sent(reply)
         return
-    one = headers if reply.type == PARAMS and len(reply.segments) == 1 else None
+    cached = headers is not None and reply.type == PARAMS
     if reply.type == PARAMS and store.sends_in_place(reply):
         buffer = store.buffer
-        for part in in_parts(reply) if len(reply.segments) > 1 else [reply]:
+        parts = headers.parts(reply) if cached else [(p, None) for p in in_parts(reply)] \
+            if len(reply.segments) > 1 else [(reply, None)]
+        for part, cache in parts:
             store.apply_pending(until=max(s.offset + s.data.shape[0] for s in part.segments))
-            store.sending(buffer, send_tracked(sock, part, peer, one))
+            store.sending(buffer, send_tracked(sock, part, peer, cache))
         return
     store.apply_pending()
-    send(sock, reply, peer, cache=one)
+    send(sock, reply, peer,
+         cache=headers.parts(reply)[0][1] if cached and len(reply.segments) == 1 else None)
 
 
 def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,
                sessions: Sessions, areas: Areas, busy: BusyPoll, save: _Saver,
-               headers: HeaderCache) -> None:
+               headers: PartsCache) -> None:
     """Receive one message (polling first with ``busy`` while messages come that often,
     then waiting up to RCVTIMEO: zmq.Again when none came) and answer it; ``headers``:
     ``_reply``'s."""

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Open:
+class Open:
     seq: int
     incarnation: int
     parts: int
@@ -51,7 +51,7 @@ class PushStreams:
         self.max_values = max_values  # the shard's slice: what one push's parts may hold
         self.max_open = max_open
         self.row_width = row_width
-        self.open: dict = {}  # worker -> _Open, oldest first
+        self.open: dict = {}  # worker -> Open, oldest first
 
     def add(self, msg: Message, now: float) -> tuple:
         """Take one part: ``(whole push or None, (code, detail) to answer or None)``.
@@ -67,7 +67,7 @@ class PushStreams:
                 del self.open[msg.worker]
             while len(self.open) >= self.max_open:
                 del self.open[next(iter(self.open))]
-            stream = self.open[msg.worker] = _Open(msg.seq, msg.incarnation, parts, msg, now)
+            stream = self.open[msg.worker] = Open(msg.seq, msg.incarnation, parts, msg, now)
         elif (stream is None or (stream.seq, stream.incarnation, stream.parts) !=
               (msg.seq, msg.incarnation, parts) or part != stream.received):
             return None, (Code.BAD_FIELD, f"part {part} of {parts} of push {msg.seq} does not "
@@ -100,7 +100,7 @@ class PushStreams:
                        seq=first.seq, clock=first.clock, shard=first.shard, meta=meta,
                        segments=stream.segments), None
 
-    def _count(self, stream: _Open, msg: Message) -> Optional[tuple]:
+    def _count(self, stream: Open, msg: Message) -> Optional[tuple]:
         """Add a part's values to its push's, or (code, detail) when they pass the bound."""
         data = msg.segments[0].data
         if type(data) is Rows:

@@ -7,7 +7,7 @@ import torch
 import zmq
 
 from asyncsgd.wire.busy_poll import (BUSY_POLL_US, CONTENDED_SECONDS, MAX_SKIPS, SMOOTHING,
-                                     BusyPoll)
+                                     BusyPoll, readable, wait_readable)
 from asyncsgd.wire.layout import Layout
 from asyncsgd.workers.client import PSClient
 from tasks_for_tests import index_counter, mib_counter
@@ -27,6 +27,17 @@ def pair():
         a.close()
         b.close()
         ctx.term()
+
+
+def test_readable_and_wait_readable_say_whether_a_message_waits(pair):
+    a, b = pair
+    assert not readable(b)
+    start = time.monotonic()
+    assert not wait_readable(b, 0.05) and time.monotonic() - start >= 0.04
+    assert not wait_readable(b, -1.0)  # a deadline passed: a look, no wait
+    a.send(b"x")
+    assert wait_readable(b, 5.0) and readable(b)  # it stays ready until read
+    assert b.recv(zmq.NOBLOCK) == b"x" and not readable(b)
 
 
 def test_a_waiting_message_ends_the_poll_at_once(pair):

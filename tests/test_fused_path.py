@@ -1,6 +1,7 @@
 """The fused common path (servers/fused.py) answers exactly as the general path: the same
 replies, parameters, counters, stats, audit and checkpoint, bit for bit, over a sequence of
-pushes with duplicates, stale pushes, refusals and a NaN push (pure ShardState)."""
+pushes with duplicates, stale pushes, refusals and a NaN push, whole or in parts (pure
+ShardState)."""
 
 import pytest
 import torch
@@ -161,3 +162,131 @@ def test_configurations_with_more_to_a_push_take_the_general_path():
     assert state().fused
     for kw in (dict(consistency="ssp:1"), dict(consistency="sync"), dict(dc_lambda=0.04)):
         assert not state(**kw).fused, kw
+
+
+def _parts(worker, seq, grad, clock, cuts=(3, 6), spans=None, **kw):
+    """A push of ``grad`` in parts cut at ``cuts`` (or of its ``spans`` [(start, stop)]),
+    each part as ``in_parts`` makes it."""
+    bounds = [0, *cuts, len(grad)]
+    spans = spans or list(zip(bounds, bounds[1:]))
+    return [_push(worker, seq, grad[a:b], clock, offset=a, part=j, parts=len(spans), **kw)
+            for j, (a, b) in enumerate(spans)]
+
+
+def _parts_script(version):
+    """Pushes in parts, each message made when it is sent, with whether the fused path takes
+    it (a part) and whether it completes a push (``_script``'s second field for its last)."""
+    nan = _grad(9).clone()
+    nan[4] = float("nan")
+    yield lambda: _push("w1", 1, _grad(1), version()), (0, 0)  # first contact: general
+    yield lambda: _push("w2", 1, _grad(2), version()), (0, 0)
+    for seq in (2, 3):  # the common push in parts: each part fused, the last applies it
+        for j in range(3):
+            yield lambda seq=seq, j=j: _parts("w1", seq, _grad(seq), version())[j], (1, j == 2)
+    # two workers' pushes in parts interleaved
+    yield lambda: _parts("w1", 4, _grad(4), version())[0], (1, 0)
+    yield lambda: _parts("w2", 2, _grad(5), 0)[0], (1, 0)  # stale, computed on version 0
+    yield lambda: _parts("w1", 4, _grad(4), version())[1], (1, 0)
+    yield lambda: _parts("w2", 2, _grad(5), 0)[1], (1, 0)
+    yield lambda: _parts("w2", 2, _grad(5), 0)[2], (1, 1)
+    yield lambda: _parts("w1", 4, _grad(4), version())[2], (1, 1)
+    # a new part 0 replaces the open push: general; then its parts fused
+    yield lambda: _parts("w1", 5, _grad(5), version())[0], (1, 0)
+    yield lambda: _parts("w1", 6, _grad(6), version())[0], (0, 0)
+    yield lambda: _parts("w1", 6, _grad(6), version())[2], (0, 0)  # out of order: refused
+    yield lambda: _parts("w1", 6, _grad(6), version())[1], (1, 0)
+    yield lambda: _parts("w1", 6, _grad(6), version())[2], (1, 1)
+    # a NaN in the middle part: refused in general, the rest dropped
+    for j in range(3):
+        yield lambda j=j: _parts("w1", 7, nan, version())[j], (int(j == 0), 0)
+    # overlapping parts: refused at the last, in general
+    overlap = [(0, 3), (2, 4), (4, 7)]
+    for j in range(3):
+        yield lambda j=j: _parts("w1", 8, _grad(8), version(), spans=overlap)[j], (int(j < 2), 0)
+    # more values than the slice: refused at the part that passes it
+    for j in range(3):
+        yield lambda j=j: _parts("w1", 9, _grad(9), version(), spans=[(0, 6), (0, 3), (6, 8)])[j], \
+            (int(j == 0), 0)
+    # a push already applied, in parts again: a duplicate, answered in general
+    for j in range(3):
+        yield lambda j=j: _parts("w1", 6, _grad(6), version())[j], (int(j < 2), 0)
+    # what a push reports rides on its parts; a bad compute refuses the push at its last
+    for j in range(3):
+        yield lambda j=j: _parts("w1", 10, _grad(10), version(), loss=0.5, samples=32,
+                                 compute=0.01)[j], (1, j == 2)
+    for j in range(3):
+        yield lambda j=j: _parts("w1", 11, _grad(11), version(), compute=-1.0)[j], \
+            (int(j < 2), 0)
+    yield lambda: _parts("w1", 12, _grad(12), version() + 5, cuts=())[0], (1, 1)  # one part
+    for j in range(2):  # ahead (a past life): its clock is the version at its part 0 ...
+        yield lambda j=j: _parts("w1", 13, _grad(13), version() + 1, cuts=(4,))[j], (1, j)
+        if not j:  # ... not the one at its last: another worker's push came between
+            yield lambda: _push("w2", 3, _grad(3), version()), (0, 1)
+    for j in range(2):  # a pull dtype, a push alone: general
+        yield lambda j=j: _parts("w1", 14, _grad(14), version(), cuts=(4,),
+                                 pull_dtype="float16")[j], (0, 0)
+    for j in range(2):
+        yield lambda j=j: _parts("w1", 15, _grad(15), version(), cuts=(4,), pull=False)[j], (0, 0)
+    yield lambda: _parts("w1", 16, _grad(16), version())[1], (0, 0)  # no part 0: refused
+    # part 0 decides: one that asks nothing back makes a push alone, whatever follows
+    yield lambda: _parts("w1", 18, _grad(18), version(), cuts=(4,), pull=False)[0], (0, 0)
+    yield lambda: _parts("w1", 18, _grad(18), version(), cuts=(4,))[1], (0, 0)
+    # past the open pushes a shard keeps (16 here), a new one evicts the oldest: general
+    for k in range(16):
+        yield lambda k=k: _push(f"v{k}", 1, _grad(k), version()), (0, 0)
+    for k in range(16):
+        yield lambda k=k: _parts(f"v{k}", 2, _grad(k), version())[0], (1, 0)
+    yield lambda: _parts("w2", 4, _grad(4), version())[0], (0, 0)
+    yield lambda: _push("w1", 17, _grad(17), version()), (0, 1)  # whole again: fused
+
+
+@pytest.mark.parametrize("store, later", [(ParamStore, False), (ZeroCopyStore, True)])
+@pytest.mark.parametrize("extra", CONFIGS, ids=lambda c: ",".join(c) or "default")
+def test_pushes_in_parts_take_the_fused_path_and_answer_exactly_as_the_general_path(
+        store, later, extra):
+    cfg = dict(index=0, start=0, end=SIZE, lr=1.0, heartbeat_timeout=50.0, dedupe_window=4,
+               early_parts=False)
+    cfg.update(extra)
+    states = [ShardState(ShardConfig(**cfg), torch.arange(SIZE, dtype=torch.float32),
+                         store=store, settle_later=later, fused=fused) for fused in (True, False)]
+    fused, general = states
+    # a bound on the whole gradient's norm: every part in general (it is checked once joined)
+    bounded = "max_grad_norm" in extra
+    unchecked = not cfg.get("reject_nonfinite", True)
+    now = 1.0
+    pushes = 0
+    for step, (make, (part, applied)) in enumerate(_parts_script(lambda: general.version)):
+        now += 0.25
+        before = fused.fused_parts, fused.fused_pushes
+        got = [[_reply(p, r, s.store) for p, r in s.handle(b"peer", make(), now)]
+               for s in states]
+        assert _same(got[0], got[1]), (step, got)
+        if unchecked and step in range(19, 22):  # the NaN push: not refused, so taken
+            part, applied = 1, step == 21
+        sent = make()
+        if bounded and Key.PARTS not in sent.meta:  # a whole push within the bound: fused
+            applied = applied and float(sent.segments[0].data.norm()) <= extra["max_grad_norm"]
+        elif bounded:
+            part = applied = 0
+        taken = (int(part), int(applied))
+        assert (fused.fused_parts - before[0], fused.fused_pushes - before[1]) == taken, step
+        pushes += taken[1]
+        if taken[1]:
+            assert got[0][0][1] == PARAMS and got[0][0][7][Key.ACK][Key.APPLIED] is True
+        for state in states:
+            state.settle()
+        assert _same(fused.params, general.params) and fused.version == general.version
+        assert fused.counters == general.counters and fused.staleness == general.staleness
+        assert _same(fused.stats(now), general.stats(now))
+        assert fused.streams.open.keys() == general.streams.open.keys()
+        for key, stream in fused.streams.open.items():
+            other = general.streams.open[key]
+            assert (stream.seq, stream.received, stream.values, stream.failed) == \
+                (other.seq, other.received, other.values, other.failed)
+    assert _same(fused.state_dict(), general.state_dict())
+    assert fused.fused_pushes == pushes >= (1 if bounded else 10)
+    assert general.fused_parts == general.fused_pushes == 0
+    counters = fused.counters
+    assert counters["duplicates"] == 1 and counters["rejected"] >= 5
+    assert counters["nonfinite"] == (0 if unchecked else 1)
+    assert sum(fused.staleness[1:]) >= 1  # w2's stale push in parts counted stale

@@ -1,6 +1,6 @@
 """The wire's fast paths say exactly what the general ones say: ``decode``'s one-segment path
 (the same message, or the same error, as ``_message``) and ``encode`` with a ``HeaderCache``
-(frames that decode to the same message as those encoded whole)."""
+or a ``PartsCache`` (frames that decode to the same message as those encoded whole)."""
 
 import random
 
@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncsgd.wire import protocol
-from asyncsgd.wire.protocol import (PARAMS, PUSH, HeaderCache, Key, Message, ProtocolError,
-                                    Segment, decode, encode, split)
+from asyncsgd.wire.protocol import (PARAMS, PUSH, HeaderCache, Key, Message, PartsCache,
+                                    ProtocolError, Segment, decode, encode, in_parts, split)
 from asyncsgd.wire.transport import shared_frames
 from malformed import malformed, valid_push
 
@@ -126,3 +126,26 @@ def test_a_cached_header_encodes_what_the_whole_header_encodes():
     msg = Message(type=PUSH, worker="w", seq=1, segments=transient)
     assert _decoded(encode(msg, cache=cache)) == _decoded(encode(msg))
     assert cache.segments is None  # a copy made for one message is never kept
+
+
+def test_a_parts_cache_encodes_each_part_as_in_parts_encoded_whole_and_keeps_each_header():
+    grads = torch.arange(40_000, dtype=torch.float32)
+    big, small = shared_frames(split(grads, frame_bytes=64_000)), split(grads[:10], frame_bytes=16)
+    cache = PartsCache()
+    for seq, (segments, kind, meta) in enumerate([
+            (big, PUSH, {Key.PULL: True}),  # 3 parts: a zmq.Frame each
+            (big, PUSH, {Key.PULL: True, Key.LOSS: 0.5}),
+            (small, PARAMS, {Key.VERSION: 4, Key.ACK: {Key.APPLIED: True}}),  # 3 other parts
+            (small[:1], PARAMS, {Key.VERSION: 5}),  # one segment: the message itself
+            (big, PUSH, {Key.PULL: True})]):
+        msg = Message(type=kind, worker="w", incarnation=2, seq=seq + 1, clock=seq, shard=0,
+                      meta=meta, segments=segments, token="tok")
+        parts = cache.parts(msg)
+        plain = in_parts(msg) if len(segments) > 1 else [msg]
+        assert len(parts) == len(plain) == len(segments)
+        for (part, header), whole in zip(parts, plain):
+            assert _decoded(encode(part, cache=header)) == _decoded(encode(whole))
+            assert header.segments is part.segments  # cached: the next send packs 3 fields
+        if len(segments) > 1:  # the ack rides on part 0 only, as in_parts puts it
+            assert [Key.ACK in p.meta for p, _ in parts] == [Key.ACK in meta, False, False]
+    assert len(cache.headers) == 3  # one per part, kept as the list changed

@@ -22,14 +22,14 @@ import zmq
 from asyncsgd.errors import AsyncSGDError
 from asyncsgd.run import kill_at
 from asyncsgd.run.audit import worker_audit
-from asyncsgd.wire.busy_poll import BUSY_POLL_US, BusyPoll
+from asyncsgd.wire.busy_poll import BUSY_POLL_US, BusyPoll, readable, wait_readable
 from asyncsgd.wire.compression import WIRE_DTYPES, Compressor
 from asyncsgd.wire.layout import TableSpec
 from asyncsgd.wire.protocol import (ACK, ATTACH, BYE, DTYPE_NAMES, ERROR, HEARTBEAT, HELLO,
                                     FRAME_BYTES, MAX_HEADER_BYTES, MAX_SEGMENT_ROWS,
                                     MAX_SEGMENT_VALUES, PARAMS, PULL, PUSH, WELCOME, Code,
                                     HeaderCache, Key, Message, Packed, ParamsIntake,
-                                    ProtocolError, Rows, in_parts, split)
+                                    PartsCache, ProtocolError, Rows, in_parts, split)
 from asyncsgd.wire.security import ClientKeys, await_handshake
 from asyncsgd.wire.sparse import MAX_MESSAGE_VALUES, apart, reply_mismatch, split_rows, widened
 from asyncsgd.wire.transport import (dealer, frame_limit, is_local, parse_endpoint, recv, send,
@@ -227,6 +227,7 @@ class PSClient:
         # each shard's push header, packed but for its seq, clock and meta: a push of the
         # gradient buffer's own segments packs just those (protocol.HeaderCache)
         self._headers = [HeaderCache() for _ in self.shards]
+        self._parts = [PartsCache() for _ in self.shards]  # the gradient buffer's, in parts
         self.transport = transport
         self.areas = SharedAreas(len(self.shards), insist=transport == "shared")
         # ZeroMQ sockets are not thread-safe: whoever uses them holds this lock.
@@ -499,10 +500,12 @@ class PSClient:
         if msg.type == PUSH and area is not None:
             self._out(self.shards[i], msg, local=(area.link, area.grads))
         elif msg.type == PUSH and len(msg.segments) > 1 and not self._small_with_rows(msg):
-            for j, part in enumerate(in_parts(msg)):
+            cached = msg.segments is self._grad_segments[i] if self._grad_segments else False
+            parts = self._parts[i].parts(msg) if cached else [(p, None) for p in in_parts(msg)]
+            for j, (part, cache) in enumerate(parts):
                 if j:
                     kill_at.reached(kill_at.BETWEEN_PARTS)
-                self._out(self.shards[i], part, copy=copy)
+                self._out(self.shards[i], part, copy=copy, cache=cache)
         elif msg.type == PUSH and self.compressor is None:
             self._out(self.shards[i], msg, copy=copy, cache=self._headers[i])
         else:
@@ -605,10 +608,10 @@ class PSClient:
                 # recv anyway): each ask costs system calls. A 2-shard step of 20 KB made 42.7
                 # in the worker (strace), 65.7 in zmq_poll (experiments/README.md, "Shards")
                 i = owed[0] if not nbytes else next(
-                    (j for j in owed if socks[j].getsockopt(zmq.EVENTS) & zmq.POLLIN), None)
+                    (j for j in owed if readable(socks[j])), None)
                 if i is None:  # after a reply, wait what is left of the heartbeat, not another
                     i = owed[0]
-                    if not socks[i].poll(max(0, int((until - time.monotonic()) * 1000))):
+                    if not wait_readable(socks[i], until - time.monotonic()):
                         return False
                 try:
                     reply = self._in(socks[i], self.areas.slots[i])

@@ -23,6 +23,21 @@ CONTENDED_SECONDS = 100e-6
 MAX_POLLED_BYTES = 256 * 1024  # after a larger message the next wait sleeps (see BusyPoll)
 SMOOTHING = 0.25  # weight of the newest wait in the running estimate
 MAX_SKIPS = 64  # waits slept through after contended polls in a row, at most
+# The Cython getter and plain ints: pyzmq's Socket.getsockopt(zmq.EVENTS) & zmq.POLLIN makes
+# an enum of the result (1.7 against 1.1 us; Socket.poll builds a Poller: 1.6 against 0.9 us
+# for zmq_poll), paid at every look while polling and between a reply's parts
+_GET = zmq.backend.Socket.get
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+def readable(sock: zmq.Socket) -> bool:
+    """Whether a message is ready on ``sock`` now."""
+    return bool(_GET(sock, _EVENTS) & _POLLIN)
+
+
+def wait_readable(sock: zmq.Socket, seconds: float) -> bool:
+    """Wait up to ``seconds`` (at least 0) for a message on ``sock``; whether one is ready."""
+    return bool(zmq.zmq_poll([(sock, _POLLIN)], max(0, int(seconds * 1000))))
 
 
 class BusyPoll:
@@ -74,7 +89,7 @@ class BusyPoll:
         end = time.perf_counter() + self.max_seconds
         yielded = False
         for sock in socks:
-            while not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            while not _GET(sock, _EVENTS) & _POLLIN:
                 before = time.perf_counter()
                 if before >= end:
                     return

@@ -272,6 +272,33 @@ class HeaderCache:
 _CLOCK_KEY, _META_KEY = msgpack.packb("c"), msgpack.packb("m")
 
 
+class PartsCache:
+    """A ``HeaderCache`` per part of the messages a sender sends again and again with the
+    same list of segments, whole (one segment) or in parts (``in_parts``): each part's
+    one-segment list is made once per list, so that its part's cache knows it. A worker's
+    pushes of its gradient buffer, a shard's replies of its parameter views (a 10 MB push
+    is three parts each way)."""
+
+    __slots__ = ("segments", "lists", "headers")
+
+    def __init__(self):
+        self.segments: Optional[list] = None  # the list the part lists were made for (held)
+        self.lists: list = []
+        self.headers: list = []  # one HeaderCache per part, kept as lists change
+
+    def parts(self, msg: Message) -> list:
+        """``[(message, HeaderCache)]``: ``msg`` itself when it has one segment, else its
+        parts."""
+        segments = msg.segments
+        if segments is not self.segments:
+            self.segments = segments
+            self.lists = [[seg] for seg in segments] if len(segments) > 1 else [segments]
+            self.headers += [HeaderCache() for _ in range(len(self.lists) - len(self.headers))]
+        if len(segments) == 1:
+            return [(msg, self.headers[0])]
+        return list(zip(in_parts(msg, self.lists), self.headers))
+
+
 def encode(msg: Message, local: Optional[tuple] = None,
            cache: Optional[HeaderCache] = None) -> list:
     """Frames for ``msg``: the header, then one buffer per segment (zero-copy views);
@@ -753,9 +780,10 @@ def _rows_form(desc: list) -> tuple:
     return n, dim, dtype_name
 
 
-def in_parts(msg: Message) -> list:
+def in_parts(msg: Message, lists: Optional[list] = None) -> list:
     """``msg`` as one message per segment, ``meta`` part j of ``parts`` on each (an
-    ``ack`` in ``meta`` rides on part 0 only).
+    ``ack`` in ``meta`` rides on part 0 only); ``lists``: each part's one-segment list,
+    made once (``PartsCache``).
 
     Large PARAMS replies and pushes go out this way so that the receiver handles
     each part (a worker copies it, a shard checks it) while the next is still on
@@ -766,7 +794,7 @@ def in_parts(msg: Message) -> list:
     return [Message(type=msg.type, worker=msg.worker, incarnation=msg.incarnation,
                     seq=msg.seq, clock=msg.clock, shard=msg.shard,
                     meta={**(msg.meta if j == 0 else rest), Key.PART: j, Key.PARTS: parts},
-                    segments=[seg], token=msg.token)
+                    segments=[seg] if lists is None else lists[j], token=msg.token)
             for j, seg in enumerate(msg.segments)]
 
 
