@@ -539,9 +539,10 @@ class PSClient:
         poller = self.poller
         self._intake.forget()  # what an earlier, abandoned call left behind
         self._rows_in = {}
-        live = Liveness(len(self.shards), self.heartbeat, self.server_timeout, time.monotonic())
+        began = time.monotonic()
         if self._answered_directly(outstanding, params):  # one request per shard
             return
+        live = Liveness(len(self.shards), self.heartbeat, self.server_timeout, began)
         wait = 0  # the direct wait took a heartbeat already: look at every socket at once
         while outstanding:
             events = dict(poller.poll(wait))
