@@ -132,8 +132,9 @@ class ShardState:
         (``SparseTable``) of each of the layout's row-sparse tables (``table_specs``),
         of ``shards`` shards in all; ``hash_ids``: core.sparse_ids.hash_id in a hashed
         id space. ``fused``: the common message (an admitted worker's async push+pull of
-        float32, whole or in parts) takes ``fused.py``'s one pass, which answers exactly as the
-        general path does; False: every message takes the general path (tests compare)."""
+        float32, whole or in parts) takes ``fused.py``'s one pass, which answers exactly as
+        the general path does; False: every message takes the general path (tests
+        compare)."""
         if params.dim() != 1 or len(params) != cfg.end - cfg.start:
             raise ConfigError(f"shard {cfg.index}: {len(params)} initial values for range "
                               f"[{cfg.start}, {cfg.end})")
