@@ -31,7 +31,7 @@ from .streams import Open
 
 _FLOAT32 = torch.float32
 _WIRE = ("float32", "float32")  # how a worker's push and pulls travel (ShardState._wire)
-# Meta keys that take a push off the common path: parts (``_part``), a pull dtype, DyLU's
+# Meta keys that take a push off the common path: parts (``_part``), a pull dtype, DyLU's steps
 _UNCOMMON = (Key.PARTS, Key.PART, Key.PULL_DTYPE, Key.AUTO_STEPS)
 _PART_KEYS = (Key.PART, Key.PARTS)
 

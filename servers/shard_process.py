@@ -305,8 +305,8 @@ def _reply(sock: zmq.Socket, state: ShardState, peer: bytes, reply: Message,
             store.sending(buffer, send_tracked(sock, part, peer, cache))
         return
     store.apply_pending()
-    send(sock, reply, peer,
-         cache=headers.parts(reply)[0][1] if cached and len(reply.segments) == 1 else None)
+    one = cached and len(reply.segments) == 1 and not reply.segments[0].transient
+    send(sock, reply, peer, cache=headers.parts(reply)[0][1] if one else None)
 
 
 def _serve_one(sock: zmq.Socket, state: ShardState, gate: Gatekeeper,

@@ -35,6 +35,8 @@ def test_readable_and_wait_readable_say_whether_a_message_waits(pair):
     start = time.monotonic()
     assert not wait_readable(b, 0.05) and time.monotonic() - start >= 0.04
     assert not wait_readable(b, -1.0)  # a deadline passed: a look, no wait
+    start = time.monotonic()
+    assert not wait_readable(b, 0.0004) and time.monotonic() - start < 0.05  # under 1 ms
     a.send(b"x")
     assert wait_readable(b, 5.0) and readable(b)  # it stays ready until read
     assert b.recv(zmq.NOBLOCK) == b"x" and not readable(b)

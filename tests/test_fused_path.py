@@ -3,6 +3,8 @@ replies, parameters, counters, stats, audit and checkpoint, bit for bit, over a 
 pushes with duplicates, stale pushes, refusals and a NaN push, whole or in parts (pure
 ShardState)."""
 
+import random
+
 import pytest
 import torch
 
@@ -82,7 +84,7 @@ def _reply(peer, msg, store) -> tuple:
     store.apply_pending()
     return (peer, msg.type, msg.worker, msg.incarnation, msg.seq, msg.clock, msg.shard,
             msg.meta, msg.token,
-            [(s.offset, s.data.dtype, s.data.numpy().tobytes()) for s in msg.segments])
+            [(s.offset, s.data.dtype, s.data.float().numpy().tobytes()) for s in msg.segments])
 
 
 def _same(a, b) -> bool:
@@ -250,6 +252,9 @@ def test_pushes_in_parts_take_the_fused_path_and_answer_exactly_as_the_general_p
     states = [ShardState(ShardConfig(**cfg), torch.arange(SIZE, dtype=torch.float32),
                          store=store, settle_later=later, fused=fused) for fused in (True, False)]
     fused, general = states
+    audits = [[], []]
+    for state, audit in zip(states, audits):
+        state.audit = lambda *a, audit=audit: audit.append(a)
     # a bound on the whole gradient's norm: every part in general (it is checked once joined)
     bounded = "max_grad_norm" in extra
     unchecked = not cfg.get("reject_nonfinite", True)
@@ -261,9 +266,9 @@ def test_pushes_in_parts_take_the_fused_path_and_answer_exactly_as_the_general_p
         got = [[_reply(p, r, s.store) for p, r in s.handle(b"peer", make(), now)]
                for s in states]
         assert _same(got[0], got[1]), (step, got)
-        if unchecked and step in range(19, 22):  # the NaN push: not refused, so taken
-            part, applied = 1, step == 21
         sent = make()
+        if unchecked and (sent.worker, sent.seq) == ("w1", 7):  # NaN: not refused, so taken
+            part, applied = 1, sent.meta[Key.PART] == 2
         if bounded and Key.PARTS not in sent.meta:  # a whole push within the bound: fused
             applied = applied and float(sent.segments[0].data.norm()) <= extra["max_grad_norm"]
         elif bounded:
@@ -284,9 +289,131 @@ def test_pushes_in_parts_take_the_fused_path_and_answer_exactly_as_the_general_p
             assert (stream.seq, stream.received, stream.values, stream.failed) == \
                 (other.seq, other.received, other.values, other.failed)
     assert _same(fused.state_dict(), general.state_dict())
+    assert audits[0] == audits[1] and len(audits[0]) == fused.counters["updates"]
     assert fused.fused_pushes == pushes >= (1 if bounded else 10)
     assert general.fused_parts == general.fused_pushes == 0
     counters = fused.counters
     assert counters["duplicates"] == 1 and counters["rejected"] >= 5
     assert counters["nonfinite"] == (0 if unchecked else 1)
     assert sum(fused.staleness[1:]) >= 1  # w2's stale push in parts counted stale
+
+
+def _random_messages(rng, states, workers, steps):
+    """``steps`` of random traffic (a seeded fuzz): pushes whole and in 1-4 parts of random
+    cuts from up to 20 workers, parts skipped, repeated or old sequence numbers, clocks
+    stale and ahead, NaN, overlaps, bf16 and 2-D parts, a pull dtype or no pull on any part,
+    good and bad compute, an ack where none belongs, reports, byes, restarts and ticks
+    (expiry); yields ``(now, peer, message)`` or ``(now, None, None)`` for a tick."""
+    size = len(states[0].params)
+    seqs, inc, pending = dict.fromkeys(workers, 0), dict.fromkeys(workers, 1), {}
+    now = 1.0
+    for _ in range(steps):
+        now += rng.choice([0.01, 0.05, 0.1, 0.2]) if rng.random() < 0.98 else 6.0
+        r = rng.random()
+        w = rng.choice(workers[:rng.choice([2, 4, len(workers)])])
+        version = states[1].version
+        peer = rng.choice([b"p1", b"p2"])
+        if r < 0.02:
+            yield now, peer, Message(type=BYE, worker=w, incarnation=inc[w], seq=99)
+        elif r < 0.03:
+            inc[w], seqs[w] = inc[w] + 1, 0
+        elif r < 0.06:
+            yield now, None, None
+        elif pending.get(w) and r < 0.6:
+            yield now, peer, pending[w].pop(0)
+            if rng.random() < 0.05 and pending[w]:
+                pending[w].pop(0)  # a part lost on the way
+        else:
+            seqs[w] += rng.random() < 0.85
+            seq = seqs[w] if rng.random() < 0.9 else max(1, seqs[w] - rng.randint(0, 6))
+            grad = torch.tensor([rng.randint(-4, 4) / 2 for _ in range(size)])
+            if rng.random() < 0.05:
+                grad[rng.randrange(size)] = float("nan")
+            clock = rng.choice([version, version, version, max(0, version - 3), 0, version + 2])
+            meta = {Key.PULL: True} if rng.random() < 0.93 else {}
+            if rng.random() < 0.2:
+                meta.update({Key.LOSS: 0.5, Key.SAMPLES: 8, Key.TRAFFIC: [1, 2]})
+            if rng.random() < 0.1:
+                meta[Key.COMPUTE] = rng.choice([0.1, -1.0, "x"])
+            if rng.random() < 0.04:
+                meta[Key.PULL_DTYPE] = rng.choice(["float16", "bfloat16"])
+            if rng.random() < 0.05:
+                meta[Key.ACK] = {"x": 1}
+            parts = rng.choice([1, 1, 2, 3, 4])
+            if parts == 1 and rng.random() < 0.6:
+                yield now, peer, Message(PUSH, w, inc[w], seq, clock, 0, meta, [Segment(0, grad)])
+                continue
+            bounds = [0, *sorted(rng.sample(range(1, size), parts - 1)), size]
+            spans = list(zip(bounds, bounds[1:]))
+            if rng.random() < 0.1 and len(spans) > 1:  # overlapping the part before
+                spans[1] = (spans[1][0] - 1, spans[1][1] - 1)
+            made = []
+            for j, (a, b) in enumerate(spans):
+                data = grad[a:b].clone()
+                if rng.random() < 0.04:
+                    data = data.to(torch.bfloat16)
+                elif rng.random() < 0.02 and len(data) % 2 == 0:
+                    data = data.reshape(2, -1)
+                part = dict(meta if j == 0 else {k: v for k, v in meta.items() if k != Key.ACK})
+                if j and rng.random() < 0.03:
+                    part.pop(Key.PULL, None)
+                elif j and rng.random() < 0.3:  # part 0 decides; a later part may say more
+                    part[Key.PULL] = True
+                if j and rng.random() < 0.03:
+                    part[Key.PULL_DTYPE] = "float16"
+                part.update({Key.PART: j, Key.PARTS: len(spans)})
+                made.append(Message(PUSH, w, inc[w], seq, clock, 0, part, [Segment(a, data)]))
+            yield now, peer, made.pop(0)
+            pending[w] = made
+
+
+def _everything(state, now) -> dict:
+    """All a shard's state that a message can change, open pushes and records included."""
+    state.settle()
+    return {"params": state.params.clone(), "version": state.version,
+            "counters": dict(state.counters), "staleness": list(state.staleness),
+            "stats": state.stats(now), "now": (state.now, state.policy.now),
+            "workers": {w: (r.incarnation, r.peer, r.last_seen, r.pushes, r.alive, r.wire,
+                            r.reported_clock, r.window.state())
+                        for w, r in state.workers.items()},
+            "streams": [(w, o.seq, o.incarnation, o.parts, o.first.clock, o.first.meta,
+                         o.started, [(g.offset, g.data.numpy().tobytes()) for g in o.segments],
+                         o.received, o.values, o.failed) for w, o in state.streams.open.items()],
+            "train": {w: list(v) for w, v in state.train.items()},
+            "traffic": {w: list(v) for w, v in state.traffic.items()}}
+
+
+@pytest.mark.parametrize("store, later", [(ParamStore, False), (ZeroCopyStore, True)])
+@pytest.mark.parametrize("extra", CONFIGS, ids=lambda c: ",".join(c) or "default")
+def test_random_traffic_is_answered_the_same_fused_or_not(store, later, extra):
+    cfg = dict(index=0, start=0, end=12, lr=1.0, heartbeat_timeout=5.0, dedupe_window=4,
+               early_parts=False, expected_workers=1)
+    cfg.update(extra)
+    taken = [0, 0]
+    for seed in range(2):
+        states = [ShardState(ShardConfig(**cfg), torch.arange(12, dtype=torch.float32),
+                             store=store, settle_later=later, fused=fused)
+                  for fused in (True, False)]
+        audits = [[], []]
+        for state, audit in zip(states, audits):
+            state.audit = lambda *a, audit=audit: audit.append(a)
+        workers = [f"w{i}" for i in range(20)]  # past the 16 open pushes a shard keeps
+        rng = random.Random(seed)
+        for step, (now, peer, msg) in enumerate(_random_messages(rng, states, workers, 300)):
+            if msg is None:
+                for state in states:
+                    state.tick(now)
+                continue
+            got = []
+            for state in states:  # each its own copy: a shard may keep or change what it got
+                own = Message(msg.type, msg.worker, msg.incarnation, msg.seq, msg.clock,
+                              msg.shard, dict(msg.meta),
+                              [Segment(s.offset, s.data.clone()) for s in msg.segments])
+                got.append([_reply(p, r, state.store) for p, r in state.handle(peer, own, now)])
+            assert _same(got[0], got[1]), (seed, step, msg)
+            assert _same(_everything(states[0], now), _everything(states[1], now)), (seed, step)
+        assert audits[0] == audits[1]
+        taken[0] += states[0].fused_parts
+        taken[1] += states[0].fused_pushes
+    if "max_grad_norm" not in extra:  # (there, parts are the general path's)
+        assert taken[0] >= 100 and taken[1] >= 50, taken

@@ -132,6 +132,7 @@ def test_a_parts_cache_encodes_each_part_as_in_parts_encoded_whole_and_keeps_eac
     grads = torch.arange(40_000, dtype=torch.float32)
     big, small = shared_frames(split(grads, frame_bytes=64_000)), split(grads[:10], frame_bytes=16)
     cache = PartsCache()
+    heads = {}  # the packed fixed fields of each part of ``big``: kept while its list is
     for seq, (segments, kind, meta) in enumerate([
             (big, PUSH, {Key.PULL: True}),  # 3 parts: a zmq.Frame each
             (big, PUSH, {Key.PULL: True, Key.LOSS: 0.5}),
@@ -148,4 +149,8 @@ def test_a_parts_cache_encodes_each_part_as_in_parts_encoded_whole_and_keeps_eac
             assert header.segments is part.segments  # cached: the next send packs 3 fields
         if len(segments) > 1:  # the ack rides on part 0 only, as in_parts puts it
             assert [Key.ACK in p.meta for p, _ in parts] == [Key.ACK in meta, False, False]
+        if seq == 1:  # the same list again: each part's header reused, not packed anew
+            assert [h.head for _, h in parts] == heads[0]
+            assert all(a is b for a, b in zip([h.head for _, h in parts], heads[0]))
+        heads.setdefault(seq, [h.head for _, h in parts])
     assert len(cache.headers) == 3  # one per part, kept as the list changed

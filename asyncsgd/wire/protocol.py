@@ -277,7 +277,7 @@ class PartsCache:
     same list of segments, whole (one segment) or in parts (``in_parts``): each part's
     one-segment list is made once per list, so that its part's cache knows it. A worker's
     pushes of its gradient buffer, a shard's replies of its parameter views (a 10 MB push
-    is three parts each way)."""
+    is three parts each way). As for ``HeaderCache``, the list must not change while cached."""
 
     __slots__ = ("segments", "lists", "headers")
 
