@@ -64,14 +64,10 @@ def push_pull(state, peer: bytes, msg: Message, now: float) -> Optional[list]:
         if key in meta:
             return None
     seg = msg.segments[0]
-    data, offset = seg.data, seg.offset
-    if type(data) is not torch.Tensor or data.dtype is not _FLOAT32 or data.dim() != 1 \
-            or type(offset) is not int:
-        return None  # packed, rows, a narrower float or a shape to flatten
-    n = data.shape[0]
-    cfg = state.cfg
-    if not n or offset < 0 or offset + n > state.size:
+    data = _slice_values(state, seg)
+    if data is None:
         return None
+    cfg = state.cfg
     seq = msg.seq
     if not _fresh(record, seq, meta):
         return None
@@ -84,7 +80,7 @@ def push_pull(state, peer: bytes, msg: Message, now: float) -> Optional[list]:
     # _push, _apply and _params_reply, in that order).
     record.peer, record.last_seen = peer, now
     state.policy.now = state.now = now
-    return _applied(state, record, seq, msg.clock, meta, [(offset, data)])
+    return _applied(state, record, seq, msg.clock, meta, [(seg.offset, data)])
 
 
 def _part(state, record, peer: bytes, msg: Message, now: float) -> Optional[list]:
@@ -101,13 +97,10 @@ def _part(state, record, peer: bytes, msg: Message, now: float) -> Optional[list
     if type(part) is not int or type(parts) is not int or not 0 <= part < parts <= MAX_SEGMENTS:
         return None
     seg = msg.segments[0]
-    data, offset = seg.data, seg.offset
-    if type(data) is not torch.Tensor or data.dtype is not _FLOAT32 or data.dim() != 1 \
-            or type(offset) is not int:
+    data = _slice_values(state, seg)
+    if data is None:
         return None
-    n = data.shape[0]
-    if not n or offset < 0 or offset + n > state.size:
-        return None
+    offset, n = seg.offset, data.shape[0]
     streams = state.streams
     stream = streams.open.get(msg.worker)
     if part == 0:
@@ -150,6 +143,17 @@ def _part(state, record, peer: bytes, msg: Message, now: float) -> Optional[list
     del streams.open[msg.worker]
     return _applied(state, record, first.seq, first.clock, whole,
                     [(s.offset, s.data) for s in stream.segments])
+
+
+def _slice_values(state, seg) -> Optional[torch.Tensor]:
+    """``seg``'s values when they are float32, flat and within the shard's slice; None for
+    packed values, rows, a narrower float, a shape to flatten or a span outside it."""
+    data, offset = seg.data, seg.offset
+    if type(data) is not torch.Tensor or data.dtype is not _FLOAT32 or data.dim() != 1 \
+            or type(offset) is not int:
+        return None
+    n = data.shape[0]
+    return data if n and 0 <= offset and offset + n <= state.size else None
 
 
 def _fresh(record, seq: int, meta: dict) -> bool:

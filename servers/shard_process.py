@@ -25,7 +25,7 @@ from asyncsgd.wire.busy_poll import BUSY_POLL_US, BusyPoll
 from asyncsgd.wire.memory import keep_freed_memory
 from asyncsgd.wire.protocol import (ATTACH, BYE, MAX_HEADER_BYTES, MAX_SEGMENT_ROWS,
                                     MAX_SEGMENT_VALUES, PARAMS, STATS, Code, Key, Message,
-                                    PartsCache, ProtocolError, Rows, error_message, in_parts)
+                                    PartsCache, ProtocolError, Rows, error_message)
 from asyncsgd.wire.security import Gatekeeper, ServerKeys
 from asyncsgd.wire.shared import AreaUnavailable, Areas
 from asyncsgd.wire.transport import frame_limit, recv_from, router, send, send_tracked
@@ -295,17 +295,15 @@ def _reply(sock: zmq.Socket, state: ShardState, peer: bytes, reply: Message,
         send(sock, reply, peer, local=(area.link, area.params))
         areas.sent(reply)
         return
-    cached = headers is not None and reply.type == PARAMS
+    headers = headers if headers is not None else PartsCache()  # (a test's one reply)
     if reply.type == PARAMS and store.sends_in_place(reply):
         buffer = store.buffer
-        parts = headers.parts(reply) if cached else [(p, None) for p in in_parts(reply)] \
-            if len(reply.segments) > 1 else [(reply, None)]
-        for part, cache in parts:
+        for part, cache in headers.parts(reply):
             store.apply_pending(until=max(s.offset + s.data.shape[0] for s in part.segments))
             store.sending(buffer, send_tracked(sock, part, peer, cache))
         return
     store.apply_pending()
-    one = cached and len(reply.segments) == 1 and not reply.segments[0].transient
+    one = reply.type == PARAMS and len(reply.segments) == 1 and not reply.segments[0].transient
     send(sock, reply, peer, cache=headers.parts(reply)[0][1] if one else None)
 
 
