@@ -32,7 +32,7 @@ from .streams import Open
 _FLOAT32 = torch.float32
 _WIRE = ("float32", "float32")  # how a worker's push and pulls travel (ShardState._wire)
 # Meta keys that take a push off the common path: parts (``_part``), a pull dtype, DyLU's steps
-_UNCOMMON = (Key.PARTS, Key.PART, Key.PULL_DTYPE, Key.AUTO_STEPS)
+_UNCOMMON = frozenset((Key.PARTS, Key.PART, Key.PULL_DTYPE, Key.AUTO_STEPS))
 _PART_KEYS = (Key.PART, Key.PARTS)
 
 
@@ -60,9 +60,8 @@ def push_pull(state, peer: bytes, msg: Message, now: float) -> Optional[list]:
         return None  # first contact, a departed or replaced worker: admitted in general
     if Key.PARTS in meta:
         return _part(state, record, peer, msg, now)
-    for key in _UNCOMMON:
-        if key in meta:
-            return None
+    if not _UNCOMMON.isdisjoint(meta):
+        return None
     seg = msg.segments[0]
     data = _slice_values(state, seg)
     if data is None:
@@ -121,7 +120,7 @@ def _part(state, record, peer: bytes, msg: Message, now: float) -> Optional[list
         spans = sorted([(s.offset, s.offset + s.data.shape[0])
                         for s in (stream.segments if stream is not None else ())]
                        + [(offset, offset + n)])
-        if whole.get(Key.PULL) is not True or any(k in whole for k in _UNCOMMON) \
+        if whole.get(Key.PULL) is not True or not _UNCOMMON.isdisjoint(whole) \
                 or any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:])) \
                 or not _fresh(record, first.seq, whole):
             return None

@@ -29,7 +29,8 @@ from asyncsgd.wire.protocol import (ACK, ATTACH, BYE, DTYPE_NAMES, ERROR, HEARTB
                                     FRAME_BYTES, MAX_HEADER_BYTES, MAX_SEGMENT_ROWS,
                                     MAX_SEGMENT_VALUES, PARAMS, PULL, PUSH, WELCOME, Code,
                                     HeaderCache, Key, Message, Packed, ParamsIntake,
-                                    PartsCache, ProtocolError, Rows, in_parts, split)
+                                    PartsCache, ProtocolError, Rows, copy_into, in_parts,
+                                    split)
 from asyncsgd.wire.security import ClientKeys, await_handshake
 from asyncsgd.wire.sparse import MAX_MESSAGE_VALUES, apart, reply_mismatch, split_rows, widened
 from asyncsgd.wire.transport import (dealer, frame_limit, is_local, parse_endpoint, recv, send,
@@ -75,6 +76,21 @@ def _said(meta: dict, limit: int = 1000) -> str:
     text = meta.get(Key.ERROR, "")
     text = text if isinstance(text, str) else repr(text)
     return "".join(c if c.isprintable() else "?" for c in text[:limit])
+
+
+# The fields of the common reply to a push (fused.py's): anything more is ``_handle``'s
+_PLAIN_REPLY = frozenset((Key.VERSION, Key.UPDATES, Key.ACK))
+_PLAIN_ACK = frozenset((Key.APPLIED, Key.STALENESS))
+
+
+def _version(i: int, meta: dict, reply: Message) -> int:
+    """The version shard ``i``'s PARAMS ``reply`` says its parameters are at: the next
+    clock; a ProtocolError unless an integer in [0, 2**63)."""
+    version = meta.get(Key.VERSION, reply.clock)
+    if type(version) is not int or not 0 <= version < 2 ** 63:
+        raise ProtocolError(Code.BAD_FIELD, f"shard {i} sent version {version!r:.40}, "
+                                            "not an integer in [0, 2**63)")
+    return version
 
 
 def _batch(value) -> list:
@@ -230,6 +246,9 @@ class PSClient:
         self._parts = [PartsCache() for _ in self.shards]  # the gradient buffer's, in parts
         self.transport = transport
         self.areas = SharedAreas(len(self.shards), insist=transport == "shared")
+        # what lets a step take ``_push_pull_whole``, settled here; the rest is asked per step
+        self._one_pass = (len(self.shards) == 1 and not self.tables and self.compressor is None
+                          and self.audit is None and self.pull_dtype == "float32")
         # ZeroMQ sockets are not thread-safe: whoever uses them holds this lock.
         self._sockets = threading.Lock()
         self._closing = threading.Event()
@@ -387,6 +406,10 @@ class PSClient:
                    want: Optional[list] = None) -> Optional[list]:
         if self.areas.pending:
             self._attach_pending()
+        if grads is not None and self._whole_exchange(rows, want):
+            segments = self._segments_of(grads)[0]
+            if len(segments) == 1:  # (a push in parts goes on below)
+                return self._push_pull_whole(segments, params, meta)
         # One request per shard: a push that also asks for the parameters (or a pull).
         outstanding = {}  # (shard, seq) -> [message, replies still owed]; re-sent after reconnects
         pushing = grads is not None or rows is not None
@@ -409,16 +432,70 @@ class PSClient:
                 outstanding[(i, msg.seq)] = [msg, {PARAMS}]
         if pushing and self.audit is not None:
             self.audit.sent([s for _, s in outstanding], [i for i, _ in outstanding], compute)
-        if pushing:  # the test-only faults (asyncsgd/run/kill_at.py): a dict lookup each
+        faults = pushing and kill_at.planned()  # the test-only faults (asyncsgd/run/kill_at.py)
+        if faults:
             kill_at.reached(kill_at.BEFORE_PUSH)
         for (i, _), (msg, _owed) in outstanding.items():
             self._send(i, msg, copy=not pushing)
-        if pushing:
+        if faults:
             kill_at.reached(kill_at.AFTER_APPLY_BEFORE_ACK, self._replies_arrive, outstanding)
         self._await(outstanding, params)
-        if pushing:
+        if faults:
             kill_at.reached(kill_at.AFTER_ACK)
         return self._rows_pulled(want) if sparse is not None else None
+
+    def _whole_exchange(self, rows: Optional[list], want: Optional[list]) -> bool:
+        """Whether a push may take ``_push_pull_whole`` (when its gradient is one segment):
+        one shard, reached by frames, float32 both ways, nothing audited or faulted."""
+        return (self._one_pass and rows is None and want is None and not self._readmitting
+                and self.areas[0] is None and not kill_at.planned())
+
+    def _push_pull_whole(self, segments: list, params: torch.Tensor,
+                         meta: Optional[dict]) -> None:
+        """The common step in one pass: a push of the gradient buffer (one segment) to the
+        one shard, answered by a PARAMS reply that only acknowledges it. It sends and reads
+        as ``_send`` and ``_answered_directly`` do, and copies the parameters as ``_handle``
+        does, without their general matching. Any other answer (an error, a part, a late
+        reply, a DyLU step, a duplicate's ack, none within a heartbeat) goes on through
+        them. The worker's Python fell from ~15 to ~10 us of a 20 KB round trip's ~105
+        (experiments/README.md, "The worker's common step")."""
+        self.seq += 1
+        seq = self.seq
+        msg = Message(PUSH, self.worker, self.incarnation, seq, self.versions[0], 0,
+                      {**meta, Key.PULL: True} if meta else {Key.PULL: True}, segments,
+                      self.info.get(Key.TOKEN, ""))
+        outstanding = {(0, seq): [msg, {ACK, PARAMS}]}
+        sock, stats = self.shards[0], self.stats
+        if send(sock, msg, None, False, None, self._headers[0]):
+            stats["bytes_sent"] += msg.nbytes
+        self._intake.forget()
+        began, sent = time.monotonic(), time.perf_counter()
+        until = began + self.heartbeat
+        self.busy_poll.wait(sock)
+        try:
+            reply = recv(sock, self.areas.slots[0])
+        except zmq.Again:  # silent for a heartbeat: liveness decides what follows
+            self.busy_poll.waited(time.perf_counter() - sent)
+            return self._await_live(outstanding, params, began)
+        stats["bytes_received"] += reply.nbytes
+        rmeta = reply.meta
+        ack = rmeta.get(Key.ACK)
+        if reply.type == PARAMS and reply.seq == seq and reply.shard in (-1, 0) \
+                and _PLAIN_REPLY.issuperset(rmeta) and type(ack) is dict \
+                and _PLAIN_ACK.issuperset(ack):
+            version = _version(0, rmeta, reply)
+            start, end = self.ranges[0]
+            copy_into(reply, params, start, end - start)
+            self.versions[0] = version
+            self.busy_poll.waited(time.perf_counter() - sent, reply.nbytes)
+            return
+        if reply.shard in (-1, 0):
+            self._handle(0, reply, outstanding, params)
+        if self._readmitting:
+            self.busy_poll.waited(time.perf_counter() - sent, reply.nbytes)
+        elif self._read_replies(outstanding, params, until, sent, reply.nbytes):
+            return
+        self._await_live(outstanding, params, began)
 
     def _sparse_segments(self, rows: Optional[list], want: Optional[list]) -> list:
         """Per shard, the row-sparse segments of one exchange: the gradient rows it holds
@@ -506,8 +583,9 @@ class PSClient:
                 if j:
                     kill_at.reached(kill_at.BETWEEN_PARTS)
                 self._out(self.shards[i], part, copy=copy, cache=cache)
-        elif msg.type == PUSH and self.compressor is None:
-            self._out(self.shards[i], msg, copy=copy, cache=self._headers[i])
+        elif msg.type == PUSH and self.compressor is None:  # (``_out``, inlined)
+            if send(self.shards[i], msg, None, copy, None, self._headers[i]):
+                self.stats["bytes_sent"] += msg.nbytes
         else:
             self._out(self.shards[i], msg, copy=copy)
 
@@ -536,12 +614,17 @@ class PSClient:
         return self._grad_segments
 
     def _await(self, outstanding: dict, params: torch.Tensor) -> None:
-        poller = self.poller
         self._intake.forget()  # what an earlier, abandoned call left behind
         self._rows_in = {}
         began = time.monotonic()
         if self._answered_directly(outstanding, params):  # one request per shard
             return
+        self._await_live(outstanding, params, began)
+
+    def _await_live(self, outstanding: dict, params: torch.Tensor, began: float) -> None:
+        """Wait for the rest of ``outstanding`` (sent at ``began``), the direct wait over:
+        every socket polled, heartbeats, re-sends, and a rejoin of a restarted server."""
+        poller = self.poller
         live = Liveness(len(self.shards), self.heartbeat, self.server_timeout, began)
         wait = 0  # the direct wait took a heartbeat already: look at every socket at once
         while outstanding:
@@ -590,34 +673,50 @@ class PSClient:
 
     def _answered_directly(self, outstanding: dict, params: torch.Tensor) -> bool:
         """The common exchange, one request to each shard, settled by reading the shards'
-        own sockets: whichever owed one has a message ready, else a wait in recv on the
-        first still owed (up to a heartbeat, its RCVTIMEO), rather than in zmq_poll on
-        every socket: each zmq_poll reads every socket's command mailbox with a poll(2) of
-        its own (experiments/README.md, "Why the client waits as it does"). The replies
-        are all awaited, so waiting on one while another lands costs nothing, and a reply
-        in parts is read part by part beside the others. False when an answer is late or
-        needs the general loop (a re-admission)."""
-        socks = {i: self.shards[i] for i, _ in outstanding}
+        own sockets (``_read_replies``) for up to a heartbeat, after polling them while
+        that pays (``busy_poll``). False when an answer is late or needs the general loop
+        (a re-admission)."""
         sent = time.perf_counter()
         until = time.monotonic() + self.heartbeat  # stray replies do not extend the wait
-        self.busy_poll.wait(*socks.values())  # 10 ms at most (--busy-poll-us), all shards
-        nbytes = 0  # the largest message it got: polling pays for small ones only
+        socks = self.shards
+        if len(outstanding) == 1:
+            self.busy_poll.wait(socks[next(iter(outstanding))[0]])
+        else:  # 10 ms at most (--busy-poll-us), all shards
+            self.busy_poll.wait(*(socks[i] for i, _ in outstanding))
+        return self._read_replies(outstanding, params, until, sent, 0)
+
+    def _read_replies(self, outstanding: dict, params: torch.Tensor, until: float,
+                      sent: float, nbytes: int) -> bool:
+        """Read the replies ``outstanding`` still owes until ``until``: whichever owed one
+        has a message ready, else a wait in recv on the first still owed (up to a
+        heartbeat, its RCVTIMEO), rather than in zmq_poll on every socket: each zmq_poll
+        reads every socket's command mailbox with a poll(2) of its own
+        (experiments/README.md, "Why the client waits as it does"). The replies are all
+        awaited, so waiting on one while another lands costs nothing, and a reply in
+        parts is read part by part beside the others. ``sent``: when the requests went
+        (perf_counter), for ``busy_poll``; ``nbytes``: the largest message read so far in
+        this exchange (0: none yet). False when an answer is late or needs the general
+        loop (a re-admission)."""
+        socks, slots, stats = self.shards, self.areas.slots, self.stats
         try:
             while outstanding and time.monotonic() < until:
-                owed = [i for i, _ in outstanding]
                 # Which has a message is asked only once one came (the first wait is in
                 # recv anyway): each ask costs system calls. A 2-shard step of 20 KB made 42.7
                 # in the worker (strace), 65.7 in zmq_poll (experiments/README.md, "Shards")
-                i = owed[0] if not nbytes else next(
-                    (j for j in owed if readable(socks[j])), None)
-                if i is None:  # after a reply, wait what is left of the heartbeat, not another
-                    i = owed[0]
-                    if not wait_readable(socks[i], until - time.monotonic()):
-                        return False
-                try:
-                    reply = self._in(socks[i], self.areas.slots[i])
+                if not nbytes:
+                    i = next(iter(outstanding))[0]
+                else:
+                    owed = [i for i, _ in outstanding]
+                    i = next((j for j in owed if readable(socks[j])), None)
+                    if i is None:  # wait what is left of the heartbeat, not another
+                        i = owed[0]
+                        if not wait_readable(socks[i], until - time.monotonic()):
+                            return False
+                try:  # (``_in``, inlined: this is every step's)
+                    reply = recv(socks[i], slots[i])
                 except zmq.Again:
                     return False
+                stats["bytes_received"] += reply.nbytes
                 nbytes = max(nbytes, reply.nbytes)
                 if reply.shard in (-1, i):
                     self._handle(i, reply, outstanding, params)
@@ -740,10 +839,7 @@ class PSClient:
             if ack.get(Key.DUPLICATE):
                 self.stats["duplicate_acks"] += 1
         if kind == PARAMS:
-            version = meta.get(Key.VERSION, reply.clock)
-            if type(version) is not int or not 0 <= version < 2 ** 63:  # the next clock
-                raise ProtocolError(Code.BAD_FIELD, f"shard {i} sent version {version!r:.40}, "
-                                                    "not an integer in [0, 2**63)")
+            version = _version(i, meta, reply)
             start, end = self.ranges[i]
             if self.tables:
                 reply = self._took_rows(i, key, reply, request)

@@ -43,6 +43,11 @@ def parse(text: str) -> dict:
 _PLAN = parse(os.environ.get(VARIABLE, ""))
 
 
+def planned() -> bool:
+    """Whether any kill is planned in this process: a hot path asks once, not per phase."""
+    return bool(_PLAN)
+
+
 def reached(phase: str, prepare: Optional[Callable] = None, *args) -> None:
     """This process reached ``phase``: SIGKILL it when that is planned for this time,
     after ``prepare(*args)`` (what must have happened before the kill, e.g. a reply

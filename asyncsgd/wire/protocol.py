@@ -853,6 +853,8 @@ class ParamsIntake:
     def forget(self, where=lambda key: True) -> None:
         """Drop the counts of unfinished replies whose key satisfies ``where`` (all by
         default): a reply cut off between its parts comes again whole."""
+        if not self._left:  # as before every exchange: nothing unfinished
+            return
         for key in [k for k in self._left if where(k)]:
             del self._left[key]
 
