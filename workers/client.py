@@ -476,7 +476,8 @@ class PSClient:
             reply = recv(sock, self.areas.slots[0])
         except zmq.Again:  # silent for a heartbeat: liveness decides what follows
             self.busy_poll.waited(time.perf_counter() - sent)
-            return self._await_live(outstanding, params, began)
+            self._await_live(outstanding, params, began)
+            return
         stats["bytes_received"] += reply.nbytes
         rmeta = reply.meta
         ack = rmeta.get(Key.ACK)
