@@ -457,7 +457,7 @@ class PSClient:
         as ``_send`` and ``_answered_directly`` do, and copies the parameters as ``_handle``
         does, without their general matching. Any other answer (an error, a part, a late
         reply, a DyLU step, a duplicate's ack, none within a heartbeat) goes on through
-        them. The worker's Python fell from ~15 to ~10 us of a 20 KB round trip's ~105
+        them. The worker's Python fell from ~15 to ~11 us of a 20 KB round trip's ~105
         (experiments/README.md, "The worker's common step")."""
         self.seq += 1
         seq = self.seq
@@ -465,20 +465,18 @@ class PSClient:
                       {**meta, Key.PULL: True} if meta else {Key.PULL: True}, segments,
                       self.info.get(Key.TOKEN, ""))
         outstanding = {(0, seq): [msg, {ACK, PARAMS}]}
-        sock, stats = self.shards[0], self.stats
-        if send(sock, msg, None, False, None, self._headers[0]):
-            stats["bytes_sent"] += msg.nbytes
+        sock = self.shards[0]
+        self._out(sock, msg, copy=False, cache=self._headers[0])
         self._intake.forget()
         began, sent = time.monotonic(), time.perf_counter()
         until = began + self.heartbeat
         self.busy_poll.wait(sock)
         try:
-            reply = recv(sock, self.areas.slots[0])
+            reply = self._in(sock, self.areas.slots[0])
         except zmq.Again:  # silent for a heartbeat: liveness decides what follows
             self.busy_poll.waited(time.perf_counter() - sent)
             self._await_live(outstanding, params, began)
             return
-        stats["bytes_received"] += reply.nbytes
         rmeta = reply.meta
         ack = rmeta.get(Key.ACK)
         if reply.type == PARAMS and reply.seq == seq and reply.shard in (-1, 0) \
@@ -584,9 +582,8 @@ class PSClient:
                 if j:
                     kill_at.reached(kill_at.BETWEEN_PARTS)
                 self._out(self.shards[i], part, copy=copy, cache=cache)
-        elif msg.type == PUSH and self.compressor is None:  # (``_out``, inlined)
-            if send(self.shards[i], msg, None, copy, None, self._headers[i]):
-                self.stats["bytes_sent"] += msg.nbytes
+        elif msg.type == PUSH and self.compressor is None:
+            self._out(self.shards[i], msg, copy=copy, cache=self._headers[i])
         else:
             self._out(self.shards[i], msg, copy=copy)
 
@@ -679,11 +676,8 @@ class PSClient:
         (a re-admission)."""
         sent = time.perf_counter()
         until = time.monotonic() + self.heartbeat  # stray replies do not extend the wait
-        socks = self.shards
-        if len(outstanding) == 1:
-            self.busy_poll.wait(socks[next(iter(outstanding))[0]])
-        else:  # 10 ms at most (--busy-poll-us), all shards
-            self.busy_poll.wait(*(socks[i] for i, _ in outstanding))
+        # 10 ms at most (--busy-poll-us), all shards
+        self.busy_poll.wait(*(self.shards[i] for i, _ in outstanding))
         return self._read_replies(outstanding, params, until, sent, 0)
 
     def _read_replies(self, outstanding: dict, params: torch.Tensor, until: float,
@@ -698,7 +692,7 @@ class PSClient:
         (perf_counter), for ``busy_poll``; ``nbytes``: the largest message read so far in
         this exchange (0: none yet). False when an answer is late or needs the general
         loop (a re-admission)."""
-        socks, slots, stats = self.shards, self.areas.slots, self.stats
+        socks, slots = self.shards, self.areas.slots
         try:
             while outstanding and time.monotonic() < until:
                 # Which has a message is asked only once one came (the first wait is in
@@ -713,11 +707,10 @@ class PSClient:
                         i = owed[0]
                         if not wait_readable(socks[i], until - time.monotonic()):
                             return False
-                try:  # (``_in``, inlined: this is every step's)
-                    reply = recv(socks[i], slots[i])
+                try:
+                    reply = self._in(socks[i], slots[i])
                 except zmq.Again:
                     return False
-                stats["bytes_received"] += reply.nbytes
                 nbytes = max(nbytes, reply.nbytes)
                 if reply.shard in (-1, i):
                     self._handle(i, reply, outstanding, params)
